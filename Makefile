@@ -1,0 +1,38 @@
+# The two set-up commands a newcomer runs (see README.md):
+#   make demo   - builds .venv if needed, then runs the demo on the embedded local stack
+#   make test   - builds .venv if needed, then runs the whole test suite
+# A fresh machine needs only Python 3.11 (and Java 17 once ZooKeeper is in the stack).
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP_VERSION := 26.3
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test demo bench bench-storage lint clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "pip==$(PIP_VERSION)"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
+	@touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest
+
+demo: venv
+	$(PY) -m infra.demo
+
+bench-storage: venv
+	$(PY) -m bench.storage_bench --write-docs
+
+bench: bench-storage
+
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m mypy
+
+clean:
+	rm -rf $(VENV) var .pytest_cache .hypothesis .mypy_cache .ruff_cache

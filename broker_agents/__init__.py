@@ -1,0 +1,1 @@
+"""Broker agents: the network server, partition leadership, replication, tiering, control."""

@@ -1,0 +1,1 @@
+"""Lambda-style handlers (``handler(event, context)``): admin API, scheduler, retry router."""

@@ -1,0 +1,1 @@
+"""The local stack, the demo, and deploy helpers."""

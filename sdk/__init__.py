@@ -1,0 +1,1 @@
+"""The Strata SDK: what applications import to produce and consume."""

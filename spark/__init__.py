@@ -1,0 +1,1 @@
+"""PySpark data source over the object tier, and the replay job."""

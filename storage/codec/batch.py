@@ -1,0 +1,245 @@
+"""Encode, check and decode whole record batches; walk buffers of batches laid end to end.
+
+``encode_batch`` is what a producer calls once per batch. ``check_batch`` is what a leader
+calls before appending (header sanity, exact length, size limit, CRC32C, body layout) and is
+O(1) in the number of records. ``decode_batch`` turns a batch into an Arrow record batch.
+``BatchFramer`` is the incremental (sans-IO) splitter: feed it bytes as they arrive, take out
+whole batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from storage.codec.body import DIRECTORY, DIRECTORY_SIZE, N_BUFFERS, SCHEMA, decode_body, encode_body
+from storage.codec.header import (
+    ATTR_CONTROL,
+    ATTR_TRANSACTIONAL,
+    CRC_FIELD,
+    CRC_OFFSET,
+    CRC_START,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    MAX_BATCH_SIZE,
+    BatchHeader,
+    Compression,
+    padded,
+    peek_size,
+    read_header,
+)
+from storage.crc import crc32c
+from storage.errors import BatchTooLargeError, CorruptBatchError
+
+_CODEC_NAMES = {Compression.ZSTD: "zstd", Compression.LZ4: "lz4_raw"}
+_codecs: dict[Compression, pa.Codec] = {}
+#: a decoder refuses to inflate a body beyond this, whatever the header claims
+MAX_RAW_BODY = 256 << 20
+_PAD = bytes(8)
+
+
+def _codec(c: Compression) -> pa.Codec:
+    codec = _codecs.get(c)
+    if codec is None:
+        codec = _codecs[c] = pa.Codec(_CODEC_NAMES[c])
+    return codec
+
+
+def encode_batch(
+    values: Any,
+    *,
+    keys: Any = None,
+    timestamps: Any = None,
+    headers: Any = None,
+    tags: Any = None,
+    compression: Compression = Compression.NONE,
+    producer_id: int = -1,
+    producer_epoch: int = -1,
+    base_sequence: int = -1,
+    transactional: bool = False,
+    control: bool = False,
+    base_offset: int = 0,
+    leader_epoch: int = -1,
+) -> bytes:
+    """Encode records into one batch.
+
+    ``values``: a sequence of ``bytes`` (or None) or a pyarrow binary/string array.
+    ``keys``: same, or None for no keys. ``timestamps``: ms since the epoch, one int for all
+    records, a sequence, or an int64 numpy array (default: now). ``headers``: per record a list
+    of ``(str, bytes)`` pairs, or None. ``tags``: per record a list of ``str``, or None.
+    """
+    n = len(values)
+    if n == 0:
+        raise ValueError("a record batch holds at least one record")
+    if timestamps is None:
+        timestamps = time.time_ns() // 1_000_000
+    if isinstance(timestamps, int):
+        ts = np.full(n, timestamps, dtype=np.int64)
+        first_ts = max_ts = timestamps
+    else:
+        ts = np.ascontiguousarray(timestamps, dtype=np.int64)
+        if ts.shape != (n,):
+            raise ValueError(f"{ts.shape} timestamps for {n} records")
+        first_ts, max_ts = int(ts[0]), int(ts.max())
+    parts = encode_body(n, ts, keys, values, headers, tags)
+    raw_len = sum(memoryview(p).nbytes for p in parts)
+    if compression != Compression.NONE:
+        body = _codec(compression).compress(pa.py_buffer(b"".join(parts)), asbytes=True)
+        parts = [body]
+    body_len = sum(memoryview(p).nbytes for p in parts)
+    total = padded(HEADER_SIZE + body_len)
+    if total > MAX_BATCH_SIZE:
+        raise BatchTooLargeError(total, MAX_BATCH_SIZE)
+    if total != HEADER_SIZE + body_len:
+        parts.append(_PAD[: total - HEADER_SIZE - body_len])
+    attributes = int(compression) | (ATTR_TRANSACTIONAL if transactional else 0) | (
+        ATTR_CONTROL if control else 0
+    )
+    header = bytearray(
+        HEADER.pack(
+            base_offset, total - 12, leader_epoch, MAGIC, 0, attributes, n, first_ts, max_ts,
+            producer_id, producer_epoch, base_sequence, body_len, raw_len,
+        )
+    )
+    crc = crc32c(bytes(header[CRC_START:]))
+    for p in parts:
+        crc = crc32c(p if isinstance(p, bytes) else memoryview(p), crc)
+    CRC_FIELD.pack_into(header, CRC_OFFSET, crc)
+    return b"".join([header, *parts])
+
+
+def check_batch(buf: Any, pos: int = 0, *, max_size: int = MAX_BATCH_SIZE, exact: bool = True) -> BatchHeader:
+    """Verify the batch at ``buf[pos:]``: header, size, CRC32C, padding and body directory.
+
+    With ``exact``, ``buf[pos:]`` must be exactly one batch (what a produce request carries).
+    Raises ``CorruptBatchError``, ``UnsupportedVersionError`` or ``BatchTooLargeError``; costs
+    one CRC pass and no per-record work.
+    """
+    h = read_header(buf, pos)
+    size = h.size
+    available = len(buf) - pos
+    if exact and available != size:
+        raise CorruptBatchError(
+            f"batch length field says {size} bytes but {available} were given", position=pos
+        )
+    if size > max_size:
+        raise BatchTooLargeError(size, max_size)
+    if available < size:
+        raise CorruptBatchError(f"truncated batch: {available} of {size} bytes", position=pos)
+    view = memoryview(buf)[pos + CRC_START : pos + size]
+    if crc32c(view) != h.crc:
+        raise CorruptBatchError("record batch CRC32C mismatch", position=pos)
+    body_end = pos + HEADER_SIZE + h.body_length
+    if any(memoryview(buf)[body_end : pos + size]):
+        raise CorruptBatchError("record batch padding is not zero", position=pos)
+    if h.compression == Compression.NONE:
+        if h.raw_body_length != h.body_length or h.body_length < DIRECTORY_SIZE:
+            raise CorruptBatchError("uncompressed body length mismatch", position=pos)
+        lengths = DIRECTORY.unpack_from(buf, pos + HEADER_SIZE)
+        if DIRECTORY_SIZE + sum(padded(x) for x in lengths[:N_BUFFERS]) != h.body_length or lengths[15]:
+            raise CorruptBatchError("body directory does not match the body length", position=pos)
+        if lengths[0] != 8 * h.record_count:
+            raise CorruptBatchError("timestamp column does not match the record count", position=pos)
+    elif h.raw_body_length > MAX_RAW_BODY:
+        raise CorruptBatchError(f"compressed body claims {h.raw_body_length} bytes raw", position=pos)
+    return h
+
+
+def _body(buf: Any, pos: int, h: BatchHeader) -> pa.Buffer:
+    stored = pa.py_buffer(memoryview(buf)[pos + HEADER_SIZE : pos + HEADER_SIZE + h.body_length])
+    if h.compression == Compression.NONE:
+        return stored
+    if h.raw_body_length > MAX_RAW_BODY:
+        raise CorruptBatchError(f"compressed body claims {h.raw_body_length} bytes raw", position=pos)
+    try:
+        raw = _codec(h.compression).decompress(stored, decompressed_size=h.raw_body_length)
+    except (OSError, pa.ArrowException) as exc:
+        raise CorruptBatchError(f"cannot decompress record batch body: {exc}", position=pos) from None
+    if raw.size != h.raw_body_length:
+        raise CorruptBatchError("decompressed body has the wrong length", position=pos)
+    return raw
+
+
+def decode_batch(buf: Any, pos: int = 0, *, verify: bool = True) -> pa.RecordBatch:
+    """The records of the batch at ``buf[pos:]`` as an Arrow record batch (see ``body.SCHEMA``).
+
+    With ``verify`` the CRC and the body are checked first; pass ``verify=False`` only for bytes
+    this process has already checked. Arrays point into ``buf`` when it is uncompressed.
+    """
+    h = check_batch(buf, pos, exact=False) if verify else read_header(buf, pos)
+    return decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=verify)
+
+
+def iter_batches(buf: Any, pos: int = 0, end: int | None = None) -> Iterator[tuple[BatchHeader, int]]:
+    """Walk whole batches laid end to end in ``buf[pos:end]``, yielding (header, position).
+
+    Only headers are read (no CRC). Anything that is not a whole batch — a torn tail, trailing
+    garbage — raises ``CorruptBatchError`` with its position once the batches before it are out.
+    """
+    end = len(buf) if end is None else end
+    while pos < end:
+        h = read_header(buf, pos)
+        if pos + h.size > end:
+            raise CorruptBatchError(f"truncated batch: {end - pos} of {h.size} bytes", position=pos)
+        yield h, pos
+        pos += h.size
+
+
+def decode_batches(buf: Any, *, verify: bool = True) -> pa.Table:
+    """All records of the whole batches in ``buf``, as one table (one chunk per batch)."""
+    batches = [decode_batch(buf, p, verify=verify) for _, p in iter_batches(buf)]
+    return pa.Table.from_batches(batches, schema=SCHEMA)
+
+
+class BatchFramer:
+    """Incremental splitter of a byte stream into whole batches (sans-IO).
+
+    ``feed(data)`` adds bytes; ``next_batch()`` returns the next whole batch as bytes, or None
+    if more bytes are needed. ``buffered`` is bounded by ``max_batch_size``: a length field
+    beyond it raises at once instead of buffering toward it.
+    """
+
+    def __init__(self, *, max_batch_size: int = MAX_BATCH_SIZE) -> None:
+        self._buf = bytearray()
+        self._pos = 0
+        self._max = max_batch_size
+        self.consumed = 0
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf) - self._pos
+
+    def feed(self, data: Any) -> None:
+        if self._pos and self._pos * 2 > len(self._buf):
+            del self._buf[: self._pos]
+            self._pos = 0
+        self._buf += data
+
+    def next_batch(self) -> bytes | None:
+        size = peek_size(self._buf, self._pos)
+        if size is None:
+            return None
+        if size > self._max or size < HEADER_SIZE or size % 8:
+            raise CorruptBatchError(f"batch length field says {size} bytes", position=self.consumed)
+        if self.buffered < size:
+            if self.buffered >= HEADER_SIZE:
+                read_header(self._buf, self._pos)  # fail early on a garbage header
+            return None
+        batch = bytes(self._buf[self._pos : self._pos + size])
+        try:
+            check_batch(batch)
+        except CorruptBatchError as exc:
+            raise CorruptBatchError(str(exc), position=self.consumed) from None
+        self._pos += size
+        self.consumed += size
+        return batch
+
+    def close(self) -> None:
+        """End of input: anything left over is a torn batch."""
+        if self.buffered:
+            raise CorruptBatchError(f"{self.buffered} bytes of a torn batch at end of input", position=self.consumed)
