@@ -88,7 +88,9 @@ class CorruptSegmentError(StorageError):
     retriable = False
 
     def __init__(self, message: str, *, path: str, position: int | None = None) -> None:
-        super().__init__(f"{message}: {path}" + ("" if position is None else f" at byte {position}"))
+        super().__init__(
+            f"{message}: {path}" + ("" if position is None else f" at byte {position}")
+        )
         self.path = path
         self.position = position
 

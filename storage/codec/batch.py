@@ -16,7 +16,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from storage.codec.body import DIRECTORY, DIRECTORY_SIZE, N_BUFFERS, SCHEMA, decode_body, encode_body
+from storage.codec.body import (
+    DIRECTORY,
+    DIRECTORY_SIZE,
+    N_BUFFERS,
+    SCHEMA,
+    decode_body,
+    encode_body,
+)
 from storage.codec.header import (
     ATTR_CONTROL,
     ATTR_TRANSACTIONAL,
@@ -97,13 +104,27 @@ def encode_batch(
         raise BatchTooLargeError(total, MAX_BATCH_SIZE)
     if total != HEADER_SIZE + body_len:
         parts.append(_PAD[: total - HEADER_SIZE - body_len])
-    attributes = int(compression) | (ATTR_TRANSACTIONAL if transactional else 0) | (
-        ATTR_CONTROL if control else 0
+    attributes = (
+        int(compression)
+        | (ATTR_TRANSACTIONAL if transactional else 0)
+        | (ATTR_CONTROL if control else 0)
     )
     header = bytearray(
         HEADER.pack(
-            base_offset, total - 12, leader_epoch, MAGIC, 0, attributes, n, first_ts, max_ts,
-            producer_id, producer_epoch, base_sequence, body_len, raw_len,
+            base_offset,
+            total - 12,
+            leader_epoch,
+            MAGIC,
+            0,
+            attributes,
+            n,
+            first_ts,
+            max_ts,
+            producer_id,
+            producer_epoch,
+            base_sequence,
+            body_len,
+            raw_len,
         )
     )
     crc = crc32c(bytes(header[CRC_START:]))
@@ -113,7 +134,9 @@ def encode_batch(
     return b"".join([header, *parts])
 
 
-def check_batch(buf: Any, pos: int = 0, *, max_size: int = MAX_BATCH_SIZE, exact: bool = True) -> BatchHeader:
+def check_batch(
+    buf: Any, pos: int = 0, *, max_size: int = MAX_BATCH_SIZE, exact: bool = True
+) -> BatchHeader:
     """Verify the batch at ``buf[pos:]``: header, size, CRC32C, padding and body directory.
 
     With ``exact``, ``buf[pos:]`` must be exactly one batch (what a produce request carries).
@@ -141,12 +164,19 @@ def check_batch(buf: Any, pos: int = 0, *, max_size: int = MAX_BATCH_SIZE, exact
         if h.raw_body_length != h.body_length or h.body_length < DIRECTORY_SIZE:
             raise CorruptBatchError("uncompressed body length mismatch", position=pos)
         lengths = DIRECTORY.unpack_from(buf, pos + HEADER_SIZE)
-        if DIRECTORY_SIZE + sum(padded(x) for x in lengths[:N_BUFFERS]) != h.body_length or lengths[15]:
+        if (
+            DIRECTORY_SIZE + sum(padded(x) for x in lengths[:N_BUFFERS]) != h.body_length
+            or lengths[15]
+        ):
             raise CorruptBatchError("body directory does not match the body length", position=pos)
         if lengths[0] != 8 * h.record_count:
-            raise CorruptBatchError("timestamp column does not match the record count", position=pos)
+            raise CorruptBatchError(
+                "timestamp column does not match the record count", position=pos
+            )
     elif h.raw_body_length > MAX_RAW_BODY:
-        raise CorruptBatchError(f"compressed body claims {h.raw_body_length} bytes raw", position=pos)
+        raise CorruptBatchError(
+            f"compressed body claims {h.raw_body_length} bytes raw", position=pos
+        )
     return h
 
 
@@ -155,11 +185,15 @@ def _body(buf: Any, pos: int, h: BatchHeader) -> pa.Buffer:
     if h.compression == Compression.NONE:
         return stored
     if h.raw_body_length > MAX_RAW_BODY:
-        raise CorruptBatchError(f"compressed body claims {h.raw_body_length} bytes raw", position=pos)
+        raise CorruptBatchError(
+            f"compressed body claims {h.raw_body_length} bytes raw", position=pos
+        )
     try:
         raw = _codec(h.compression).decompress(stored, decompressed_size=h.raw_body_length)
     except (OSError, pa.ArrowException) as exc:
-        raise CorruptBatchError(f"cannot decompress record batch body: {exc}", position=pos) from None
+        raise CorruptBatchError(
+            f"cannot decompress record batch body: {exc}", position=pos
+        ) from None
     if raw.size != h.raw_body_length:
         raise CorruptBatchError("decompressed body has the wrong length", position=pos)
     return raw
@@ -175,7 +209,9 @@ def decode_batch(buf: Any, pos: int = 0, *, verify: bool = True) -> pa.RecordBat
     return decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=verify)
 
 
-def iter_batches(buf: Any, pos: int = 0, end: int | None = None) -> Iterator[tuple[BatchHeader, int]]:
+def iter_batches(
+    buf: Any, pos: int = 0, end: int | None = None
+) -> Iterator[tuple[BatchHeader, int]]:
     """Walk whole batches laid end to end in ``buf[pos:end]``, yielding (header, position).
 
     Only headers are read (no CRC). Anything that is not a whole batch — a torn tail, trailing
@@ -242,4 +278,6 @@ class BatchFramer:
     def close(self) -> None:
         """End of input: anything left over is a torn batch."""
         if self.buffered:
-            raise CorruptBatchError(f"{self.buffered} bytes of a torn batch at end of input", position=self.consumed)
+            raise CorruptBatchError(
+                f"{self.buffered} bytes of a torn batch at end of input", position=self.consumed
+            )

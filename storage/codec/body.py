@@ -129,7 +129,9 @@ def encode_body(
         key_parts = _binary_parts(_as_array(keys, pa.binary()), n)
     value_parts = _binary_parts(_as_array(values, pa.binary()), n)
 
-    header_list, pairs = _list_child(None if headers is None else _as_array(headers, HEADERS_TYPE), n)
+    header_list, pairs = _list_child(
+        None if headers is None else _as_array(headers, HEADERS_TYPE), n
+    )
     if pairs is None:
         header_parts: tuple[Any, ...] = (_EMPTY,) * 5
     else:
@@ -202,7 +204,12 @@ def _split(body: pa.Buffer) -> list[pa.Buffer]:
 
 
 def _binary(
-    n: int, validity: pa.Buffer, offsets: pa.Buffer, data: pa.Buffer, what: str, string: bool = False
+    n: int,
+    validity: pa.Buffer,
+    offsets: pa.Buffer,
+    data: pa.Buffer,
+    what: str,
+    string: bool = False,
 ) -> pa.Array:
     if validity.size and validity.size != (n + 7) // 8:
         raise CorruptBatchError(f"{what} validity bitmap has {validity.size} bytes for {n} records")
@@ -231,7 +238,9 @@ def _list_length(offsets: pa.Buffer, n: int, what: str) -> int:
     return count
 
 
-def decode_body(body: pa.Buffer, n: int, base_offset: int, *, validate: bool = True) -> pa.RecordBatch:
+def decode_body(
+    body: pa.Buffer, n: int, base_offset: int, *, validate: bool = True
+) -> pa.RecordBatch:
     """Arrow columns of a raw (decompressed) body holding ``n`` records.
 
     The arrays point into ``body``; nothing is copied except the offset column, which is
@@ -259,7 +268,11 @@ def decode_body(body: pa.Buffer, n: int, base_offset: int, *, validate: bool = T
     t = _list_length(b[12], n, "tag")
     tag_values = _binary(t, pa.py_buffer(_EMPTY), b[13], b[14], "tag", string=True)
     tags = pa.Array.from_buffers(
-        TAGS_TYPE, n, [None, b[12] if b[12].size else _zeros(n)], null_count=0, children=[tag_values]
+        TAGS_TYPE,
+        n,
+        [None, b[12] if b[12].size else _zeros(n)],
+        null_count=0,
+        children=[tag_values],
     )
     columns = [
         pa.array(np.arange(base_offset, base_offset + n, dtype=np.int64)),

@@ -55,7 +55,11 @@ MIN_BATCH_SIZE = HEADER_SIZE
 MAX_BATCH_SIZE = 1 << 30
 
 #                      base  len  epoch magic res crc  attrs res count first max  pid  pep res seq  blen rawlen
-HEADER = struct.Struct("<q    i    i     B     3x  I    H     2x  i     q     q    q    h   2x  i    i    i".replace(" ", ""))
+HEADER = struct.Struct(
+    "<q    i    i     B     3x  I    H     2x  i     q     q    q    h   2x  i    i    i".replace(
+        " ", ""
+    )
+)
 assert HEADER.size == HEADER_SIZE
 CRC_OFFSET = 20
 CRC_FIELD = struct.Struct("<I")

@@ -1,0 +1,439 @@
+"""A partition's local write-ahead log: an ordered list of segments in one directory.
+
+Theory of operation
+-------------------
+* **Append.** A batch arrives as the producer encoded it. ``append`` checks it completely
+  (header, exact length, ``max.message.bytes``, CRC32C, body directory) *before* touching the
+  file, then writes the leader's 16 stamped bytes (base offset, length, leader epoch — all
+  outside the CRC) followed by the producer's bytes from byte 16 on: the batch is never
+  re-encoded. A failed write is rolled back with ``ftruncate``, so bad input and I/O errors
+  both leave the log as it was.
+* **Roll.** Before an append, the active segment is sealed and a new one started if the batch
+  would push it past ``segment.bytes`` or its first batch is older than ``segment.ms``.
+* **Flush.** ``flush`` fsyncs the segments written since the last flush, writes the index
+  files of newly sealed segments, and fsyncs the directory when files were created. It is
+  split in three (``prepare_flush`` / ``FlushJob.run`` / ``complete_flush``) so that an asyncio
+  caller can run the fsyncs in a thread while appends continue (group commit, see
+  ``storage.wal.group_commit``). ``flushed_offset`` is the offset below which every record is
+  on disk.
+* **Recovery.** ``open`` trusts a sealed segment whose index file checks out (it was written
+  only after the segment's fsync) and scans the rest with CRC checks: every segment without a
+  valid index, and always the last one. In the last segment a failure with no valid batch
+  anywhere after it is a torn tail — the unflushed end of a crash — and is cut off. Any other
+  failure (a bad batch followed by good ones, or a bad batch in an earlier segment) is
+  corruption: the segment is renamed ``*.quarantined`` and ``CorruptSegmentError`` is raised,
+  now and on every later open, until an operator or a replica repairs the partition. Records
+  are never skipped silently.
+* **Reads** return whole batches as zero-copy slices of a segment's mmap, from the batch that
+  holds the requested offset, at least one batch and otherwise at most ``max_bytes``.
+
+Invariants: segment base offsets are strictly increasing and contiguous (each segment starts
+where the previous one ends); only the last segment is appended to; offsets in the log are
+gap-free from ``log_start_offset`` to ``log_end_offset``.
+
+A ``PartitionLog`` is not thread-safe: one thread (an event loop) owns it; only
+``FlushJob.run`` may run elsewhere.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from storage.codec.batch import check_batch, decode_batch
+from storage.codec.header import STAMP
+from storage.config import FsyncPolicy, LogConfig
+from storage.errors import (
+    CorruptSegmentError,
+    InvalidOffsetError,
+    LogClosedError,
+    OffsetOutOfRangeError,
+    StorageError,
+)
+from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
+from storage.wal.index import SparseIndex
+from storage.wal.segment import INDEX_SUFFIX, LOG_SUFFIX, QUARANTINE_SUFFIX, Segment
+
+Clock = Callable[[], float]  # seconds since the epoch
+
+
+@dataclass(frozen=True, slots=True)
+class AppendInfo:
+    base_offset: int
+    last_offset: int
+    max_timestamp: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class LogSlice:
+    """Whole batches read from the log: ``data`` is a zero-copy view of the segment file."""
+
+    data: memoryview
+    first_offset: int  # base offset of the first batch (may be below the offset asked for)
+    next_offset: int  # offset after the last record in ``data``
+    batch_count: int
+
+    def __len__(self) -> int:
+        return self.data.nbytes
+
+
+@dataclass(slots=True)
+class FlushJob:
+    """The fsync work of one flush, runnable in another thread."""
+
+    segments: list[tuple[Segment, int, bool]]  # segment, its size, sealed (write its index)
+    end_offset: int
+    sync_directory: bool
+    directory: Path
+    done: list[Segment] = field(default_factory=list)
+
+    def run(self) -> None:
+        for seg, size, sealed in self.segments:
+            seg.fsync()
+            if sealed:
+                with storage_errors(f"cannot write {seg.index_path}"):
+                    write_file_atomically(seg.index_path, seg.index.to_bytes(size))
+            self.done.append(seg)
+        if self.sync_directory or any(sealed for _, _, sealed in self.segments):
+            with storage_errors(f"cannot fsync {self.directory}"):
+                fsync_dir(self.directory)
+
+
+class PartitionLog:
+    def __init__(
+        self, directory: Path, config: LogConfig, segments: list[Segment], clock: Clock
+    ) -> None:
+        self.directory = directory
+        self.config = config
+        self._segments = segments
+        self._bases = [s.base_offset for s in segments]
+        self._clock = clock
+        self._closed = False
+        self._failed: StorageError | None = None
+        self._dir_dirty = False
+        self.flushed_offset = segments[-1].next_offset if segments else 0
+
+    # ---- opening -----------------------------------------------------------------------
+    @classmethod
+    def open(
+        cls,
+        directory: str | Path,
+        config: LogConfig | None = None,
+        *,
+        start_offset: int = 0,
+        clock: Clock = time.time,
+        verify_all: bool = False,
+    ) -> PartitionLog:
+        """Open (recovering) or create the log in ``directory``.
+
+        ``start_offset`` is the base of the first segment of a new, empty log. ``verify_all``
+        checks the CRC of every batch of every segment instead of only the unsealed ones.
+        """
+        config = config or LogConfig()
+        directory = Path(directory)
+        with storage_errors(f"cannot open log directory {directory}"):
+            directory.mkdir(parents=True, exist_ok=True)
+            names = sorted(p.name for p in directory.iterdir())
+        quarantined = [n for n in names if n.endswith(QUARANTINE_SUFFIX)]
+        if quarantined:
+            raise CorruptSegmentError(
+                "partition has quarantined segments; repair it from a replica or the object tier",
+                path=str(directory / quarantined[0]),
+            )
+        for n in names:
+            if n.endswith(".tmp") or (
+                n.endswith(INDEX_SUFFIX) and n[: -len(INDEX_SUFFIX)] + LOG_SUFFIX not in names
+            ):
+                (directory / n).unlink()
+        logs = [
+            directory / n
+            for n in names
+            if n.endswith(LOG_SUFFIX) and n[: -len(LOG_SUFFIX)].isdigit()
+        ]
+        segments: list[Segment] = []
+        try:
+            for i, path in enumerate(logs):
+                seg = Segment.open_existing(path, config.index_interval_bytes)
+                segments.append(seg)
+                _recover(seg, last=i == len(logs) - 1, verify_all=verify_all)
+                if i and seg.base_offset != segments[i - 1].next_offset:
+                    raise seg.quarantine(
+                        StorageError(
+                            f"segment starts at {seg.base_offset}, previous ends at {segments[i - 1].next_offset}"
+                        ),
+                        0,
+                    )
+        except BaseException:
+            for s in segments:
+                s.close()
+            raise
+        log = cls(directory, config, segments, clock)
+        if segments:
+            # The age of a recovered active segment counts from this open: producer timestamps
+            # say nothing reliable about when a segment was started.
+            segments[-1].created_at = clock()
+        else:
+            log._new_segment(start_offset)
+            log.flushed_offset = start_offset
+        return log
+
+    # ---- properties --------------------------------------------------------------------
+    @property
+    def segments(self) -> tuple[Segment, ...]:
+        return tuple(self._segments)
+
+    @property
+    def active(self) -> Segment:
+        return self._segments[-1]
+
+    @property
+    def log_start_offset(self) -> int:
+        return self._segments[0].base_offset
+
+    @property
+    def log_end_offset(self) -> int:
+        """The offset the next appended record gets."""
+        return self._segments[-1].next_offset
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(s.size for s in self._segments)
+
+    @property
+    def max_timestamp(self) -> int:
+        return max(s.max_timestamp for s in self._segments)
+
+    # ---- appending ---------------------------------------------------------------------
+    def append(self, batch: Any, *, leader_epoch: int) -> AppendInfo:
+        """Verify ``batch`` (one whole encoded batch), stamp its offset and epoch, and write it.
+
+        Raises ``CorruptBatchError``, ``UnsupportedVersionError`` or ``BatchTooLargeError`` for
+        bad input and ``StorageError`` for disk trouble; in every case the log is unchanged.
+        Durability is the caller's business: see ``flush`` and ``storage.wal.group_commit``.
+        """
+        self._check_open()
+        h = check_batch(batch, max_size=self.config.max_message_bytes)
+        active = self.active
+        if active.size and (
+            active.size + h.size > self.config.segment_bytes
+            or (self._clock() - active.created_at) * 1000 >= self.config.segment_ms
+        ):
+            active = self.roll()
+        base = active.next_offset
+        view = memoryview(batch)
+        stamped = dataclasses.replace(h, base_offset=base, leader_epoch=leader_epoch)
+        active.append([STAMP.pack(base, h.batch_length, leader_epoch), view[16:]], stamped, h.size)
+        return AppendInfo(base, stamped.last_offset, h.max_timestamp, h.size)
+
+    def roll(self) -> Segment:
+        """Seal the active segment (if it holds anything) and start a new one at the log end."""
+        self._check_open()
+        old = self.active
+        if not old.size:
+            return old
+        old.sealed = True
+        if self.config.fsync_policy == FsyncPolicy.ALWAYS:
+            # keep "only the last segment can have a torn tail" true for the strictest policy
+            old.fsync()
+        return self._new_segment(old.next_offset)
+
+    def _new_segment(self, base: int) -> Segment:
+        seg = Segment.create(self.directory, base, self.config.index_interval_bytes)
+        seg.created_at = self._clock()
+        self._segments.append(seg)
+        self._bases.append(base)
+        self._dir_dirty = True
+        return seg
+
+    # ---- flushing ----------------------------------------------------------------------
+    def prepare_flush(self) -> FlushJob | None:
+        """Snapshot what needs an fsync; None if everything is already on disk."""
+        self._check_open()
+        dirty = [(s, s.size, s.sealed) for s in self._segments if s.dirty]
+        if not dirty and not self._dir_dirty:
+            return None
+        job = FlushJob(dirty, self.log_end_offset, self._dir_dirty, self.directory)
+        for s, _, _ in dirty:
+            s.dirty = False
+        self._dir_dirty = False
+        return job
+
+    def complete_flush(self, job: FlushJob, error: BaseException | None = None) -> None:
+        if error is not None:
+            # After a failed fsync the page cache state is unknown (see "fsyncgate"): stop.
+            self._failed = StorageError(f"fsync failed, log fenced: {error}")
+            raise self._failed from error
+        self.flushed_offset = max(self.flushed_offset, min(job.end_offset, self.log_end_offset))
+
+    def flush(self) -> int:
+        """Force everything appended so far to disk; returns ``flushed_offset``."""
+        job = self.prepare_flush()
+        if job is not None:
+            try:
+                job.run()
+            except BaseException as exc:
+                self.complete_flush(job, exc)
+            self.complete_flush(job)
+        return self.flushed_offset
+
+    # ---- reading -----------------------------------------------------------------------
+    def _segment_for(self, offset: int) -> Segment:
+        return self._segments[bisect.bisect_right(self._bases, offset) - 1]
+
+    def read(self, offset: int, max_bytes: int, *, max_offset: int | None = None) -> LogSlice:
+        """Whole batches from the one holding ``offset``: at least one, then up to ``max_bytes``.
+
+        Only batches that end at or below ``max_offset`` (e.g. the high watermark) are returned.
+        Reading at the log end gives an empty slice; outside ``[log_start, log_end]`` raises
+        ``OffsetOutOfRangeError``. Reads stop at a segment boundary.
+        """
+        self._check_open()
+        start, end = self.log_start_offset, self.log_end_offset
+        if offset < start or offset > end:
+            raise OffsetOutOfRangeError(offset, start, end)
+        upper = end if max_offset is None else min(end, max_offset)
+        if offset >= upper:
+            return LogSlice(memoryview(b""), offset, offset, 0)
+        seg = self._segment_for(offset)
+        found = seg.position_of(offset)
+        if found is None:  # pragma: no cover - impossible while the invariants hold
+            raise StorageError(f"offset {offset} missing from {seg.path}")
+        first, pos = found
+        stop = pos
+        next_offset = first.base_offset
+        count = 0
+        for h, p in seg.walk(pos):
+            if h.next_offset > upper or (count and p + h.size - pos > max_bytes):
+                break
+            stop = p + h.size
+            next_offset = h.next_offset
+            count += 1
+        return LogSlice(seg.view(pos, stop), first.base_offset, next_offset, count)
+
+    def offset_for_timestamp(self, timestamp: int) -> int | None:
+        """The first offset whose record timestamp is >= ``timestamp`` (ms), or None."""
+        self._check_open()
+        for seg in self._segments:
+            if seg.max_timestamp < timestamp:
+                continue
+            for h, pos in seg.walk(seg.index.position_for_timestamp(timestamp)):
+                if h.max_timestamp >= timestamp:
+                    ts = decode_batch(seg.buffer(), pos, verify=False).column("timestamp")
+                    values = ts.cast("int64").to_numpy()
+                    return h.base_offset + int(np.argmax(values >= timestamp))
+        return None
+
+    # ---- truncation and deletion --------------------------------------------------------
+    def truncate_to(self, offset: int) -> int:
+        """Remove every batch holding an offset >= ``offset``; returns the new log end.
+
+        A batch is removed whole, so the new end is the base of the batch holding ``offset``
+        (a replica truncates only at batch boundaries, where this is exactly ``offset``).
+        """
+        self._check_open()
+        if offset >= self.log_end_offset:
+            return self.log_end_offset
+        if offset < self.log_start_offset:
+            raise InvalidOffsetError(
+                f"cannot truncate to {offset}, below the log start {self.log_start_offset}"
+            )
+        while len(self._segments) > 1 and self._segments[-1].base_offset >= offset:
+            self._segments.pop().delete()
+            self._bases.pop()
+            self._dir_dirty = True
+        seg = self.active
+        found = seg.position_of(offset)
+        if found is not None:
+            seg.truncate(found[1])
+        self.flushed_offset = min(self.flushed_offset, self.log_end_offset)
+        return self.log_end_offset
+
+    def delete_segments_before(self, offset: int) -> list[int]:
+        """Delete sealed, flushed segments whose records are all below ``offset``; returns their bases."""
+        self._check_open()
+        deleted = []
+        while len(self._segments) > 1:
+            seg = self._segments[0]
+            if seg.next_offset > offset or seg.dirty or not seg.sealed:
+                break
+            seg.delete()
+            self._segments.pop(0)
+            self._bases.pop(0)
+            deleted.append(seg.base_offset)
+        if deleted:
+            self._dir_dirty = True
+        return deleted
+
+    # ---- closing -----------------------------------------------------------------------
+    def close(self) -> None:
+        """Flush and release every file; further calls raise ``LogClosedError``."""
+        if self._closed:
+            return
+        try:
+            if self._failed is None:
+                self.flush()
+        finally:
+            self._closed = True
+            for s in self._segments:
+                s.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LogClosedError(f"log {self.directory} is closed")
+        if self._failed is not None:
+            raise self._failed
+
+    def __enter__(self) -> PartitionLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _recover(seg: Segment, *, last: bool, verify_all: bool) -> None:
+    """Bring ``seg``'s in-memory state back from disk, cutting a torn tail or quarantining."""
+    if not last and not verify_all and seg.index_path.exists():
+        with storage_errors(f"cannot read {seg.index_path}"):
+            index = SparseIndex.from_bytes(seg.index_path.read_bytes(), seg.size)
+        if index is not None:
+            _load_sealed(seg, index)
+            return
+    result = seg.scan(verify=True)
+    if result.error is None:
+        seg.sealed = not last
+        seg.dirty = not last  # a sealed segment without a valid index gets one at the next flush
+        if last:
+            seg.fsync()  # what a killed writer left in the page cache is durable from here on
+        return
+    if last and not result.valid_batch_after_error:
+        # torn tail: bytes of an append that never completed (or never reached the disk)
+        with storage_errors(f"cannot truncate {seg.path}"):
+            os.ftruncate(seg.fd, result.valid_size)
+            os.fsync(seg.fd)
+        seg.size = result.valid_size
+        seg._map = None
+        return
+    raise seg.quarantine(result.error, result.valid_size)
+
+
+def _load_sealed(seg: Segment, index: SparseIndex) -> None:
+    """State of a sealed segment from its index plus a header walk of its last stretch."""
+    seg.index = index
+    seg.sealed = True
+    _, pos = index.last_entry()
+    max_ts = index.last_max_before()
+    next_offset = seg.base_offset
+    for h, _p in seg.walk(pos):
+        max_ts = max(max_ts, h.max_timestamp)
+        next_offset = h.next_offset
+    seg.max_timestamp = max_ts
+    seg.next_offset = next_offset

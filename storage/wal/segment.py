@@ -1,0 +1,276 @@
+"""One segment file of a partition's log: batches laid end to end, plus its sparse index.
+
+A segment is named by the offset of its first record, ``<base:020d>.log``. Batches are
+appended with ``pwritev`` (the leader's 16 stamped bytes, then the producer's bytes as they
+came), and read back as ``memoryview`` slices of a read-only ``mmap`` of the file: a reader
+gets the stored bytes without a copy. The map is widened lazily when a read reaches past it.
+
+Only the partition log (``storage.wal.log``) changes a segment; the rest of the process
+reads it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from storage.codec.batch import check_batch
+from storage.codec.header import HEADER_SIZE, MAGIC, BatchHeader, read_header
+from storage.errors import CorruptBatchError, CorruptSegmentError, StorageError, StrataError
+from storage.wal.fileio import pwrite_all, storage_errors
+from storage.wal.index import NO_TIMESTAMP, SparseIndex
+
+LOG_SUFFIX = ".log"
+INDEX_SUFFIX = ".index"
+QUARANTINE_SUFFIX = ".quarantined"
+
+
+def segment_name(base_offset: int) -> str:
+    return f"{base_offset:020d}"
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    """What a verifying scan of a segment found."""
+
+    valid_size: int
+    next_offset: int
+    max_timestamp: int
+    index: SparseIndex
+    error: StrataError | None
+    valid_batch_after_error: bool
+
+
+class Segment:
+    __slots__ = (
+        "_bytes_since_index",
+        "_map",
+        "base_offset",
+        "created_at",
+        "directory",
+        "dirty",
+        "fd",
+        "index",
+        "index_interval",
+        "max_timestamp",
+        "next_offset",
+        "sealed",
+        "size",
+    )
+
+    def __init__(self, directory: Path, base_offset: int, fd: int, index_interval: int) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.fd = fd
+        self.index_interval = index_interval
+        self.size = 0
+        self.next_offset = base_offset
+        self.max_timestamp = NO_TIMESTAMP
+        self.index = SparseIndex()
+        self.sealed = False
+        #: bytes appended since the last fsync (or, for a sealed segment, index not yet written)
+        self.dirty = False
+        self._map: mmap.mmap | None = None
+        self._bytes_since_index = 0
+        #: wall-clock seconds when this segment started taking appends (for segment.ms)
+        self.created_at = 0.0
+
+    # ---- paths -------------------------------------------------------------------------
+    @property
+    def path(self) -> Path:
+        return self.directory / (segment_name(self.base_offset) + LOG_SUFFIX)
+
+    @property
+    def index_path(self) -> Path:
+        return self.directory / (segment_name(self.base_offset) + INDEX_SUFFIX)
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    @classmethod
+    def create(cls, directory: Path, base_offset: int, index_interval: int) -> Segment:
+        path = directory / (segment_name(base_offset) + LOG_SUFFIX)
+        with storage_errors(f"cannot create segment {path}"):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        seg = cls(directory, base_offset, fd, index_interval)
+        seg.dirty = True
+        return seg
+
+    @classmethod
+    def open_existing(cls, path: Path, index_interval: int) -> Segment:
+        base = int(path.name[: -len(LOG_SUFFIX)])
+        with storage_errors(f"cannot open segment {path}"):
+            fd = os.open(path, os.O_RDWR)
+            size = os.fstat(fd).st_size
+        seg = cls(path.parent, base, fd, index_interval)
+        seg.size = size
+        return seg
+
+    def close(self) -> None:
+        self._map = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def delete(self) -> None:
+        self.close()
+        for p in (self.path, self.index_path):
+            with storage_errors(f"cannot delete {p}"):
+                p.unlink(missing_ok=True)
+
+    def quarantine(self, error: StrataError, position: int | None) -> CorruptSegmentError:
+        """Move the segment aside so no reader ever skips over it; return the error to raise."""
+        self.close()
+        target = self.path.with_name(self.path.name + QUARANTINE_SUFFIX)
+        with storage_errors(f"cannot quarantine {self.path}"):
+            os.replace(self.path, target)
+            self.index_path.unlink(missing_ok=True)
+        return CorruptSegmentError(
+            f"corrupt record batch ({error}); segment quarantined",
+            path=str(target),
+            position=position,
+        )
+
+    # ---- writing -----------------------------------------------------------------------
+    def append(self, parts: list[Any], header: BatchHeader, size: int) -> int:
+        """Write one stamped batch at the end; returns its position. Leaves the file unchanged on error."""
+        position = self.size
+        try:
+            pwrite_all(self.fd, parts, position)
+        except OSError as exc:
+            with storage_errors(f"cannot roll back a failed append to {self.path}"):
+                os.ftruncate(self.fd, position)
+            raise StorageError(f"append to {self.path} failed: {exc.strerror or exc}") from exc
+        self._note_batch(header, position)
+        self.size = position + size
+        self.dirty = True
+        return position
+
+    def _note_batch(self, h: BatchHeader, position: int) -> None:
+        if position == 0 or self._bytes_since_index >= self.index_interval:
+            self.index.add(h.base_offset - self.base_offset, position, self.max_timestamp)
+            self._bytes_since_index = 0
+        self._bytes_since_index += h.size
+        if h.max_timestamp > self.max_timestamp:
+            self.max_timestamp = h.max_timestamp
+        self.next_offset = h.next_offset
+
+    def fsync(self) -> None:
+        with storage_errors(f"fsync of {self.path} failed"):
+            os.fsync(self.fd)
+
+    def truncate(self, position: int) -> None:
+        """Cut the file at ``position`` (a batch boundary) and rebuild the in-memory state."""
+        with storage_errors(f"cannot truncate {self.path}"):
+            os.ftruncate(self.fd, position)
+            os.fsync(self.fd)
+            self.index_path.unlink(missing_ok=True)
+        self._map = None
+        self.size = position
+        self.index.truncate_after(position)
+        self.sealed = False
+        self.scan(verify=False)
+
+    # ---- reading -----------------------------------------------------------------------
+    def buffer(self, need: int | None = None) -> Any:
+        """A read-only buffer (an mmap) covering at least ``need`` bytes (default: all written)."""
+        if self.size == 0:
+            return b""
+        m = self._map
+        if m is None or len(m) < (self.size if need is None else need):
+            with storage_errors(f"cannot map {self.path}"):
+                m = self._map = mmap.mmap(self.fd, self.size, prot=mmap.PROT_READ)
+        return m
+
+    def view(self, start: int, end: int) -> memoryview:
+        return memoryview(self.buffer(end))[start:end]
+
+    def walk(self, position: int, end: int | None = None) -> Any:
+        """Yield (header, position) of the batches from ``position`` (headers only, no CRC)."""
+        buf = self.buffer()
+        end = self.size if end is None else end
+        while position < end:
+            h = read_header(buf, position)
+            yield h, position
+            position += h.size
+
+    def position_of(self, offset: int) -> tuple[BatchHeader, int] | None:
+        """(header, position) of the batch holding ``offset``, or None past the end."""
+        pos = self.index.position_for_offset(offset - self.base_offset)
+        for h, p in self.walk(pos):
+            if h.next_offset > offset:
+                return h, p
+        return None
+
+    # ---- recovery ----------------------------------------------------------------------
+    def scan(self, *, verify: bool) -> ScanResult:
+        """Walk every batch from the start, rebuilding the index; with ``verify``, check CRCs.
+
+        Stops at the first batch that fails; the result says where, and whether any valid batch
+        lies after the failure (which tells corruption in the middle from a torn tail).
+        """
+        self.index = SparseIndex()
+        self.max_timestamp = NO_TIMESTAMP
+        self.next_offset = self.base_offset
+        self._bytes_since_index = 0
+        buf = self.buffer()
+        pos = 0
+        size = self.size
+        error: StrataError | None = None
+        while pos < size:
+            try:
+                h = check_batch(buf, pos, exact=False) if verify else read_header(buf, pos)
+                if pos + h.size > size:
+                    raise CorruptBatchError(
+                        f"truncated batch: {size - pos} of {h.size} bytes", position=pos
+                    )
+                if h.base_offset != self.next_offset:
+                    raise CorruptBatchError(
+                        f"batch at offset {h.base_offset} where {self.next_offset} was expected",
+                        position=pos,
+                    )
+            except StrataError as exc:
+                error = exc
+                break
+            self._note_batch(h, pos)
+            pos += h.size
+        return ScanResult(
+            valid_size=pos,
+            next_offset=self.next_offset,
+            max_timestamp=self.max_timestamp,
+            index=self.index,
+            error=error,
+            valid_batch_after_error=error is not None and _valid_batch_after(buf, pos, size),
+        )
+
+
+def _valid_batch_after(buf: Any, position: int, size: int) -> bool:
+    """Is there any CRC-valid batch at an 8-aligned position after ``position``?
+
+    Batches are 8-aligned, so candidates are the aligned positions whose magic byte is right and
+    whose reserved bytes are zero; numpy finds them without a Python loop over the bytes.
+    """
+    start = position + 8
+    if size - start < HEADER_SIZE:
+        return False
+    arr = np.frombuffer(buf, dtype=np.uint8, count=size - start, offset=start)
+    usable = (len(arr) - HEADER_SIZE) // 8 + 1
+    magic = arr[16 : 16 + 8 * usable : 8]
+    zeros = (
+        arr[17 : 17 + 8 * usable : 8]
+        | arr[18 : 18 + 8 * usable : 8]
+        | arr[19 : 19 + 8 * usable : 8]
+    )
+    n = min(len(magic), len(zeros))
+    candidates = np.flatnonzero((magic[:n] == MAGIC) & (zeros[:n] == 0))
+    for c in candidates:
+        try:
+            h = check_batch(buf, start + 8 * int(c), exact=False)
+        except StrataError:
+            continue
+        if start + 8 * int(c) + h.size <= size:
+            return True
+    return False
