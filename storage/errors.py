@@ -42,6 +42,7 @@ class CorruptBatchError(InvalidRequestError):
 
     def __init__(self, message: str, *, position: int | None = None) -> None:
         super().__init__(message if position is None else f"{message} (at byte {position})")
+        self.reason = message
         self.position = position
 
 

@@ -83,6 +83,8 @@ def encode_batch(
     n = len(values)
     if n == 0:
         raise ValueError("a record batch holds at least one record")
+    if base_offset < 0:
+        raise ValueError(f"base_offset must not be negative, got {base_offset}")
     if timestamps is None:
         timestamps = time.time_ns() // 1_000_000
     if isinstance(timestamps, int):
@@ -135,13 +137,20 @@ def encode_batch(
 
 
 def check_batch(
-    buf: Any, pos: int = 0, *, max_size: int = MAX_BATCH_SIZE, exact: bool = True
+    buf: Any,
+    pos: int = 0,
+    *,
+    max_size: int = MAX_BATCH_SIZE,
+    exact: bool = True,
+    deep: bool = False,
 ) -> BatchHeader:
     """Verify the batch at ``buf[pos:]``: header, size, CRC32C, padding and body directory.
 
     With ``exact``, ``buf[pos:]`` must be exactly one batch (what a produce request carries).
     Raises ``CorruptBatchError``, ``UnsupportedVersionError`` or ``BatchTooLargeError``; costs
-    one CRC pass and no per-record work.
+    one CRC pass and no per-record work. With ``deep`` the body is also decompressed and every
+    Arrow buffer validated in C++ (what a leader does before storing a producer's batch, so a
+    well-checksummed but malformed batch can never poison a partition).
     """
     h = read_header(buf, pos)
     size = h.size
@@ -177,6 +186,8 @@ def check_batch(
         raise CorruptBatchError(
             f"compressed body claims {h.raw_body_length} bytes raw", position=pos
         )
+    if deep:
+        decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=True)
     return h
 
 
@@ -260,8 +271,10 @@ class BatchFramer:
         size = peek_size(self._buf, self._pos)
         if size is None:
             return None
-        if size > self._max or size < HEADER_SIZE or size % 8:
+        if size < HEADER_SIZE or size % 8:
             raise CorruptBatchError(f"batch length field says {size} bytes", position=self.consumed)
+        if size > self._max:
+            raise BatchTooLargeError(size, self._max)
         if self.buffered < size:
             if self.buffered >= HEADER_SIZE:
                 read_header(self._buf, self._pos)  # fail early on a garbage header
@@ -270,7 +283,7 @@ class BatchFramer:
         try:
             check_batch(batch)
         except CorruptBatchError as exc:
-            raise CorruptBatchError(str(exc), position=self.consumed) from None
+            raise CorruptBatchError(exc.reason, position=self.consumed) from None
         self._pos += size
         self.consumed += size
         return batch

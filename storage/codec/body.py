@@ -78,8 +78,11 @@ def _as_array(values: Any, type_: pa.DataType) -> pa.Array:
     return pa.array(values, type=type_)
 
 
-def _binary_parts(arr: pa.Array, n: int) -> tuple[Any, Any, Any]:
-    """(validity, offsets, data) of a binary array of length n, rebased to offset 0."""
+def _binary_parts(arr: pa.Array, n: int, *, implicit: bool = True) -> tuple[Any, Any, Any]:
+    """(validity, offsets, data) of a binary array of length n, rebased to offset 0.
+
+    With ``implicit``, an all-empty column gets no offsets buffer (the decoder synthesises one).
+    """
     if len(arr) != n:
         raise ValueError(f"column has {len(arr)} entries, expected {n}")
     if arr.type != pa.binary():
@@ -90,11 +93,12 @@ def _binary_parts(arr: pa.Array, n: int) -> tuple[Any, Any, Any]:
     validity: Any = _EMPTY
     if arr.null_count:
         validity = np.packbits(arr.is_valid().to_numpy(zero_copy_only=False), bitorder="little")
-    if last == first:
+    if last == first and implicit:
         return validity, _EMPTY, _EMPTY
     if first:
         offsets = offsets - np.int32(first)
-    return validity, offsets, data_buf.slice(first, last - first)
+    data = data_buf.slice(first, last - first) if last > first else _EMPTY
+    return validity, offsets, data
 
 
 def _list_child(arr: pa.Array | None, n: int) -> tuple[Any, pa.Array | None]:
@@ -141,8 +145,8 @@ def encode_body(
         h = len(pairs)
         if hkeys.null_count or hvalues.null_count:
             raise ValueError("header keys and values may not be null (use b'' for an empty value)")
-        _, hko, hkd = _binary_parts(hkeys, h)
-        _, hvo, hvd = _binary_parts(hvalues, h)
+        _, hko, hkd = _binary_parts(hkeys, h, implicit=False)
+        _, hvo, hvd = _binary_parts(hvalues, h, implicit=False)
         header_parts = (header_list, hko, hkd, hvo, hvd)
 
     tag_list, tag_values = _list_child(None if tags is None else _as_array(tags, TAGS_TYPE), n)
@@ -151,7 +155,7 @@ def encode_body(
     else:
         if tag_values.null_count:
             raise ValueError("a tag may not be null")
-        _, to, td = _binary_parts(tag_values, len(tag_values))
+        _, to, td = _binary_parts(tag_values, len(tag_values), implicit=False)
         tag_parts = (tag_list, to, td)
 
     buffers = (timestamps, *key_parts, *value_parts, *header_parts, *tag_parts)
@@ -173,6 +177,7 @@ def raw_body_length(parts: Sequence[Any]) -> int:
 # decoding
 
 _zero_offsets = pa.py_buffer(bytes(4 * 1025))
+_NO_BUFFER = pa.py_buffer(b"")
 
 
 def _zeros(n: int) -> pa.Buffer:
@@ -210,12 +215,17 @@ def _binary(
     data: pa.Buffer,
     what: str,
     string: bool = False,
+    implicit: bool = True,
 ) -> pa.Array:
+    """A binary/string array over the buffers; ``implicit`` allows an omitted all-zero offsets
+    buffer (only for top-level columns, whose length the timestamp buffer already bounds)."""
     if validity.size and validity.size != (n + 7) // 8:
         raise CorruptBatchError(f"{what} validity bitmap has {validity.size} bytes for {n} records")
     if offsets.size == 0:
         if data.size:
             raise CorruptBatchError(f"{what} data without offsets")
+        if n and not implicit:
+            raise CorruptBatchError(f"{what} offsets missing for {n} entries")
         offsets = _zeros(n)
     elif offsets.size != 4 * (n + 1):
         raise CorruptBatchError(f"{what} offsets have {offsets.size} bytes for {n} entries")
@@ -247,6 +257,14 @@ def decode_body(
     computed (``base_offset + arange(n)``). With ``validate`` (the default for any bytes that
     came from outside the process) Arrow checks every offset and UTF-8 string in C++.
     """
+    try:
+        return _decode_body(body, n, base_offset, validate)
+    except pa.ArrowInvalid as exc:
+        # Array.from_buffers runs Arrow's cheap checks (offset ranges, sizes) even without validate
+        raise CorruptBatchError(f"malformed record batch body: {exc}") from None
+
+
+def _decode_body(body: pa.Buffer, n: int, base_offset: int, validate: bool) -> pa.RecordBatch:
     b = _split(body)
     if b[0].size != 8 * n:
         raise CorruptBatchError(f"{b[0].size} bytes of timestamps for {n} records")
@@ -257,8 +275,8 @@ def decode_body(
     h = _list_length(b[7], n, "header")
     pairs = pa.StructArray.from_arrays(
         [
-            _binary(h, pa.py_buffer(_EMPTY), b[8], b[9], "header key", string=True),
-            _binary(h, pa.py_buffer(_EMPTY), b[10], b[11], "header value"),
+            _binary(h, _NO_BUFFER, b[8], b[9], "header key", string=True, implicit=False),
+            _binary(h, _NO_BUFFER, b[10], b[11], "header value", implicit=False),
         ],
         fields=list(HEADER_PAIR),
     )
@@ -266,7 +284,7 @@ def decode_body(
         HEADERS_TYPE, n, [None, b[7] if b[7].size else _zeros(n)], null_count=0, children=[pairs]
     )
     t = _list_length(b[12], n, "tag")
-    tag_values = _binary(t, pa.py_buffer(_EMPTY), b[13], b[14], "tag", string=True)
+    tag_values = _binary(t, _NO_BUFFER, b[13], b[14], "tag", string=True, implicit=False)
     tags = pa.Array.from_buffers(
         TAGS_TYPE,
         n,
@@ -283,9 +301,6 @@ def decode_body(
         tags,
     ]
     if validate:
-        try:
-            for col in columns[2:]:
-                col.validate(full=True)
-        except pa.ArrowInvalid as exc:
-            raise CorruptBatchError(f"malformed record batch body: {exc}") from None
+        for col in columns[2:]:
+            col.validate(full=True)
     return pa.RecordBatch.from_arrays(columns, schema=SCHEMA)

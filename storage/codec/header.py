@@ -67,6 +67,8 @@ CRC_FIELD = struct.Struct("<I")
 STAMP = struct.Struct("<qii")
 _LENGTH_OFFSET = 8
 _EPOCH_OFFSET = 12
+_RESERVED_AFTER_MAGIC = struct.Struct("<3s")
+_MAX_INT64 = (1 << 63) - 1
 
 
 class Compression(enum.IntEnum):
@@ -144,13 +146,15 @@ def read_header(buf: Any, pos: int = 0) -> BatchHeader:
         )
     fields = _unpack_from(buf, pos)
     h = BatchHeader(*fields)
+    size = h.batch_length + 12
+    if size < HEADER_SIZE or size % ALIGNMENT:
+        # framing first (as BatchFramer does): a zero-filled or torn tail is corrupt, not a new version
+        raise CorruptBatchError(f"batch length field says {size} bytes", position=pos)
     if h.magic != MAGIC:
         raise UnsupportedVersionError(f"unknown record batch magic {h.magic} at byte {pos}")
-    size = h.batch_length + 12
     if (
-        size < HEADER_SIZE
-        or size % ALIGNMENT
-        or size > MAX_BATCH_SIZE
+        size > MAX_BATCH_SIZE
+        or _RESERVED_AFTER_MAGIC.unpack_from(buf, pos + 17)[0] != b"\0\0\0"  # outside the CRC
         or h.body_length < 0
         or h.raw_body_length < 0
         or padded(HEADER_SIZE + h.body_length) != size
@@ -159,6 +163,7 @@ def read_header(buf: Any, pos: int = 0) -> BatchHeader:
         or (h.attributes & ATTR_COMPRESSION_MASK) > Compression.LZ4
         or h.max_timestamp < h.first_timestamp
         or h.base_offset < 0
+        or h.base_offset > _MAX_INT64 - h.record_count  # next_offset must fit an int64
     ):
         raise CorruptBatchError(f"impossible record batch header {h}", position=pos)
     return h
