@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
-test: venv
+test: venv lint
 	$(PY) -m pytest
 
 demo: venv

@@ -22,7 +22,8 @@ class FsyncPolicy(enum.StrEnum):
     appends share one fsync (group commit). Survives power loss; costs one fsync latency.
     ``interval``: a background flush every ``fsync.interval.ms``; appends return at once.
     A power loss can lose the last interval; a process crash loses nothing.
-    ``never``: the OS writes back when it likes (segments are still fsynced when sealed).
+    ``never``: the OS writes back when it likes; a sealed segment is fsynced (and its index
+    written) by the next background tick, so only the active segment can lose data.
     Fastest; rely on replication for durability, as Kafka does by default.
     """
 

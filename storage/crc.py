@@ -27,4 +27,4 @@ def crc32c(data: Any, crc: int = 0) -> int:
         import pyarrow as pa
 
         data = pa.py_buffer(data)
-    return _extend(crc, data) if crc else _value(data)
+    return int(_extend(crc, data) if crc else _value(data))

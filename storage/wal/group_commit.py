@@ -7,8 +7,9 @@ new fsync covers all of them. Under load the number of fsyncs per second stays n
 ``1 / fsync latency`` while the bytes per fsync grow: that is the whole trick.
 
 With ``interval`` a named background task flushes every ``fsync.interval.ms``; with ``never``
-nothing is flushed until a segment is sealed or the log is closed. Either way ``append``
-returns as soon as the bytes are in the page cache.
+the same task only flushes once a segment has been sealed (fsyncing it and writing its index
+file) and otherwise leaves write-back to the OS. Either way ``append`` returns as soon as the
+bytes are in the page cache.
 
 An fsync failure fences the log (see ``PartitionLog.complete_flush``): every waiter and every
 later append gets ``StorageError``.
@@ -21,6 +22,7 @@ import contextlib
 from typing import Any
 
 from storage.config import FsyncPolicy
+from storage.errors import StorageError
 from storage.wal.log import AppendInfo, PartitionLog
 
 
@@ -33,7 +35,7 @@ class GroupCommitLog:
         self.fsyncs = 0
 
     async def start(self) -> None:
-        if self.policy == FsyncPolicy.INTERVAL and self._ticker is None:
+        if self.policy != FsyncPolicy.ALWAYS and self._ticker is None:
             self._ticker = asyncio.create_task(
                 self._tick(), name=f"fsync-ticker:{self.log.directory.name}"
             )
@@ -48,6 +50,10 @@ class GroupCommitLog:
     async def wait_durable(self, offset: int) -> None:
         """Return once every record below ``offset`` is fsynced (starting fsyncs as needed)."""
         while self.log.flushed_offset < offset:
+            if offset > self.log.log_end_offset:
+                raise StorageError(
+                    f"records below {offset} were truncated away before they reached the disk"
+                )
             task = self._flushing
             if task is None:
                 task = self._flushing = asyncio.create_task(self._flush(), name="fsync")
@@ -75,7 +81,10 @@ class GroupCommitLog:
         interval = self.log.config.fsync_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
-            if self.log.flushed_offset < self.log.log_end_offset:
+            if self.policy == FsyncPolicy.INTERVAL:
+                if self.log.flushed_offset < self.log.log_end_offset:
+                    await self.flush()
+            elif self.log.has_unflushed_sealed_segment:
                 await self.flush()
 
     async def close(self) -> None:

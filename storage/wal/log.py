@@ -52,11 +52,13 @@ from storage.codec.batch import check_batch, decode_batch
 from storage.codec.header import STAMP
 from storage.config import FsyncPolicy, LogConfig
 from storage.errors import (
+    CorruptBatchError,
     CorruptSegmentError,
     InvalidOffsetError,
     LogClosedError,
     OffsetOutOfRangeError,
     StorageError,
+    StrataError,
 )
 from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
 from storage.wal.index import SparseIndex
@@ -99,7 +101,9 @@ class FlushJob:
     def run(self) -> None:
         for seg, size, sealed in self.segments:
             seg.fsync()
-            if sealed:
+            if (
+                sealed and not seg.deleted
+            ):  # (a stray index of a deleted segment is removed at open)
                 with storage_errors(f"cannot write {seg.index_path}"):
                     write_file_atomically(seg.index_path, seg.index.to_bytes(size))
             self.done.append(seg)
@@ -222,12 +226,15 @@ class PartitionLog:
         """
         self._check_open()
         h = check_batch(batch, max_size=self.config.max_message_bytes)
+        now = self._clock()
         active = self.active
         if active.size and (
             active.size + h.size > self.config.segment_bytes
-            or (self._clock() - active.created_at) * 1000 >= self.config.segment_ms
+            or (now - active.created_at) * 1000 >= self.config.segment_ms
         ):
             active = self.roll()
+        if not active.size:
+            active.created_at = now  # a segment's age counts from its first batch
         base = active.next_offset
         view = memoryview(batch)
         stamped = dataclasses.replace(h, base_offset=base, leader_epoch=leader_epoch)
@@ -241,6 +248,7 @@ class PartitionLog:
         if not old.size:
             return old
         old.sealed = True
+        old.dirty = True  # its index file is written by the next flush
         if self.config.fsync_policy == FsyncPolicy.ALWAYS:
             # keep "only the last segment can have a torn tail" true for the strictest policy
             old.fsync()
@@ -260,14 +268,22 @@ class PartitionLog:
         self._check_open()
         dirty = [(s, s.size, s.sealed) for s in self._segments if s.dirty]
         if not dirty and not self._dir_dirty:
+            self.flushed_offset = self.log_end_offset
             return None
         job = FlushJob(dirty, self.log_end_offset, self._dir_dirty, self.directory)
         for s, _, _ in dirty:
             s.dirty = False
+            s.pin()  # a concurrent delete (retention, truncation) leaves the fd open for the job
         self._dir_dirty = False
         return job
 
+    @property
+    def has_unflushed_sealed_segment(self) -> bool:
+        return any(s.sealed and s.dirty for s in self._segments)
+
     def complete_flush(self, job: FlushJob, error: BaseException | None = None) -> None:
+        for seg, _, _ in job.segments:
+            seg.unpin()
         if error is not None:
             # After a failed fsync the page cache state is unknown (see "fsyncgate"): stop.
             self._failed = StorageError(f"fsync failed, log fenced: {error}")
@@ -354,6 +370,8 @@ class PartitionLog:
         found = seg.position_of(offset)
         if found is not None:
             seg.truncate(found[1])
+        elif seg.sealed:
+            seg.truncate(seg.size)  # cut at its end: it takes appends again, so unseal it
         self.flushed_offset = min(self.flushed_offset, self.log_end_offset)
         return self.log_end_offset
 
@@ -405,8 +423,11 @@ def _recover(seg: Segment, *, last: bool, verify_all: bool) -> None:
         with storage_errors(f"cannot read {seg.index_path}"):
             index = SparseIndex.from_bytes(seg.index_path.read_bytes(), seg.size)
         if index is not None:
-            _load_sealed(seg, index)
-            return
+            try:
+                _load_sealed(seg, index)
+                return
+            except StrataError:
+                pass  # a header past the last index entry is damaged: verify the whole segment
     result = seg.scan(verify=True)
     if result.error is None:
         seg.sealed = not last
@@ -429,11 +450,19 @@ def _load_sealed(seg: Segment, index: SparseIndex) -> None:
     """State of a sealed segment from its index plus a header walk of its last stretch."""
     seg.index = index
     seg.sealed = True
-    _, pos = index.last_entry()
+    rel, pos = index.last_entry()
     max_ts = index.last_max_before()
-    next_offset = seg.base_offset
-    for h, _p in seg.walk(pos):
+    next_offset = seg.base_offset + rel
+    end = pos
+    for h, p in seg.walk(pos):
+        if h.base_offset != next_offset:
+            raise CorruptBatchError(
+                f"batch at offset {h.base_offset} where {next_offset} was expected", position=p
+            )
         max_ts = max(max_ts, h.max_timestamp)
         next_offset = h.next_offset
+        end = p + h.size
+    if end != seg.size:
+        raise CorruptBatchError(f"last batch ends at byte {end} of {seg.size}", position=pos)
     seg.max_timestamp = max_ts
     seg.next_offset = next_offset

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ class Segment:
         "_map",
         "base_offset",
         "created_at",
+        "deleted",
         "directory",
         "dirty",
         "fd",
@@ -59,6 +61,7 @@ class Segment:
         "index_interval",
         "max_timestamp",
         "next_offset",
+        "pins",
         "sealed",
         "size",
     )
@@ -79,6 +82,9 @@ class Segment:
         self._bytes_since_index = 0
         #: wall-clock seconds when this segment started taking appends (for segment.ms)
         self.created_at = 0.0
+        #: flush jobs (running in another thread) that still use ``fd``; see ``delete``
+        self.pins = 0
+        self.deleted = False
 
     # ---- paths -------------------------------------------------------------------------
     @property
@@ -116,10 +122,21 @@ class Segment:
             self.fd = -1
 
     def delete(self) -> None:
-        self.close()
+        """Remove the files. A flush job still holding the fd keeps it open until ``unpin``."""
+        self.deleted = True
         for p in (self.path, self.index_path):
             with storage_errors(f"cannot delete {p}"):
                 p.unlink(missing_ok=True)
+        if not self.pins:
+            self.close()
+
+    def pin(self) -> None:
+        self.pins += 1
+
+    def unpin(self) -> None:
+        self.pins -= 1
+        if not self.pins and self.deleted:
+            self.close()
 
     def quarantine(self, error: StrataError, position: int | None) -> CorruptSegmentError:
         """Move the segment aside so no reader ever skips over it; return the error to raise."""
@@ -188,7 +205,7 @@ class Segment:
     def view(self, start: int, end: int) -> memoryview:
         return memoryview(self.buffer(end))[start:end]
 
-    def walk(self, position: int, end: int | None = None) -> Any:
+    def walk(self, position: int, end: int | None = None) -> Iterator[tuple[BatchHeader, int]]:
         """Yield (header, position) of the batches from ``position`` (headers only, no CRC)."""
         buf = self.buffer()
         end = self.size if end is None else end
