@@ -132,29 +132,38 @@ async def _append_all(
     return committer
 
 
-def wal_rates(directory: Path, mib: int, value_size: int = 1024) -> list[dict[str, Any]]:
+def wal_rates(
+    directory: Path, mib: int, runs: int = 3, value_size: int = 1024
+) -> list[dict[str, Any]]:
+    """Best of ``runs`` per policy, like the dd baseline (fresh disk blocks are slow at first)."""
     batch = encode_batch(_values(value_size), timestamps=1)
     count = max(1, mib * 1048576 // len(batch))
     rows = []
     for policy in ("always", "interval", "never"):
-        wal_dir = directory / f"wal-{policy}"
-        config = LogConfig.parse({"fsync.policy": policy, "segment.bytes": 256 << 20})
-        log = PartitionLog.open(wal_dir, config)
-        start = time.perf_counter()
-        committer = asyncio.run(_append_all(log, batch, count, in_flight=8))
-        elapsed = time.perf_counter() - start
-        written = count * len(batch)
-        rows.append(
-            {
+        best: dict[str, Any] | None = None
+        rates = []
+        for i in range(runs):
+            wal_dir = directory / f"wal-{policy}-{i}"
+            config = LogConfig.parse({"fsync.policy": policy, "segment.bytes": 256 << 20})
+            log = PartitionLog.open(wal_dir, config)
+            start = time.perf_counter()
+            committer = asyncio.run(_append_all(log, batch, count, in_flight=8))
+            elapsed = time.perf_counter() - start
+            shutil.rmtree(wal_dir)
+            row = {
                 "policy": policy,
                 "batches": count,
                 "messages": count * BATCH,
-                "mb_per_s": written / 1e6 / elapsed,
+                "mb_per_s": count * len(batch) / 1e6 / elapsed,
                 "msgs_per_s": count * BATCH / elapsed,
                 "fsyncs": committer.fsyncs,
             }
-        )
-        shutil.rmtree(wal_dir)
+            rates.append(row["mb_per_s"])
+            if best is None or row["mb_per_s"] > best["mb_per_s"]:
+                best = row
+        assert best is not None
+        best["runs_mb_per_s"] = rates
+        rows.append(best)
     return rows
 
 
@@ -184,17 +193,36 @@ def render(result: dict[str, Any]) -> str:
         + f" MB/s); 4 KiB write+fdatasync = {disk['fsyncs_per_s']:.0f}/s.",
         "",
         f"**WAL append** ({result['wal_mib']} MiB of 1 KiB messages in 1,000-message batches, 8"
-        " appends in flight, timed until everything is fsynced):",
+        " appends in flight, every batch fully checked, timed until everything is fsynced;"
+        " best of 3 like the disk):",
         "",
-        "| fsync.policy | MB/s | msgs/s | fsyncs | ÷ disk rate |",
-        "|---|---:|---:|---:|---:|",
+        "| fsync.policy | MB/s | msgs/s | fsyncs | ÷ disk rate | all runs MB/s |",
+        "|---|---:|---:|---:|---:|---|",
     ]
     for r in result["wal"]:
         lines.append(
             f"| {r['policy']} | {r['mb_per_s']:.0f} | {r['msgs_per_s'] / 1e3:,.0f} k | {r['fsyncs']} |"
             f" {r['mb_per_s'] / disk['dd_mb_per_s']:.2f} |"
+            f" {', '.join(f'{x:.0f}' for x in r['runs_mb_per_s'])} |"
         )
-    lines.append("<!-- storage-bench:end -->")
+    kib = next(
+        r for r in result["codec"] if r["value_bytes"] == 1024 and r["compression"] == "none"
+    )
+    interval = next(r for r in result["wal"] if r["policy"] == "interval")
+    ratio = interval["mb_per_s"] / disk["dd_mb_per_s"]
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "**missed**"
+
+    lines += [
+        "",
+        "Against the targets (1 KiB, uncompressed): encode"
+        f" {kib['encode_msgs_per_s'] / 1e6:.1f} M msgs/s (≥ 2 M: {verdict(kib['encode_msgs_per_s'] >= 2e6)});"
+        f" decode-to-Arrow {kib['decode_to_arrow_msgs_per_s'] / 1e6:.1f} M msgs/s"
+        f" (≥ 10 M: {verdict(kib['decode_to_arrow_msgs_per_s'] >= 1e7)});"
+        f" WAL with interval fsync {ratio:.2f} of the disk rate (≥ 0.70: {verdict(ratio >= 0.7)}).",
+        "<!-- storage-bench:end -->",
+    ]
     return "\n".join(lines)
 
 

@@ -29,6 +29,7 @@ from storage.errors import (
 )
 from storage.wal import FlushJob, GroupCommitLog, PartitionLog
 from storage.wal.index import ENTRY, SparseIndex
+from tests.codec_support import body_buffers, patch, with_crc
 from tests.wal_support import T0, Record, config, decode, produce, read_all, snapshot
 
 Opener = Callable[..., PartitionLog]
@@ -470,7 +471,15 @@ def _garbage_with_magic(data: bytes) -> bytes:
     return bytes(out)
 
 
+def _malformed_body_with_valid_crc(data: bytes) -> bytes:
+    """A value offset pointing past the value data, CRC recomputed: a buggy producer."""
+    pos, length = body_buffers(data)[5]
+    assert length
+    return with_crc(patch(data, pos + 4, "<i", 1 << 20))
+
+
 BAD_INPUT: dict[str, tuple[Callable[[bytes], bytes], Any]] = {
+    "malformed-body-valid-crc": (_malformed_body_with_valid_crc, CorruptBatchError),
     "crc-body-byte": (lambda b: _flip(b, 100), CorruptBatchError),
     "crc-last-byte": (lambda b: _flip(b, len(b) - 9), CorruptBatchError),
     "crc-field": (lambda b: _flip(b, 21), CorruptBatchError),

@@ -3,8 +3,8 @@
 Theory of operation
 -------------------
 * **Append.** A batch arrives as the producer encoded it. ``append`` checks it completely
-  (header, exact length, ``max.message.bytes``, CRC32C, body directory) *before* touching the
-  file, then writes the leader's 16 stamped bytes (base offset, length, leader epoch — all
+  (header, exact length, ``max.message.bytes``, CRC32C, body layout, and — unless the caller
+  opts out — every Arrow buffer of the body) *before* touching the file, then writes the leader's 16 stamped bytes (base offset, length, leader epoch — all
   outside the CRC) followed by the producer's bytes from byte 16 on: the batch is never
   re-encoded. A failed write is rolled back with ``ftruncate``, so bad input and I/O errors
   both leave the log as it was.
@@ -217,15 +217,18 @@ class PartitionLog:
         return max(s.max_timestamp for s in self._segments)
 
     # ---- appending ---------------------------------------------------------------------
-    def append(self, batch: Any, *, leader_epoch: int) -> AppendInfo:
+    def append(self, batch: Any, *, leader_epoch: int, deep_check: bool = True) -> AppendInfo:
         """Verify ``batch`` (one whole encoded batch), stamp its offset and epoch, and write it.
 
         Raises ``CorruptBatchError``, ``UnsupportedVersionError`` or ``BatchTooLargeError`` for
         bad input and ``StorageError`` for disk trouble; in every case the log is unchanged.
-        Durability is the caller's business: see ``flush`` and ``storage.wal.group_commit``.
+        ``deep_check`` also validates the body (offsets, UTF-8, decompression) so that a batch
+        with a good CRC but a malformed body can never be stored; a follower copying batches its
+        leader already checked may skip it. Durability is the caller's business: see ``flush``
+        and ``storage.wal.group_commit``.
         """
         self._check_open()
-        h = check_batch(batch, max_size=self.config.max_message_bytes)
+        h = check_batch(batch, max_size=self.config.max_message_bytes, deep=deep_check)
         now = self._clock()
         active = self.active
         if active.size and (
