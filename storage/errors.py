@@ -9,14 +9,34 @@ at one boundary per adapter and never leak out.
     StrataError
     ├── InvalidRequestError            (the caller sent something wrong; not retriable)
     │   ├── CorruptBatchError          bad CRC, bad length, malformed body
-    │   ├── UnsupportedVersionError    unknown batch magic / protocol version
+    │   ├── UnsupportedVersionError    unknown batch magic / API key / API version
     │   ├── BatchTooLargeError         batch over max.message.bytes
     │   ├── InvalidConfigError         a config value out of range
-    │   └── InvalidOffsetError         truncate/seek target the log cannot honour
+    │   ├── InvalidOffsetError         truncate/seek target the log cannot honour
+    │   ├── InvalidTopicError          a topic name outside [a-zA-Z0-9._-]{1,249}, "." or ".."
+    │   ├── InvalidPartitionsError     a partition count that is not allowed
+    │   ├── TopicAlreadyExistsError
+    │   └── MalformedFrameError        a protocol frame that does not parse
+    │       └── FrameTooLargeError     a frame over the connection's maximum size
     ├── OffsetOutOfRangeError          offset below the log start or above the log end
+    ├── UnknownTopicOrPartitionError   retriable: metadata may be catching up
+    ├── NotLeaderError                 retriable: carries the leader the agent knows
+    ├── FencedLeaderEpochError         a request or agent with a stale leader epoch
+    ├── LeaderNotAvailableError        retriable: an election is under way
+    ├── NotControllerError             retriable
+    ├── RequestTimedOutError           retriable
+    ├── NotEnoughReplicasError         retriable
+    ├── NetworkError                   retriable: connection refused, reset or timed out
+    ├── MetadataError                  ZooKeeper said no
+    │   ├── NodeNotFoundError
+    │   ├── NodeExistsError
+    │   ├── VersionConflictError       a compare-and-set lost a race; re-read and retry
+    │   └── MetadataUnavailableError   retriable: connection lost, session expired, deadline passed
     ├── StorageError                   local disk trouble (I/O error, disk full); retriable
     │   └── CorruptSegmentError        stored bytes failed verification; segment quarantined
     └── LogClosedError                 the log was closed under the caller; retriable
+
+Codes are Kafka's where Kafka has the same error, so people and tools recognise them.
 """
 
 from __future__ import annotations
@@ -29,6 +49,11 @@ class StrataError(Exception):
 
     code: ClassVar[int] = -1
     retriable: ClassVar[bool] = False
+    # defaults for the data some subclasses carry, so that an error rebuilt from a wire code
+    # (``from_wire``) has every attribute its class promises
+    position: int | None = None
+    leader_id: int = -1
+    leader_epoch: int = -1
 
 
 class InvalidRequestError(StrataError):
@@ -67,10 +92,104 @@ class InvalidOffsetError(InvalidRequestError):
     code = 44
 
 
+class InvalidTopicError(InvalidRequestError):
+    code = 17
+
+
+class InvalidPartitionsError(InvalidRequestError):
+    code = 37
+
+
+class TopicAlreadyExistsError(InvalidRequestError):
+    code = 36
+
+
+class MalformedFrameError(InvalidRequestError):
+    """A protocol frame (or a field in it) that does not parse."""
+
+    code = 42
+
+
+class FrameTooLargeError(MalformedFrameError):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"frame of {size} bytes exceeds the limit of {limit} bytes")
+        self.size = size
+        self.limit = limit
+
+
+class UnknownTopicOrPartitionError(StrataError):
+    code = 3
+    retriable = True
+
+
+class NotLeaderError(StrataError):
+    """This agent does not lead the partition; ``leader_id`` is the leader it knows (-1: none)."""
+
+    code = 6
+    retriable = True
+
+    def __init__(
+        self, message: str = "not the leader", *, leader_id: int = -1, leader_epoch: int = -1
+    ) -> None:
+        super().__init__(message)
+        self.leader_id = leader_id
+        self.leader_epoch = leader_epoch
+
+
+class FencedLeaderEpochError(StrataError):
+    code = 74
+    retriable = True
+
+
+class LeaderNotAvailableError(StrataError):
+    code = 5
+    retriable = True
+
+
+class NotControllerError(StrataError):
+    code = 41
+    retriable = True
+
+
+class RequestTimedOutError(StrataError):
+    code = 7
+    retriable = True
+
+
+class NotEnoughReplicasError(StrataError):
+    code = 19
+    retriable = True
+
+
+class NetworkError(StrataError):
+    code = 13
+    retriable = True
+
+
+class MetadataError(StrataError):
+    code = 59
+
+
+class NodeNotFoundError(MetadataError):
+    pass
+
+
+class NodeExistsError(MetadataError):
+    pass
+
+
+class VersionConflictError(MetadataError):
+    retriable = True
+
+
+class MetadataUnavailableError(MetadataError):
+    retriable = True
+
+
 class OffsetOutOfRangeError(StrataError):
     code = 1
 
-    def __init__(self, offset: int, log_start: int, log_end: int) -> None:
+    def __init__(self, offset: int = -1, log_start: int = -1, log_end: int = -1) -> None:
         super().__init__(f"offset {offset} is outside the log [{log_start}, {log_end}]")
         self.offset = offset
         self.log_start = log_start
@@ -117,3 +236,14 @@ def for_code(code: int) -> type[StrataError]:
     if not _BY_CODE:
         _register()
     return _BY_CODE.get(code, StrataError)
+
+
+def from_wire(code: int, message: str | None = None) -> StrataError:
+    """An exception instance for an error code received from the wire."""
+    cls = for_code(code)
+    text = message or f"{cls.__name__} (error code {code})"
+    err = cls.__new__(cls)
+    Exception.__init__(err, text)
+    if cls.code != code:
+        err.code = code  # type: ignore[misc]
+    return err

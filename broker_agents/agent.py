@@ -1,0 +1,278 @@
+"""One agent process: ZooKeeper session, registration, watches, server, controller, followers.
+
+Start-up order: connect to ZooKeeper (chroot created if missing), create the fixed nodes,
+start listening, register ``/agents/<id>`` (ephemeral; if a previous incarnation's node is
+still there, wait for its session to expire), then watch ``/agents``, ``/controller`` and
+``/topics`` (and under it every topic spec and partition state). Watch callbacks only record
+what changed; one reconciler task applies the changes in order, so the partition manager
+never sees two changes of the same partition at once.
+
+Long-lived loops (reconciler, controller candidate, replica fetchers) are named tasks under
+one ``asyncio.TaskGroup``: if one fails, the agent stops rather than limping on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from broker_agents.apis import Apis
+from broker_agents.config import AgentConfig
+from broker_agents.controller import Controller
+from broker_agents.partitions import PartitionManager
+from broker_agents.replication import ReplicaFetchers
+from broker_agents.server import AgentServer
+from storage.errors import MetadataError, NodeExistsError
+from storage.metadata import (
+    AgentRegistration,
+    AsyncZooKeeper,
+    MetadataStore,
+    PartitionState,
+    SessionState,
+    TopicSpec,
+)
+from storage.metadata.models import ControllerInfo, load
+from storage.metadata.store import (
+    AGENTS,
+    CONTROLLER,
+    TOPICS,
+    agent_path,
+    partitions_path,
+    state_path,
+    topic_path,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterView:
+    """What this agent currently knows from its watches."""
+
+    agents: dict[int, AgentRegistration] = field(default_factory=dict)
+    topics: dict[str, TopicSpec] = field(default_factory=dict)
+    controller_id: int = -1
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.agent_id = config.agent_id
+        self.zk = AsyncZooKeeper(
+            config.zookeeper,
+            session_timeout=config.session_timeout_ms / 1000,
+            request_timeout=config.request_timeout_ms / 1000,
+        )
+        self.store = MetadataStore(self.zk)
+        self.partitions = PartitionManager(config.agent_id, config.data_dir)
+        self.view = ClusterView()
+        self.apis = Apis(self)
+        self.server = AgentServer(
+            self.apis,
+            max_frame_bytes=config.max_frame_bytes,
+            max_in_flight=config.max_in_flight_per_connection,
+        )
+        self.controller = Controller(self)
+        self.fetchers = ReplicaFetchers(self)
+        self.registration: AgentRegistration | None = None
+        self.metrics_bytes_in = 0
+        self._pending: dict[tuple[str, int], PartitionState | None] = {}
+        self._changed = asyncio.Event()
+        self._watched_topics: dict[str, list[Callable[[], None]]] = {}
+        self._watched_partitions: set[tuple[str, int]] = set()
+        self._stop = asyncio.Event()
+        self._reregister = asyncio.Event()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self, on_ready: Callable[[str, int], None] | None = None) -> None:
+        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        await self.zk.start()
+        try:
+            await self.store.init()
+            self.zk.add_state_listener(self._on_session)
+            host, port = await self.server.start(self.config.listen_host, self.config.listen_port)
+            self.registration = AgentRegistration(
+                agent_id=self.agent_id,
+                host=self.config.advertised_host or host,
+                port=port,
+                started_ms=int(time.time() * 1000),
+            )
+            await self._register()
+            self.partitions.session_ok = True
+            self._watch_cluster()
+            if on_ready is not None:
+                on_ready(self.registration.host, port)
+            async with asyncio.TaskGroup() as tg:
+                tg.create_task(self._reconcile_loop(), name="reconciler")
+                tg.create_task(self.controller.run(), name="controller")
+                tg.create_task(self._registration_loop(), name="registration")
+                await self._stop.wait()
+                raise _Stop
+        except* _Stop:
+            pass
+        finally:
+            await self.fetchers.stop()
+            await self.server.stop()
+            await self.partitions.close()
+            await self.zk.stop()
+
+    # ---- registration and session -----------------------------------------------------------
+    async def _register(self) -> None:
+        """Create ``/agents/<id>``; wait out a previous incarnation's node (same id, old session)."""
+        assert self.registration is not None
+        deadline = time.monotonic() + self.config.session_timeout_ms / 1000 * 3 + 5
+        while True:
+            try:
+                await self.store.register_agent(self.registration)
+                return
+            except NodeExistsError:
+                stat = await self.zk.exists(agent_path(self.agent_id))
+                if stat is not None and stat.ephemeralOwner == self.zk.session_id:
+                    return
+                if time.monotonic() > deadline:
+                    raise
+                gone = asyncio.Event()
+
+                def on_change(data: bytes | None, stat: object, gone: asyncio.Event = gone) -> None:
+                    if data is None:
+                        gone.set()
+
+                cancel = self.zk.watch_data(agent_path(self.agent_id), on_change)
+                try:
+                    await asyncio.wait_for(gone.wait(), 1.0)
+                except TimeoutError:
+                    pass
+                finally:
+                    cancel()
+
+    def _on_session(self, state: SessionState) -> None:
+        # SUSPENDED: we may already have been replaced; stop leading until confirmed.
+        self.partitions.session_ok = state == SessionState.CONNECTED
+        if state == SessionState.LOST:
+            self._reregister.set()
+        if state == SessionState.CONNECTED:
+            self._reregister.set()
+
+    async def _registration_loop(self) -> None:
+        """After a session loss, the ephemeral node is gone: register again once reconnected."""
+        while True:
+            await self._reregister.wait()
+            self._reregister.clear()
+            await self.zk.connected.wait()
+            try:
+                await self._register()
+                self.partitions.session_ok = self.zk.state == SessionState.CONNECTED
+            except MetadataError as exc:
+                log.warning("re-registration failed: %s", exc)
+                self._reregister.set()
+                await asyncio.sleep(0.2)
+
+    # ---- watches ----------------------------------------------------------------------------
+    def _watch_cluster(self) -> None:
+        self.zk.watch_children(
+            AGENTS, lambda children: asyncio.ensure_future(self._agents_changed(children))
+        )
+        self.zk.watch_data(CONTROLLER, self._controller_changed)
+        self.zk.watch_children(TOPICS, self._topics_changed)
+
+    async def _agents_changed(self, children: list[str]) -> None:
+        agents = {}
+        for child in children:
+            try:
+                data, _ = await self.zk.get(agent_path(int(child)))
+                agents[int(child)] = load(AgentRegistration, data)
+            except MetadataError:
+                continue
+        self.view.agents = agents
+        self.controller.poke()
+        self.fetchers.update()
+
+    def _controller_changed(self, data: bytes | None, stat: object) -> None:
+        if data is None:
+            self.view.controller_id = -1
+            return
+        try:
+            self.view.controller_id = load(ControllerInfo, data).agent_id
+        except Exception:
+            self.view.controller_id = -1
+
+    def _topics_changed(self, children: list[str]) -> None:
+        self.controller.poke()
+        current = set(children)
+        for name in list(self._watched_topics):
+            if name not in current:
+                for cancel in self._watched_topics.pop(name):
+                    cancel()
+                self.view.topics.pop(name, None)
+                for key in [k for k in self._watched_partitions if k[0] == name]:
+                    self._watched_partitions.discard(key)
+                    self._pending[key] = None
+                self._changed.set()
+        for name in current - set(self._watched_topics):
+            self._watched_topics[name] = [
+                self.zk.watch_data(topic_path(name), lambda d, s, n=name: self._spec_changed(n, d)),
+                self.zk.watch_children(
+                    partitions_path(name), lambda c, n=name: self._partitions_changed(n, c)
+                ),
+            ]
+
+    def _spec_changed(self, name: str, data: bytes | None) -> None:
+        if data is None:
+            return
+        try:
+            self.view.topics[name] = load(TopicSpec, data)
+        except Exception as exc:
+            log.error("unreadable spec of topic %s: %s", name, exc)
+        self.controller.poke()
+
+    def _partitions_changed(self, name: str, children: list[str]) -> None:
+        for child in children:
+            key = (name, int(child))
+            if key in self._watched_partitions:
+                continue
+            self._watched_partitions.add(key)
+            self._watched_topics[name].append(
+                self.zk.watch_data(
+                    state_path(name, key[1]), lambda d, s, k=key: self._state_changed(k, d)
+                )
+            )
+
+    def _state_changed(self, key: tuple[str, int], data: bytes | None) -> None:
+        if key not in self._watched_partitions:
+            return
+        try:
+            self._pending[key] = None if data is None else load(PartitionState, data)
+        except Exception as exc:
+            log.error("unreadable state of %s-%d: %s", key[0], key[1], exc)
+            return
+        self._changed.set()
+
+    async def _reconcile_loop(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            pending, self._pending = self._pending, {}
+            for (topic, partition), state in pending.items():
+                spec = self.view.topics.get(topic)
+                if state is not None and spec is None:
+                    try:
+                        spec, _ = await self.store.get_topic(topic)
+                        self.view.topics[topic] = spec
+                    except Exception:
+                        continue
+                try:
+                    await self.partitions.apply(
+                        topic, partition, state, spec.config if spec else None
+                    )
+                except Exception:
+                    log.exception("cannot apply the state of %s-%d", topic, partition)
+            self.fetchers.update()
+
+
+class _Stop(Exception):
+    pass

@@ -1,0 +1,247 @@
+"""Request handlers: one coroutine per API, from decoded request to response body.
+
+Handlers never raise for a partition-level problem: each partition's result carries its own
+error code, so one bad partition cannot fail the others. Anything a client sent that is
+wrong (a corrupt batch, an oversized batch, an unknown topic) is answered with the typed
+error's code and leaves every log unchanged.
+
+Ordering: a produce handler appends to the log *before* its first ``await``. The server starts
+handlers in request order, so pipelined produce requests on one connection append in order,
+while their fsync waits overlap (group commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from storage.codec import check_batch, iter_batches
+from storage.errors import (
+    CorruptBatchError,
+    NotLeaderError,
+    OffsetOutOfRangeError,
+    RequestTimedOutError,
+    StrataError,
+    UnknownTopicOrPartitionError,
+    UnsupportedVersionError,
+)
+from storage.protocol import messages as m
+
+if TYPE_CHECKING:
+    from broker_agents.agent import Agent
+    from broker_agents.partitions import Partition
+
+Handler = Callable[[Any], Awaitable[m.Message]]
+
+
+def _code(exc: BaseException) -> int:
+    return exc.code if isinstance(exc, StrataError) else StrataError.code
+
+
+class Apis:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.pm = agent.partitions
+        self.handlers: dict[int, Handler] = {
+            m.ApiKey.API_VERSIONS: self.api_versions,
+            m.ApiKey.METADATA: self.metadata,
+            m.ApiKey.PRODUCE: self.produce,
+            m.ApiKey.FETCH: self.fetch,
+            m.ApiKey.LIST_OFFSETS: self.list_offsets,
+        }
+
+    # ---- ApiVersions ------------------------------------------------------------------------
+    async def api_versions(self, req: m.ApiVersionsRequest) -> m.ApiVersionsResponse:
+        return m.ApiVersionsResponse(
+            0, [m.ApiVersionRange(a.key, a.min_version, a.max_version) for a in m.APIS.values()]
+        )
+
+    # ---- Metadata ---------------------------------------------------------------------------
+    async def metadata(self, req: m.MetadataRequest) -> m.MetadataResponse:
+        view = self.agent.view
+        agents = [
+            m.AgentInfo(a.agent_id, a.host, a.port)
+            for a in sorted(view.agents.values(), key=lambda a: a.agent_id)
+        ]
+        names = sorted(view.topics) if req.topics is None else req.topics
+        topics = []
+        for name in names:
+            spec = view.topics.get(name)
+            if spec is None:
+                topics.append(m.TopicMetadata(UnknownTopicOrPartitionError.code, name, []))
+                continue
+            parts = []
+            for p in range(spec.partitions):
+                st = self.pm.latest.get((name, p))
+                if st is None:
+                    parts.append(m.PartitionMetadata(5, p, -1, -1, [], []))  # LEADER_NOT_AVAILABLE
+                else:
+                    err = 0 if st.leader >= 0 and st.leader in view.agents else 5
+                    parts.append(
+                        m.PartitionMetadata(err, p, st.leader, st.leader_epoch, st.replicas, st.isr)
+                    )
+            topics.append(m.TopicMetadata(0, name, parts))
+        return m.MetadataResponse(agents, view.controller_id, topics)
+
+    # ---- Produce ----------------------------------------------------------------------------
+    async def produce(self, req: m.ProduceRequest) -> m.ProduceResponse:
+        if req.acks not in (0, 1, -1):
+            raise UnsupportedVersionError(f"acks must be 0, 1 or -1 (all), got {req.acks}")
+        pending: list[tuple[m.ProducePartitionResult, Partition, int]] = []
+        out = []
+        for topic in req.topics:
+            results = []
+            for part in topic.partitions:
+                result = m.ProducePartitionResult(part.partition, 0, None, -1, -1, -1, -1)
+                try:
+                    p = self.pm.leader_for_write(topic.name, part.partition)
+                    result.leader_id, result.leader_epoch = p.state.leader, p.state.leader_epoch
+                    end = self._append(p, part.records, req.acks)
+                    result.base_offset = end[0]
+                    result.log_start_offset = p.log.log_start_offset
+                    pending.append((result, p, end[1]))
+                except StrataError as exc:
+                    result.error_code, result.error_message = exc.code, str(exc)
+                    if isinstance(exc, NotLeaderError):
+                        result.leader_id, result.leader_epoch = exc.leader_id, exc.leader_epoch
+                results.append(result)
+            out.append(m.ProduceTopicResult(topic.name, results))
+        if req.acks != 0 and pending:
+            await self._wait_durable(pending, req.timeout_ms)
+        return m.ProduceResponse(out)
+
+    def _append(self, p: Partition, records: Any, acks: int) -> tuple[int, int]:
+        """Check every batch, then append them all; (first offset, end offset). Synchronous."""
+        if acks == -1:
+            raise UnsupportedVersionError(
+                "acks=all needs the replication protocol (not in this version)"
+            )
+        if records is None or len(records) == 0:
+            raise CorruptBatchError("produce request without record batches")
+        limit = p.config.max_message_bytes
+        batches = []
+        for h, pos in iter_batches(records):
+            view = records[pos : pos + h.size]
+            check_batch(view, max_size=limit, deep=True)
+            batches.append(view)
+        first = -1
+        end = -1
+        for view in batches:
+            info = p.log.append(view, leader_epoch=p.state.leader_epoch, deep_check=False)
+            if first < 0:
+                first = info.base_offset
+            end = info.last_offset + 1
+        p.notify()
+        self.agent.metrics_bytes_in += len(records)
+        return first, end
+
+    async def _wait_durable(
+        self, pending: list[tuple[m.ProducePartitionResult, Partition, int]], timeout_ms: int
+    ) -> None:
+        async def one(result: m.ProducePartitionResult, p: Partition, end: int) -> None:
+            try:
+                await p.committer.wait_durable(end)
+            except StrataError as exc:
+                result.error_code, result.error_message = exc.code, str(exc)
+
+        tasks = [asyncio.ensure_future(one(*x)) for x in pending]
+        _done, not_done = await asyncio.wait(tasks, timeout=max(timeout_ms, 1) / 1000)
+        for t in not_done:
+            t.cancel()
+        for (result, _, _), t in zip(pending, tasks, strict=True):
+            if t in not_done:
+                result.error_code = RequestTimedOutError.code
+                result.error_message = f"not durable within {timeout_ms} ms"
+
+    # ---- Fetch ------------------------------------------------------------------------------
+    async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
+        deadline = time.monotonic() + max(req.max_wait_ms, 0) / 1000
+        while True:
+            waits: list[asyncio.Future[None]] = []
+            response, total, errors = self._collect(req, waits)
+            remaining = deadline - time.monotonic()
+            if total >= req.min_bytes or errors or remaining <= 0 or not waits:
+                return response
+            await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+
+    def _collect(
+        self, req: m.FetchRequest, waits: list[asyncio.Future[None]]
+    ) -> tuple[m.FetchResponse, int, bool]:
+        budget = max(req.max_bytes, 0)
+        total = 0
+        errors = False
+        topics = []
+        for topic in req.topics:
+            results = []
+            for fp in topic.partitions:
+                r = m.FetchPartitionResult(fp.partition, 0, -1, -1, -1, -1, None)
+                try:
+                    p = self._readable(topic.name, fp.partition, req.replica_id)
+                    r.high_watermark, r.log_start_offset = p.high_watermark, p.log.log_start_offset
+                    r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
+                    limit = min(fp.partition_max_bytes, budget) if total else fp.partition_max_bytes
+                    if limit > 0 or not total:
+                        chunk = p.log.read(
+                            fp.fetch_offset, max(limit, 1), max_offset=p.high_watermark
+                        )
+                        if len(chunk):
+                            r.records = chunk.data
+                            total += len(chunk)
+                            budget -= len(chunk)
+                    waits.append(p.data_arrived)
+                except StrataError as exc:
+                    r.error_code = exc.code
+                    errors = True
+                    if isinstance(exc, NotLeaderError):
+                        r.leader_id, r.leader_epoch = exc.leader_id, exc.leader_epoch
+                    if isinstance(exc, OffsetOutOfRangeError):
+                        p2 = self.pm.hosted(topic.name, fp.partition)
+                        if p2 is not None:
+                            r.high_watermark, r.log_start_offset = (
+                                p2.high_watermark,
+                                p2.log.log_start_offset,
+                            )
+                results.append(r)
+            topics.append(m.FetchTopicResult(topic.name, results))
+        return m.FetchResponse(topics), total, errors
+
+    def _readable(self, topic: str, partition: int, replica_id: int) -> Partition:
+        p = self.pm.hosted(topic, partition)
+        latest = self.pm.latest.get((topic, partition))
+        if latest is None:
+            raise UnknownTopicOrPartitionError(f"unknown topic or partition {topic}-{partition}")
+        if p is None or p.role != "leader":
+            raise NotLeaderError(
+                f"agent {self.agent.agent_id} does not lead {topic}-{partition}",
+                leader_id=latest.leader,
+                leader_epoch=latest.leader_epoch,
+            )
+        return p
+
+    # ---- ListOffsets ------------------------------------------------------------------------
+    async def list_offsets(self, req: m.ListOffsetsRequest) -> m.ListOffsetsResponse:
+        topics = []
+        for topic in req.topics:
+            results = []
+            for lp in topic.partitions:
+                r = m.ListOffsetsPartitionResult(lp.partition, 0, -1, -1, -1, -1)
+                try:
+                    p = self._readable(topic.name, lp.partition, m.CONSUMER_REPLICA_ID)
+                    r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
+                    if lp.timestamp == m.EARLIEST_TIMESTAMP:
+                        r.offset = p.log.log_start_offset
+                    elif lp.timestamp == m.LATEST_TIMESTAMP:
+                        r.offset = p.high_watermark
+                    else:
+                        found = p.log.offset_for_timestamp(lp.timestamp)
+                        r.offset = -1 if found is None or found >= p.high_watermark else found
+                        r.timestamp = lp.timestamp if found is not None else -1
+                except StrataError as exc:
+                    r.error_code = _code(exc)
+                    if isinstance(exc, NotLeaderError):
+                        r.leader_id, r.leader_epoch = exc.leader_id, exc.leader_epoch
+                results.append(r)
+            topics.append(m.ListOffsetsTopicResult(topic.name, results))
+        return m.ListOffsetsResponse(topics)

@@ -1,0 +1,187 @@
+"""The controller: one agent, elected through ZooKeeper, that assigns partitions and moves
+leadership when agents come and go.
+
+Election: the candidate bumps ``/controller_epoch`` (compare-and-set) and creates the
+ephemeral ``/controller`` node; whoever creates it is the controller until its session ends.
+The others watch the node and try again when it disappears. The controller epoch is written
+into every partition state it produces, so states from a deposed controller are recognisable.
+
+While in charge, the controller reconciles on every change of ``/agents`` or ``/topics``
+(and once a second as a safety net):
+
+* a partition without a state node gets a replica set of ``min(replication_factor, live
+  agents)`` distinct agents, placed round-robin from a per-topic starting point so leaders
+  and replicas spread evenly, and its first replica as leader with epoch 0;
+* a partition whose leader is not alive gets a new leader from its in-sync replicas that are
+  alive (epoch + 1). With none alive it goes offline (leader -1), unless the topic enables
+  ``unclean.leader.election.enable``, which takes any live replica. (The ISR is the replica
+  set until replication tracking lands; see the replication issue.)
+* an offline partition whose replica comes back gets it as leader (epoch + 1).
+
+Every write is a compare-and-set on the znode version; losing a race means re-reading on the
+next pass. A controller whose ZooKeeper session is suspended stops reconciling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import zlib
+from typing import TYPE_CHECKING
+
+from storage.errors import MetadataError, NodeExistsError, NodeNotFoundError
+from storage.metadata import PartitionState, SessionState
+from storage.metadata.store import CONTROLLER
+
+if TYPE_CHECKING:
+    from broker_agents.agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+class Controller:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.epoch: int | None = None
+        self._wake = asyncio.Event()
+        self.elections_won = 0
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        zk = self.agent.zk
+        while True:
+            await zk.connected.wait()
+            try:
+                info = await self.agent.store.try_become_controller(self.agent.agent_id)
+            except MetadataError as exc:
+                log.warning("controller election failed: %s", exc)
+                await asyncio.sleep(0.2)
+                continue
+            if info is None:
+                await self._wait_for_vacancy()
+                continue
+            self.epoch = info.epoch
+            self.elections_won += 1
+            log.info("agent %d is the controller (epoch %d)", self.agent.agent_id, info.epoch)
+            try:
+                await self._lead()
+            finally:
+                self.epoch = None
+                log.info("agent %d stopped acting as controller", self.agent.agent_id)
+
+    async def _wait_for_vacancy(self) -> None:
+        gone = asyncio.Event()
+
+        def on_change(data: bytes | None, stat: object) -> None:
+            if data is None:
+                gone.set()
+
+        cancel = self.agent.zk.watch_data(CONTROLLER, on_change)
+        try:
+            await gone.wait()
+        finally:
+            cancel()
+
+    async def _lead(self) -> None:
+        zk = self.agent.zk
+        while zk.state == SessionState.CONNECTED:
+            controller = await self._still_controller()
+            if not controller:
+                return
+            try:
+                await self.reconcile()
+            except MetadataError as exc:
+                log.warning("reconcile failed (will retry): %s", exc)
+            self._wake.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 1.0)
+
+    async def _still_controller(self) -> bool:
+        try:
+            info = await self.agent.store.get_controller()
+        except MetadataError:
+            return False
+        return (
+            info is not None and info.agent_id == self.agent.agent_id and info.epoch == self.epoch
+        )
+
+    async def reconcile(self) -> None:
+        store = self.agent.store
+        live = sorted(self.agent.view.agents)
+        if not live:
+            return
+        for name in await store.list_topics():
+            try:
+                spec, _ = await store.get_topic(name)
+            except MetadataError:
+                continue
+            except Exception:  # UnknownTopicOrPartitionError: deleted meanwhile
+                continue
+            states = await store.partition_states(name)
+            start = zlib.crc32(name.encode())
+            for p in range(spec.partitions):
+                current = states.get(p)
+                if current is None:
+                    await self._create(name, p, spec.replication_factor, live, start)
+                else:
+                    await self._maybe_elect(
+                        name,
+                        p,
+                        current[0],
+                        current[1],
+                        live,
+                        spec.config.unclean_leader_election_enable,
+                    )
+
+    async def _create(self, name: str, p: int, rf: int, live: list[int], start: int) -> None:
+        n = len(live)
+        count = min(rf, n)
+        first = (start + p) % n
+        replicas = [live[(first + j) % n] for j in range(count)]
+        state = PartitionState(
+            leader=replicas[0],
+            leader_epoch=0,
+            replicas=replicas,
+            isr=list(replicas),
+            controller_epoch=self.epoch or 0,
+        )
+        try:
+            await self.agent.store.create_partition_state(name, p, state)
+            log.info("created %s-%d: leader %d, replicas %s", name, p, state.leader, replicas)
+        except (NodeExistsError, NodeNotFoundError):
+            pass  # a racing controller made it, or the topic was deleted meanwhile
+
+    async def _maybe_elect(
+        self, name: str, p: int, state: PartitionState, version: int, live: list[int], unclean: bool
+    ) -> None:
+        alive = set(live)
+        if state.leader in alive:
+            return
+        candidates = [r for r in state.isr if r in alive]
+        if not candidates and unclean:
+            candidates = [r for r in state.replicas if r in alive]
+        new_leader = candidates[0] if candidates else -1
+        if new_leader == state.leader:
+            return
+        new = state.model_copy(
+            update={
+                "leader": new_leader,
+                "leader_epoch": state.leader_epoch + 1,
+                "controller_epoch": self.epoch or 0,
+            }
+        )
+        try:
+            await self.agent.store.cas_partition_state(name, p, new, version)
+            log.info(
+                "%s-%d: leader %d -> %d (epoch %d)",
+                name,
+                p,
+                state.leader,
+                new_leader,
+                new.leader_epoch,
+            )
+        except MetadataError as exc:
+            log.info("%s-%d: election lost a race (%s); will re-read", name, p, exc)

@@ -1,0 +1,165 @@
+"""Followers: copy the leader's batches, byte for byte, by fetching like a consumer.
+
+For every leader this agent follows partitions of, one named task keeps a connection to the
+leader and long-polls it with a Fetch request (``replica_id`` = this agent) for all those
+partitions from each local log end. Batches come back exactly as the leader stored them and
+are appended with the leader's base offset and leader epoch (the CRC is checked again; the
+body was deep-checked by the leader). A batch that does not start at the local log end is a
+divergence: the follower truncates to the leader's high watermark when it is ahead of it
+(the simple pre-KIP-101 rule; epoch-based truncation arrives with the replication issue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from typing import TYPE_CHECKING
+
+from storage.codec import iter_batches
+from storage.errors import OffsetOutOfRangeError, StrataError
+from storage.protocol import encode_request, parse_response, read_size
+from storage.protocol import messages as m
+
+if TYPE_CHECKING:
+    from broker_agents.agent import Agent
+    from broker_agents.partitions import Partition
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaFetchers:
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.tasks: dict[int, asyncio.Task[None]] = {}
+
+    def update(self) -> None:
+        """Start or stop per-leader fetch tasks to match the follower roles right now."""
+        leaders = {
+            p.state.leader
+            for p in self.agent.partitions.partitions.values()
+            if p.role == "follower" and p.state.leader >= 0
+        }
+        for leader in leaders - set(self.tasks):
+            self.tasks[leader] = asyncio.create_task(
+                self._follow(leader), name=f"replica-fetcher:{leader}"
+            )
+        for leader in set(self.tasks) - leaders:
+            self.tasks.pop(leader).cancel()
+
+    async def stop(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        self.tasks.clear()
+
+    def _followed(self, leader: int) -> list[Partition]:
+        return [
+            p
+            for p in self.agent.partitions.partitions.values()
+            if p.role == "follower" and p.state.leader == leader
+        ]
+
+    async def _follow(self, leader: int) -> None:
+        correlation = 0
+        backoff = 0.05
+        while True:
+            reg = self.agent.view.agents.get(leader)
+            if reg is None or not self._followed(leader):
+                await asyncio.sleep(0.1)
+                continue
+            try:
+                async with asyncio.timeout(5):
+                    reader, writer = await asyncio.open_connection(reg.host, reg.port)
+            except (OSError, TimeoutError):
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+                continue
+            try:
+                while True:
+                    partitions = self._followed(leader)
+                    if not partitions:
+                        break
+                    correlation += 1
+                    req = self._request(partitions)
+                    writer.writelines(
+                        encode_request(
+                            m.ApiKey.FETCH, correlation, f"agent-{self.agent.agent_id}", req
+                        )
+                    )
+                    await writer.drain()
+                    timeout = self.agent.config.replica_fetch_wait_max_ms / 1000 + 10
+                    async with asyncio.timeout(timeout):
+                        size = read_size(await reader.readexactly(4), 1 << 30)
+                        frame = parse_response(await reader.readexactly(size))
+                    err = frame.error()
+                    if err is not None:
+                        raise err
+                    self._apply(m.FetchResponse.decode(frame.body), partitions)
+                    backoff = 0.05
+            except (
+                OSError,
+                TimeoutError,
+                asyncio.IncompleteReadError,
+                StrataError,
+                struct.error,
+            ) as exc:
+                log.info("replica fetch from agent %d failed: %s", leader, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+            finally:
+                writer.close()
+                with contextlib.suppress(Exception):
+                    await writer.wait_closed()
+
+    def _request(self, partitions: list[Partition]) -> m.FetchRequest:
+        by_topic: dict[str, list[m.FetchPartition]] = {}
+        for p in partitions:
+            by_topic.setdefault(p.topic, []).append(
+                m.FetchPartition(
+                    p.index,
+                    p.log.log_end_offset,
+                    self.agent.config.replica_fetch_max_bytes,
+                    p.state.leader_epoch,
+                )
+            )
+        return m.FetchRequest(
+            self.agent.agent_id,
+            self.agent.config.replica_fetch_wait_max_ms,
+            1,
+            self.agent.config.replica_fetch_max_bytes,
+            0,
+            [m.FetchTopic(t, ps) for t, ps in by_topic.items()],
+        )
+
+    def _apply(self, resp: m.FetchResponse, partitions: list[Partition]) -> None:
+        hosted = {(p.topic, p.index): p for p in partitions}
+        for topic in resp.topics:
+            for r in topic.partitions:
+                p = hosted.get((topic.name, r.partition))
+                if p is None or p.role != "follower":
+                    continue
+                if r.error_code == OffsetOutOfRangeError.code:
+                    if p.log.log_end_offset > r.high_watermark >= 0:
+                        log.info(
+                            "%s-%d: truncating follower log to the leader's high watermark %d",
+                            p.topic,
+                            p.index,
+                            r.high_watermark,
+                        )
+                        p.log.truncate_to(r.high_watermark)
+                    continue
+                if r.error_code or r.records is None:
+                    continue
+                for h, pos in iter_batches(r.records):
+                    end = p.log.log_end_offset
+                    if h.next_offset <= end:
+                        continue  # already have it
+                    if h.base_offset != end:
+                        raise StrataError(
+                            f"{p.topic}-{p.index}: leader sent offset {h.base_offset}, log ends at {end}"
+                        )
+                    p.log.append(
+                        r.records[pos : pos + h.size], leader_epoch=h.leader_epoch, deep_check=False
+                    )

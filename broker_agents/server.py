@@ -1,0 +1,137 @@
+"""The agent's TCP server: frames in, handlers run, responses out in request order.
+
+Per connection, a reader task takes frames off the socket (``read_size`` + ``readexactly``;
+a size over ``max_frame_bytes`` or a negative size closes the connection, since the stream
+can no longer be trusted) and starts one handler task per request, in order. A writer task
+awaits those tasks in the same order and writes each response, so responses match request
+order whatever finishes first (pipelining), while slow requests (a long poll, an fsync wait)
+do not hold up the reading of the next ones. At most ``max_in_flight`` requests per connection
+are in progress; beyond that the reader stops reading (TCP backpressure).
+
+A request whose header parses but whose API is unknown or whose body does not parse gets an
+error response (``UNSUPPORTED_VERSION`` / ``INVALID_REQUEST``) and the connection stays open.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+from storage.errors import MalformedFrameError, StrataError, UnsupportedVersionError
+from storage.protocol import (
+    decode_request_body,
+    encode_error_response,
+    encode_response,
+    parse_request,
+    read_size,
+)
+from storage.protocol.messages import ApiKey
+
+log = logging.getLogger(__name__)
+
+_NO_RESPONSE = object()
+
+
+class AgentServer:
+    def __init__(
+        self,
+        apis: Any,
+        *,
+        max_frame_bytes: int,
+        max_in_flight: int = 64,
+        idle_timeout: float = 600.0,
+    ) -> None:
+        self.apis = apis
+        self.max_frame_bytes = max_frame_bytes
+        self.max_in_flight = max_in_flight
+        self.idle_timeout = idle_timeout
+        self.server: asyncio.Server | None = None
+        self.connections: set[asyncio.Task[None]] = set()
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self.server = await asyncio.start_server(self._on_connection, host, port, limit=1 << 20)
+        sock = self.server.sockets[0].getsockname()
+        return sock[0], sock[1]
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            for t in list(self.connections):
+                t.cancel()
+            await asyncio.gather(*self.connections, return_exceptions=True)
+
+    async def _on_connection(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.connections.add(task)
+        peer = writer.get_extra_info("peername")
+        queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
+        writer_task = asyncio.create_task(
+            self._write_responses(queue, writer), name=f"conn-writer:{peer}"
+        )
+        try:
+            await self._read_requests(reader, queue)
+        except (MalformedFrameError, UnsupportedVersionError) as exc:
+            log.warning("closing connection from %s: %s", peer, exc)
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
+            pass
+        finally:
+            with contextlib.suppress(asyncio.QueueFull):
+                queue.put_nowait(None)
+            if queue.full():
+                writer_task.cancel()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await writer_task
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            self.connections.discard(task)
+
+    async def _read_requests(self, reader: asyncio.StreamReader, queue: asyncio.Queue[Any]) -> None:
+        while True:
+            async with asyncio.timeout(self.idle_timeout):
+                prefix = await reader.readexactly(4)
+            size = read_size(prefix, self.max_frame_bytes)
+            async with asyncio.timeout(self.idle_timeout):
+                frame = await reader.readexactly(size)
+            request = parse_request(frame)
+            await queue.put(asyncio.ensure_future(self._handle(request)))
+
+    async def _handle(self, request: Any) -> Any:
+        try:
+            body = decode_request_body(request)
+        except StrataError as exc:
+            return encode_error_response(request.correlation_id, exc.code, str(exc))
+        handler = self.apis.handlers.get(request.api_key)
+        if handler is None:
+            return encode_error_response(
+                request.correlation_id,
+                UnsupportedVersionError.code,
+                f"API {request.api_key} is not served here",
+            )
+        try:
+            response = await handler(body)
+        except StrataError as exc:
+            return encode_error_response(request.correlation_id, exc.code, str(exc))
+        except Exception as exc:  # a bug: answer and keep serving the others
+            log.exception("handler for API %s failed", request.api_key)
+            return encode_error_response(
+                request.correlation_id, StrataError.code, f"internal error: {exc!r}"
+            )
+        if request.api_key == ApiKey.PRODUCE and body.acks == 0:  # type: ignore[attr-defined]
+            return _NO_RESPONSE
+        return encode_response(request.correlation_id, response)
+
+    async def _write_responses(
+        self, queue: asyncio.Queue[Any], writer: asyncio.StreamWriter
+    ) -> None:
+        while (fut := await queue.get()) is not None:
+            parts = await fut
+            if parts is _NO_RESPONSE:
+                continue
+            writer.writelines(parts)
+            await writer.drain()

@@ -1,0 +1,123 @@
+"""What Strata keeps in ZooKeeper, as validated pydantic models (stored as JSON).
+
+Topic configs accept Kafka's dotted names (``retention.ms``, ``min.insync.replicas``); a bad
+name or value raises ``InvalidConfigError`` / ``InvalidTopicError`` with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from storage.config import LogConfig
+from storage.errors import InvalidConfigError, InvalidPartitionsError, InvalidTopicError
+
+_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
+MAX_PARTITIONS = 10_000
+DAY_MS = 24 * 3600 * 1000
+
+
+def validate_topic_name(name: Any) -> str:
+    """Kafka's rule: 1-249 of ``[a-zA-Z0-9._-]``, and not ``.`` or ``..``."""
+    if not isinstance(name, str) or not _TOPIC_NAME.fullmatch(name) or name in {".", ".."}:
+        raise InvalidTopicError(
+            f"invalid topic name {name!r}: use 1-249 characters of [a-zA-Z0-9._-], not '.' or '..'"
+        )
+    return name
+
+
+class TopicConfig(LogConfig):
+    """Per-topic settings: the local log's (``LogConfig``) plus retention and replication."""
+
+    retention_ms: int = Field(14 * DAY_MS, alias="retention.ms", ge=-1)
+    retention_bytes: int = Field(-1, alias="retention.bytes", ge=-1)
+    local_retention_ms: int = Field(-2, alias="local.retention.ms", ge=-2)
+    local_retention_bytes: int = Field(-2, alias="local.retention.bytes", ge=-2)
+    min_insync_replicas: int = Field(1, alias="min.insync.replicas", ge=1)
+    unclean_leader_election_enable: bool = Field(False, alias="unclean.leader.election.enable")
+
+    def log_config(self) -> LogConfig:
+        return LogConfig.model_validate({k: getattr(self, k) for k in LogConfig.model_fields})
+
+    def to_wire(self) -> dict[str, Any]:
+        """The config with Kafka's dotted names (what the admin API shows)."""
+        return self.model_dump(by_alias=True, mode="json")
+
+    def updated(self, changes: dict[str, Any]) -> TopicConfig:
+        merged = {**self.to_wire(), **changes}
+        result: TopicConfig = TopicConfig.parse(merged)
+        return result
+
+
+class TopicSpec(BaseModel):
+    """``/topics/<name>``: what the admin asked for; the controller makes it so."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    partitions: int = Field(ge=1, le=MAX_PARTITIONS)
+    replication_factor: int = Field(ge=1, le=16)
+    config: TopicConfig = Field(default_factory=TopicConfig)
+    topic_id: str
+    created_ms: int
+
+    @classmethod
+    def build(cls, **values: Any) -> TopicSpec:
+        validate_topic_name(values.get("name"))
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            bad = {str(e["loc"][0]) for e in exc.errors()}
+            if "partitions" in bad:
+                raise InvalidPartitionsError(str(exc)) from None
+            raise InvalidConfigError(str(exc)) from None
+
+
+class PartitionState(BaseModel):
+    """``/topics/<name>/partitions/<p>/state``: leader, leader epoch, replicas and ISR.
+
+    Written by the controller with compare-and-set on the znode version; every change of
+    leader bumps ``leader_epoch``, the fencing token agents check before acting as leader.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    leader: int  # -1: offline
+    leader_epoch: int
+    replicas: list[int]
+    isr: list[int]
+    controller_epoch: int
+
+
+class AgentRegistration(BaseModel):
+    """``/agents/<id>`` (ephemeral): where an agent listens."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    agent_id: int = Field(ge=0)
+    host: str
+    port: int = Field(ge=1, le=65535)
+    started_ms: int
+
+
+class ControllerInfo(BaseModel):
+    """``/controller`` (ephemeral): who is the controller, and its epoch."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    agent_id: int
+    epoch: int
+
+
+def dump(model: BaseModel) -> bytes:
+    return model.model_dump_json(by_alias=True).encode()
+
+
+def load(cls: type[Any], data: bytes) -> Any:
+    try:
+        return cls.model_validate(json.loads(data))
+    except (ValueError, ValidationError) as exc:
+        raise InvalidConfigError(f"stored {cls.__name__} does not parse: {exc}") from None

@@ -1,0 +1,295 @@
+"""The one asyncio adapter over kazoo (ZooKeeper).
+
+kazoo runs its own threads; everything it reports is bridged into the event loop here and
+nowhere else:
+
+* every ``*_async`` call becomes an awaitable with a deadline (``request_timeout``);
+* kazoo exceptions are translated at this boundary into ``storage.errors`` types
+  (``NodeNotFoundError``, ``NodeExistsError``, ``VersionConflictError``,
+  ``MetadataUnavailableError``);
+* connection state changes are delivered on the loop. The rule for callers (STYLE point 7):
+  ``SUSPENDED`` means "stop acting as a leader until reconnected" — the session may already
+  be gone; ``LOST`` means the session expired and every ephemeral node of ours is deleted;
+  ``CONNECTED`` after ``SUSPENDED`` means the session survived;
+* watches (``watch_children`` / ``watch_data``) use kazoo's ChildrenWatch / DataWatch recipes,
+  which re-arm themselves, and call their callback on the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+from kazoo.client import KazooClient
+from kazoo.exceptions import (
+    BadVersionError,
+    ConnectionLoss,
+    KazooException,
+    NoNodeError,
+    NotEmptyError,
+    OperationTimeoutError,
+    SessionExpiredError,
+)
+from kazoo.exceptions import (
+    NodeExistsError as KazooNodeExists,
+)
+from kazoo.handlers.threading import KazooTimeoutError
+from kazoo.protocol.states import KazooState, ZnodeStat
+
+from storage.errors import (
+    MetadataError,
+    MetadataUnavailableError,
+    NodeExistsError,
+    NodeNotFoundError,
+    VersionConflictError,
+)
+
+log = logging.getLogger(__name__)
+# kazoo warns when the chroot does not exist yet; ``start`` creates it right after connecting
+warnings.filterwarnings("ignore", message="No chroot path exists", category=UserWarning)
+
+
+class SessionState(enum.Enum):
+    CONNECTED = "connected"
+    SUSPENDED = "suspended"
+    LOST = "lost"
+
+
+def translate(exc: BaseException, what: str) -> MetadataError:
+    if isinstance(exc, NoNodeError):
+        return NodeNotFoundError(f"{what}: no such node")
+    if isinstance(exc, KazooNodeExists):
+        return NodeExistsError(f"{what}: node exists")
+    if isinstance(exc, BadVersionError):
+        return VersionConflictError(f"{what}: version changed under us")
+    if isinstance(exc, NotEmptyError):
+        return MetadataError(f"{what}: node has children")
+    if isinstance(
+        exc,
+        (
+            ConnectionLoss,
+            SessionExpiredError,
+            OperationTimeoutError,
+            KazooTimeoutError,
+            TimeoutError,
+        ),
+    ):
+        return MetadataUnavailableError(f"{what}: ZooKeeper unavailable ({type(exc).__name__})")
+    if isinstance(exc, KazooException):
+        return MetadataError(f"{what}: {type(exc).__name__}: {exc}")
+    return MetadataError(f"{what}: {exc!r}")
+
+
+class AsyncZooKeeper:
+    """An asyncio face for one ZooKeeper session (``hosts`` may end in a chroot path)."""
+
+    def __init__(
+        self,
+        hosts: str,
+        *,
+        session_timeout: float = 10.0,
+        connect_timeout: float = 15.0,
+        request_timeout: float = 10.0,
+    ) -> None:
+        self.hosts = hosts
+        self.request_timeout = request_timeout
+        self.connect_timeout = connect_timeout
+        self.client = KazooClient(
+            hosts=hosts,
+            timeout=session_timeout,
+            connection_retry={"max_tries": -1, "max_delay": 1.0},
+        )
+        self.state = SessionState.LOST
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._listeners: list[Callable[[SessionState], None]] = []
+        self.connected = asyncio.Event()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.client.add_listener(self._on_state)
+        try:
+            await asyncio.to_thread(self.client.start, self.connect_timeout)
+        except BaseException as exc:
+            await asyncio.to_thread(self.client.stop)
+            raise translate(exc, f"connect to {self.hosts}") from exc
+        self._set_state(SessionState.CONNECTED)
+        # a chroot must exist before anything under it can be created
+        chroot = self.client.chroot
+        if chroot:
+            self.client.chroot = ""
+            try:
+                await self._call(self.client.ensure_path_async(chroot), f"ensure {chroot}")
+            finally:
+                self.client.chroot = chroot
+
+    async def stop(self) -> None:
+        self.client.remove_listener(self._on_state)
+        await asyncio.to_thread(self.client.stop)
+        await asyncio.to_thread(self.client.close)
+        self._set_state(SessionState.LOST)
+
+    @property
+    def session_id(self) -> int | None:
+        sid = self.client.client_id
+        return None if sid is None else int(sid[0])
+
+    def add_state_listener(self, fn: Callable[[SessionState], None]) -> None:
+        """``fn(state)`` is called on the event loop at every connection state change."""
+        self._listeners.append(fn)
+
+    def _on_state(self, state: str) -> None:  # kazoo thread
+        mapped = {
+            KazooState.CONNECTED: SessionState.CONNECTED,
+            KazooState.SUSPENDED: SessionState.SUSPENDED,
+            KazooState.LOST: SessionState.LOST,
+        }[state]
+        if self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._set_state, mapped)
+
+    def _set_state(self, state: SessionState) -> None:
+        if state == self.state:
+            return
+        log.info("zookeeper session %s -> %s", self.state.value, state.value)
+        self.state = state
+        if state == SessionState.CONNECTED:
+            self.connected.set()
+        else:
+            self.connected.clear()
+        for fn in list(self._listeners):
+            fn(state)
+
+    # ---- calls ------------------------------------------------------------------------
+    async def _call(self, result: Any, what: str) -> Any:
+        """Await a kazoo IAsyncResult with the request deadline, translating errors."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def done(r: Any) -> None:  # kazoo thread
+            def settle() -> None:
+                if fut.done():
+                    return
+                try:
+                    fut.set_result(r.get_nowait())
+                except BaseException as exc:
+                    fut.set_exception(exc)
+
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(settle)
+
+        result.rawlink(done)
+        try:
+            return await asyncio.wait_for(fut, self.request_timeout)
+        except MetadataError:
+            raise
+        except (KazooException, TimeoutError, OSError) as exc:
+            raise translate(exc, what) from exc
+
+    async def get(self, path: str) -> tuple[bytes, ZnodeStat]:
+        value: tuple[bytes, ZnodeStat] = await self._call(
+            self.client.get_async(path), f"get {path}"
+        )
+        return value
+
+    async def exists(self, path: str) -> ZnodeStat | None:
+        stat: ZnodeStat | None = await self._call(self.client.exists_async(path), f"exists {path}")
+        return stat
+
+    async def get_children(self, path: str) -> list[str]:
+        children: list[str] = await self._call(
+            self.client.get_children_async(path), f"children {path}"
+        )
+        return children
+
+    async def create(
+        self,
+        path: str,
+        data: bytes = b"",
+        *,
+        ephemeral: bool = False,
+        sequence: bool = False,
+        makepath: bool = False,
+    ) -> str:
+        created: str = await self._call(
+            self.client.create_async(
+                path, data, ephemeral=ephemeral, sequence=sequence, makepath=makepath
+            ),
+            f"create {path}",
+        )
+        return created
+
+    async def set(self, path: str, data: bytes, version: int = -1) -> ZnodeStat:
+        stat: ZnodeStat = await self._call(
+            self.client.set_async(path, data, version), f"set {path}"
+        )
+        return stat
+
+    async def delete(self, path: str, version: int = -1, *, recursive: bool = False) -> None:
+        if recursive:
+            try:
+                await asyncio.wait_for(
+                    asyncio.to_thread(self.client.delete, path, version, True),
+                    self.request_timeout * 3,
+                )
+            except (KazooException, TimeoutError) as exc:
+                raise translate(exc, f"delete {path}") from exc
+            return
+        await self._call(self.client.delete_async(path, version), f"delete {path}")
+
+    async def ensure_path(self, path: str) -> None:
+        await self._call(self.client.ensure_path_async(path), f"ensure {path}")
+
+    async def transaction(self, build: Callable[[Any], None]) -> list[Any]:
+        """Run ``build(tx)`` (kazoo TransactionRequest ops) and commit atomically."""
+        tx = self.client.transaction()
+        build(tx)
+        results: list[Any] = await self._call(tx.commit_async(), "transaction")
+        for r in results:
+            if isinstance(r, BaseException):
+                raise translate(r, "transaction")
+        return results
+
+    # ---- watches ----------------------------------------------------------------------
+    def watch_children(
+        self, path: str, callback: Callable[[list[str]], None]
+    ) -> Callable[[], None]:
+        """Call ``callback(children)`` on the loop now and at every change; returns a canceller."""
+        loop = asyncio.get_running_loop()
+        active = [True]
+
+        def on_change(children: list[str] | None) -> bool:  # kazoo thread
+            if not active[0] or loop.is_closed():
+                return False
+            loop.call_soon_threadsafe(lambda: active[0] and callback(list(children or [])))
+            return True
+
+        self.client.ChildrenWatch(path, on_change, allow_session_lost=True)
+
+        def cancel() -> None:
+            active[0] = False
+
+        return cancel
+
+    def watch_data(
+        self, path: str, callback: Callable[[bytes | None, ZnodeStat | None], None]
+    ) -> Callable[[], None]:
+        """Call ``callback(data, stat)`` on the loop now and at every change (None: no node)."""
+        loop = asyncio.get_running_loop()
+        active = [True]
+
+        def on_change(data: bytes | None, stat: ZnodeStat | None, event: Any = None) -> bool:
+            if not active[0] or loop.is_closed():
+                return False
+            loop.call_soon_threadsafe(lambda: active[0] and callback(data, stat))
+            return True
+
+        self.client.DataWatch(path, on_change)
+
+        def cancel() -> None:
+            active[0] = False
+
+        return cancel

@@ -1,0 +1,322 @@
+"""Request and response bodies of every API, version 0.
+
+Each API has a key (``ApiKey``), a request dataclass and a response dataclass; ``APIS`` maps
+one to the other. Field order in a dataclass is its order on the wire. Partition-level errors
+travel as ``error_code`` fields (0 = none) next to the data, so one bad partition never fails
+a whole request; a response to a request that could not be handled at all carries a non-zero
+code in the response header instead (see ``frames``).
+
+Conventions (as in Kafka): ``acks`` 0 / 1 / -1 (all); ``leader_id`` -1 = unknown; ListOffsets
+``timestamp`` -1 = latest, -2 = earliest; Fetch ``replica_id`` -1 = a consumer.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from storage.protocol.schema import (
+    BYTES,
+    INT8,
+    INT16,
+    INT32,
+    INT64,
+    STRING,
+    Array,
+    Message,
+    struct_of,
+)
+
+
+class ApiKey(enum.IntEnum):
+    API_VERSIONS = 0
+    METADATA = 1
+    PRODUCE = 2
+    FETCH = 3
+    LIST_OFFSETS = 4
+
+
+LATEST_TIMESTAMP = -1
+EARLIEST_TIMESTAMP = -2
+CONSUMER_REPLICA_ID = -1
+
+
+# ---- ApiVersions ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class ApiVersionsRequest(Message):
+    SCHEMA = ()
+
+
+@dataclass(slots=True)
+class ApiVersionRange(Message):
+    api_key: int
+    min_version: int
+    max_version: int
+    SCHEMA = (("api_key", INT16), ("min_version", INT16), ("max_version", INT16))
+
+
+@dataclass(slots=True)
+class ApiVersionsResponse(Message):
+    error_code: int
+    api_keys: list[ApiVersionRange]
+    SCHEMA = (("error_code", INT16), ("api_keys", Array(struct_of(ApiVersionRange))))
+
+
+# ---- Metadata ---------------------------------------------------------------------------------
+@dataclass(slots=True)
+class MetadataRequest(Message):
+    topics: list[str] | None = None  # None = every topic
+    SCHEMA = (("topics", Array(STRING)),)
+
+
+@dataclass(slots=True)
+class AgentInfo(Message):
+    agent_id: int
+    host: str
+    port: int
+    SCHEMA = (("agent_id", INT32), ("host", STRING), ("port", INT32))
+
+
+@dataclass(slots=True)
+class PartitionMetadata(Message):
+    error_code: int
+    partition: int
+    leader_id: int
+    leader_epoch: int
+    replicas: list[int]
+    isr: list[int]
+    SCHEMA = (
+        ("error_code", INT16),
+        ("partition", INT32),
+        ("leader_id", INT32),
+        ("leader_epoch", INT32),
+        ("replicas", Array(INT32)),
+        ("isr", Array(INT32)),
+    )
+
+
+@dataclass(slots=True)
+class TopicMetadata(Message):
+    error_code: int
+    name: str
+    partitions: list[PartitionMetadata]
+    SCHEMA = (
+        ("error_code", INT16),
+        ("name", STRING),
+        ("partitions", Array(struct_of(PartitionMetadata))),
+    )
+
+
+@dataclass(slots=True)
+class MetadataResponse(Message):
+    agents: list[AgentInfo]
+    controller_id: int
+    topics: list[TopicMetadata]
+    SCHEMA = (
+        ("agents", Array(struct_of(AgentInfo))),
+        ("controller_id", INT32),
+        ("topics", Array(struct_of(TopicMetadata))),
+    )
+
+
+# ---- Produce ----------------------------------------------------------------------------------
+@dataclass(slots=True)
+class ProducePartition(Message):
+    partition: int
+    records: Any  # one or more whole record batches (bytes-like)
+    SCHEMA = (("partition", INT32), ("records", BYTES))
+
+
+@dataclass(slots=True)
+class ProduceTopic(Message):
+    name: str
+    partitions: list[ProducePartition]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(ProducePartition))))
+
+
+@dataclass(slots=True)
+class ProduceRequest(Message):
+    acks: int
+    timeout_ms: int
+    topics: list[ProduceTopic]
+    SCHEMA = (("acks", INT16), ("timeout_ms", INT32), ("topics", Array(struct_of(ProduceTopic))))
+
+
+@dataclass(slots=True)
+class ProducePartitionResult(Message):
+    partition: int
+    error_code: int
+    error_message: str | None
+    base_offset: int
+    log_start_offset: int
+    leader_id: int
+    leader_epoch: int
+    SCHEMA = (
+        ("partition", INT32),
+        ("error_code", INT16),
+        ("error_message", STRING),
+        ("base_offset", INT64),
+        ("log_start_offset", INT64),
+        ("leader_id", INT32),
+        ("leader_epoch", INT32),
+    )
+
+
+@dataclass(slots=True)
+class ProduceTopicResult(Message):
+    name: str
+    partitions: list[ProducePartitionResult]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(ProducePartitionResult))))
+
+
+@dataclass(slots=True)
+class ProduceResponse(Message):
+    topics: list[ProduceTopicResult]
+    SCHEMA = (("topics", Array(struct_of(ProduceTopicResult))),)
+
+
+# ---- Fetch ------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class FetchPartition(Message):
+    partition: int
+    fetch_offset: int
+    partition_max_bytes: int
+    current_leader_epoch: int = -1  # -1: do not check
+    SCHEMA = (
+        ("partition", INT32),
+        ("fetch_offset", INT64),
+        ("partition_max_bytes", INT32),
+        ("current_leader_epoch", INT32),
+    )
+
+
+@dataclass(slots=True)
+class FetchTopic(Message):
+    name: str
+    partitions: list[FetchPartition]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(FetchPartition))))
+
+
+@dataclass(slots=True)
+class FetchRequest(Message):
+    replica_id: int
+    max_wait_ms: int
+    min_bytes: int
+    max_bytes: int
+    isolation_level: int
+    topics: list[FetchTopic]
+    SCHEMA = (
+        ("replica_id", INT32),
+        ("max_wait_ms", INT32),
+        ("min_bytes", INT32),
+        ("max_bytes", INT32),
+        ("isolation_level", INT8),
+        ("topics", Array(struct_of(FetchTopic))),
+    )
+
+
+@dataclass(slots=True)
+class FetchPartitionResult(Message):
+    partition: int
+    error_code: int
+    high_watermark: int
+    log_start_offset: int
+    leader_id: int
+    leader_epoch: int
+    records: Any  # whole batches exactly as stored (may start before fetch_offset)
+    SCHEMA = (
+        ("partition", INT32),
+        ("error_code", INT16),
+        ("high_watermark", INT64),
+        ("log_start_offset", INT64),
+        ("leader_id", INT32),
+        ("leader_epoch", INT32),
+        ("records", BYTES),
+    )
+
+
+@dataclass(slots=True)
+class FetchTopicResult(Message):
+    name: str
+    partitions: list[FetchPartitionResult]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(FetchPartitionResult))))
+
+
+@dataclass(slots=True)
+class FetchResponse(Message):
+    topics: list[FetchTopicResult]
+    SCHEMA = (("topics", Array(struct_of(FetchTopicResult))),)
+
+
+# ---- ListOffsets ------------------------------------------------------------------------------
+@dataclass(slots=True)
+class ListOffsetsPartition(Message):
+    partition: int
+    timestamp: int
+    SCHEMA = (("partition", INT32), ("timestamp", INT64))
+
+
+@dataclass(slots=True)
+class ListOffsetsTopic(Message):
+    name: str
+    partitions: list[ListOffsetsPartition]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(ListOffsetsPartition))))
+
+
+@dataclass(slots=True)
+class ListOffsetsRequest(Message):
+    topics: list[ListOffsetsTopic]
+    SCHEMA = (("topics", Array(struct_of(ListOffsetsTopic))),)
+
+
+@dataclass(slots=True)
+class ListOffsetsPartitionResult(Message):
+    partition: int
+    error_code: int
+    timestamp: int
+    offset: int  # -1 when no record has a timestamp at or after the one asked for
+    leader_id: int
+    leader_epoch: int
+    SCHEMA = (
+        ("partition", INT32),
+        ("error_code", INT16),
+        ("timestamp", INT64),
+        ("offset", INT64),
+        ("leader_id", INT32),
+        ("leader_epoch", INT32),
+    )
+
+
+@dataclass(slots=True)
+class ListOffsetsTopicResult(Message):
+    name: str
+    partitions: list[ListOffsetsPartitionResult]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(ListOffsetsPartitionResult))))
+
+
+@dataclass(slots=True)
+class ListOffsetsResponse(Message):
+    topics: list[ListOffsetsTopicResult]
+    SCHEMA = (("topics", Array(struct_of(ListOffsetsTopicResult))),)
+
+
+@dataclass(frozen=True, slots=True)
+class Api:
+    key: ApiKey
+    request: type[Message]
+    response: type[Message]
+    min_version: int = 0
+    max_version: int = 0
+
+
+APIS: dict[int, Api] = {
+    a.key: a
+    for a in (
+        Api(ApiKey.API_VERSIONS, ApiVersionsRequest, ApiVersionsResponse),
+        Api(ApiKey.METADATA, MetadataRequest, MetadataResponse),
+        Api(ApiKey.PRODUCE, ProduceRequest, ProduceResponse),
+        Api(ApiKey.FETCH, FetchRequest, FetchResponse),
+        Api(ApiKey.LIST_OFFSETS, ListOffsetsRequest, ListOffsetsResponse),
+    )
+}
