@@ -1,0 +1,252 @@
+"""Real agent processes on loopback for integration tests, plus a raw protocol client.
+
+``Cluster`` starts ``python -m broker_agents.main`` children through the test's
+``ProcessGroup`` (so every one is stopped at teardown, even on failure), waits for each to
+print its "listening" line, and can kill (-9), stop and restart them. ``WireClient`` speaks
+the protocol with ``storage.protocol`` directly, for tests that must send what no SDK would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
+from storage.protocol import encode_request, parse_response, read_size
+from storage.protocol import messages as m
+from tests.harness import ManagedProcess, ProcessGroup, ZooKeeperChroot
+
+ROOT = Path(__file__).resolve().parent.parent
+SESSION_TIMEOUT_MS = 4000
+
+
+@dataclass
+class AgentHandle:
+    agent_id: int
+    process: ManagedProcess
+    host: str
+    port: int
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class Cluster:
+    def __init__(
+        self,
+        processes: ProcessGroup,
+        zk: ZooKeeperChroot,
+        data_root: Path,
+        *,
+        session_timeout_ms: int = SESSION_TIMEOUT_MS,
+    ) -> None:
+        self.processes = processes
+        self.zk = zk
+        self.data_root = data_root
+        self.session_timeout_ms = session_timeout_ms
+        self.agents: dict[int, AgentHandle] = {}
+
+    # ---- processes --------------------------------------------------------------------
+    def start_agent(self, agent_id: int, *configs: str, timeout: float = 30.0) -> AgentHandle:
+        argv = [
+            sys.executable,
+            "-m",
+            "broker_agents.main",
+            "--agent-id",
+            str(agent_id),
+            "--zookeeper",
+            self.zk.connect_string,
+            "--data-dir",
+            str(self.data_root / f"agent-{agent_id}"),
+            "--session-timeout-ms",
+            str(self.session_timeout_ms),
+        ]
+        for c in configs:
+            argv += ["--config", c]
+        proc = self.processes.start(argv, name=f"agent-{agent_id}", cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in proc.log_text().splitlines():
+                if line.startswith('{"event": "listening"'):
+                    info = json.loads(line)
+                    handle = AgentHandle(agent_id, proc, info["host"], info["port"])
+                    self.agents[agent_id] = handle
+                    return handle
+            if not proc.alive:
+                raise RuntimeError(
+                    f"agent {agent_id} exited while starting:\n{proc.log_text()[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"agent {agent_id} not listening after {timeout} s:\n{proc.log_text()[-3000:]}"
+                )
+            time.sleep(0.02)
+
+    def start(self, n: int) -> list[AgentHandle]:
+        return [self.start_agent(i) for i in range(1, n + 1)]
+
+    def kill(self, agent_id: int, sig: int = signal.SIGKILL) -> None:
+        handle = self.agents[agent_id]
+        self.processes.kill(handle.process.pid, sig)
+        if sig == signal.SIGKILL:
+            handle.process.wait(10)
+
+    def stop(self, agent_id: int) -> None:
+        self.processes.stop(self.agents[agent_id].process.pid)
+
+    def alive(self) -> list[AgentHandle]:
+        return [a for a in self.agents.values() if a.process.alive]
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(a.address for a in self.alive())
+
+    # ---- metadata ---------------------------------------------------------------------
+    def create_topic(
+        self,
+        name: str,
+        partitions: int,
+        replication_factor: int = 1,
+        configs: dict[str, Any] | None = None,
+    ) -> None:
+        async def run() -> None:
+            zk = AsyncZooKeeper(self.zk.connect_string)
+            await zk.start()
+            try:
+                spec = TopicSpec.build(
+                    name=name,
+                    partitions=partitions,
+                    replication_factor=replication_factor,
+                    config=configs or {},
+                    topic_id=uuid.uuid4().hex,
+                    created_ms=int(time.time() * 1000),
+                )
+                await MetadataStore(zk).create_topic(spec)
+            finally:
+                await zk.stop()
+
+        asyncio.run(run())
+
+    def metadata(self, topics: list[str] | None = None) -> m.MetadataResponse:
+        last: Exception | None = None
+        for agent in self.alive():
+            try:
+                resp: m.MetadataResponse = asyncio.run(
+                    WireClient.call_once(
+                        agent.host, agent.port, m.ApiKey.METADATA, m.MetadataRequest(topics)
+                    )
+                )
+                return resp
+            except (OSError, TimeoutError) as exc:
+                last = exc
+        raise RuntimeError(f"no agent answered Metadata: {last}")
+
+    def wait_for_leaders(
+        self, topic: str, *, timeout: float = 30.0, exclude: set[int] | None = None
+    ) -> dict[int, m.PartitionMetadata]:
+        """Poll Metadata until every partition of ``topic`` has a live leader (not in ``exclude``)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            md = self.metadata([topic])
+            live = {a.agent_id for a in md.agents}
+            t = md.topics[0]
+            if (
+                t.error_code == 0
+                and t.partitions
+                and all(
+                    p.error_code == 0
+                    and p.leader_id in live
+                    and p.leader_id not in (exclude or set())
+                    for p in t.partitions
+                )
+            ):
+                return {p.partition: p for p in t.partitions}
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"partitions of {topic} without a live leader: {t}")
+            time.sleep(0.05)
+
+
+class WireClient:
+    """A raw protocol connection to one agent (asyncio)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.correlation = 0
+
+    @classmethod
+    async def connect(cls, host: str, port: int) -> WireClient:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+        return cls(reader, writer)
+
+    async def send(self, key: int, body: m.Message, *, version: int = 0) -> int:
+        self.correlation += 1
+        self.writer.writelines(
+            encode_request(key, self.correlation, "test", body, api_version=version)
+        )
+        await self.writer.drain()
+        return self.correlation
+
+    async def receive(self, timeout: float = 10.0) -> Any:
+        async with asyncio.timeout(timeout):
+            size = read_size(await self.reader.readexactly(4), 1 << 30)
+            return parse_response(await self.reader.readexactly(size))
+
+    async def call(self, key: int, body: m.Message, timeout: float = 10.0) -> Any:
+        cid = await self.send(key, body)
+        frame = await self.receive(timeout)
+        assert frame.correlation_id == cid
+        err = frame.error()
+        if err is not None:
+            raise err
+        return m.APIS[key].response.decode(frame.body)
+
+    async def close(self) -> None:
+        self.writer.close()
+        try:
+            await self.writer.wait_closed()
+        except OSError:
+            pass
+
+    @classmethod
+    async def call_once(cls, host: str, port: int, key: int, body: m.Message) -> Any:
+        client = await cls.connect(host, port)
+        try:
+            return await client.call(key, body)
+        finally:
+            await client.close()
+
+
+def produce_request(
+    topic: str, partition: int, records: Any, acks: int = 1, timeout_ms: int = 10000
+) -> m.ProduceRequest:
+    return m.ProduceRequest(
+        acks, timeout_ms, [m.ProduceTopic(topic, [m.ProducePartition(partition, records)])]
+    )
+
+
+def fetch_request(
+    topic: str,
+    partition: int,
+    offset: int,
+    *,
+    max_wait_ms: int = 0,
+    min_bytes: int = 1,
+    max_bytes: int = 1 << 20,
+) -> m.FetchRequest:
+    return m.FetchRequest(
+        -1,
+        max_wait_ms,
+        min_bytes,
+        max_bytes,
+        0,
+        [m.FetchTopic(topic, [m.FetchPartition(partition, offset, max_bytes)])],
+    )

@@ -1,0 +1,295 @@
+"""One real agent process, spoken to with raw protocol frames: bad input and long polling.
+
+Every bad input gets a typed error (or, for framing garbage, a closed connection), the agent
+keeps serving other clients, and nothing already stored changes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import struct
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.codec import decode_batches, encode_batch
+from storage.errors import (
+    BatchTooLargeError,
+    CorruptBatchError,
+    NotLeaderError,
+    UnknownTopicOrPartitionError,
+    UnsupportedVersionError,
+)
+from storage.protocol import messages as m
+from tests.cluster import AgentHandle, Cluster, WireClient, fetch_request, produce_request
+from tests.harness import ProcessGroup, ZooKeeperChroot
+
+TOPIC = "events"
+
+
+@pytest.fixture
+def agent(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -> AgentHandle:
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    handle = cluster.start_agent(1, "socket.request.max.bytes=1048576")
+    cluster.create_topic(TOPIC, 2, 1, {"max.message.bytes": 65536})
+    cluster.wait_for_leaders(TOPIC)
+    return handle
+
+
+def _stored(agent: AgentHandle, partition: int = 0) -> list[dict[str, object]]:
+    async def run() -> list[dict[str, object]]:
+        resp = await WireClient.call_once(
+            agent.host, agent.port, m.ApiKey.FETCH, fetch_request(TOPIC, partition, 0)
+        )
+        r = resp.topics[0].partitions[0]
+        assert r.error_code == 0
+        return [] if r.records is None else decode_batches(r.records).to_pylist()
+
+    return asyncio.run(run())
+
+
+def _produce(agent: AgentHandle, records: object, partition: int = 0) -> m.ProducePartitionResult:
+    async def run() -> m.ProducePartitionResult:
+        resp = await WireClient.call_once(
+            agent.host, agent.port, m.ApiKey.PRODUCE, produce_request(TOPIC, partition, records)
+        )
+        result: m.ProducePartitionResult = resp.topics[0].partitions[0]
+        return result
+
+    return asyncio.run(run())
+
+
+def _seed(agent: AgentHandle) -> list[dict[str, object]]:
+    result = _produce(agent, encode_batch([b"one", b"two", b"three"], keys=[b"a", b"b", None]))
+    assert (result.error_code, result.base_offset) == (0, 0)
+    stored = _stored(agent)
+    assert [r["value"] for r in stored] == [b"one", b"two", b"three"]
+    return stored
+
+
+def _raw_exchange(agent: AgentHandle, payload: bytes) -> bytes:
+    """Send bytes on a fresh socket, half-close, and read whatever comes back until EOF."""
+    with socket.create_connection((agent.host, agent.port), timeout=10) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",  # size field = 0x20544547: over the frame limit
+        b"\xff\xff\xff\xff" + b"x" * 32,  # negative size
+        struct.pack("<i", 3) + b"abc",  # a frame shorter than a request header
+    ],
+    ids=["http", "negative-size", "short-frame"],
+)
+def test_framing_garbage_closes_the_connection_and_others_are_served(
+    agent: AgentHandle, garbage: bytes
+) -> None:
+    before = _seed(agent)
+    assert _raw_exchange(agent, garbage) == b""  # closed without a response
+    assert _stored(agent) == before  # a healthy client is still served, nothing changed
+
+
+def test_frame_over_the_maximum_size_closes_the_connection(agent: AgentHandle) -> None:
+    before = _seed(agent)
+    with socket.create_connection((agent.host, agent.port), timeout=10) as s:
+        s.sendall(struct.pack("<i", 2 << 20))  # 2 MiB announced, limit is 1 MiB
+        s.settimeout(10)
+        assert s.recv(1) == b""  # closed as soon as the size was read, nothing buffered
+    assert _stored(agent) == before
+
+
+def test_unknown_api_key_gets_a_typed_error_and_the_connection_stays_usable(
+    agent: AgentHandle,
+) -> None:
+    async def run() -> None:
+        client = await WireClient.connect(agent.host, agent.port)
+        try:
+            cid = await client.send(99, m.ApiVersionsRequest())
+            frame = await client.receive()
+            assert frame.correlation_id == cid
+            assert isinstance(frame.error(), UnsupportedVersionError)
+            cid = await client.send(m.ApiKey.METADATA, m.MetadataRequest(None), version=7)
+            assert isinstance((await client.receive()).error(), UnsupportedVersionError)
+            versions = await client.call(m.ApiKey.API_VERSIONS, m.ApiVersionsRequest())
+            assert {v.api_key for v in versions.api_keys} == set(m.APIS)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_bad_crc_is_refused_and_the_log_is_unchanged(agent: AgentHandle) -> None:
+    before = _seed(agent)
+    bad = bytearray(encode_batch([b"evil"]))
+    bad[-12] ^= 0xFF
+    result = _produce(agent, bytes(bad))
+    assert result.error_code == CorruptBatchError.code
+    assert "CRC" in (result.error_message or "")
+    assert _stored(agent) == before
+    ok = _produce(agent, encode_batch([b"four"]))
+    assert (ok.error_code, ok.base_offset) == (0, 3)
+
+
+def test_message_over_max_message_bytes_is_refused(agent: AgentHandle) -> None:
+    before = _seed(agent)
+    result = _produce(agent, encode_batch([bytes(70_000)]))
+    assert result.error_code == BatchTooLargeError.code
+    assert _stored(agent) == before
+
+
+def test_unknown_topic_or_partition(agent: AgentHandle) -> None:
+    async def run() -> None:
+        client = await WireClient.connect(agent.host, agent.port)
+        try:
+            batch = encode_batch([b"x"])
+            for topic, partition in (("nope", 0), (TOPIC, 7)):
+                resp = await client.call(m.ApiKey.PRODUCE, produce_request(topic, partition, batch))
+                assert resp.topics[0].partitions[0].error_code == UnknownTopicOrPartitionError.code
+                resp = await client.call(m.ApiKey.FETCH, fetch_request(topic, partition, 0))
+                assert resp.topics[0].partitions[0].error_code == UnknownTopicOrPartitionError.code
+            md = await client.call(m.ApiKey.METADATA, m.MetadataRequest(["nope"]))
+            assert md.topics[0].error_code == UnknownTopicOrPartitionError.code
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_one_bad_partition_does_not_fail_the_others_in_a_request(agent: AgentHandle) -> None:
+    async def run() -> None:
+        good = encode_batch([b"good"])
+        req = m.ProduceRequest(
+            1,
+            10000,
+            [
+                m.ProduceTopic(
+                    TOPIC, [m.ProducePartition(0, b"\x00" * 80), m.ProducePartition(1, good)]
+                )
+            ],
+        )
+        resp = await WireClient.call_once(agent.host, agent.port, m.ApiKey.PRODUCE, req)
+        bad_result, good_result = resp.topics[0].partitions
+        assert bad_result.error_code == CorruptBatchError.code
+        assert (good_result.error_code, good_result.base_offset) == (0, 0)
+
+    asyncio.run(run())
+    assert _stored(agent, 0) == []
+    assert [r["value"] for r in _stored(agent, 1)] == [b"good"]
+
+
+def test_pipelined_requests_are_answered_in_order(agent: AgentHandle) -> None:
+    async def run() -> None:
+        client = await WireClient.connect(agent.host, agent.port)
+        try:
+            # a long poll first, then produces that complete sooner: answers still come in order
+            ids = [
+                await client.send(
+                    m.ApiKey.FETCH, fetch_request(TOPIC, 1, 0, max_wait_ms=300, min_bytes=10**6)
+                )
+            ]
+            for i in range(20):
+                ids.append(
+                    await client.send(
+                        m.ApiKey.PRODUCE, produce_request(TOPIC, 0, encode_batch([b"%d" % i]))
+                    )
+                )
+            frames = [await client.receive() for _ in ids]
+            assert [f.correlation_id for f in frames] == ids
+            offsets = [
+                m.ProduceResponse.decode(f.body).topics[0].partitions[0].base_offset
+                for f in frames[1:]
+            ]
+            assert offsets == list(range(20))
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+
+
+def test_acks_zero_gets_no_response(agent: AgentHandle) -> None:
+    async def run() -> None:
+        client = await WireClient.connect(agent.host, agent.port)
+        try:
+            await client.send(
+                m.ApiKey.PRODUCE, produce_request(TOPIC, 0, encode_batch([b"fire"]), acks=0)
+            )
+            cid = await client.send(m.ApiKey.API_VERSIONS, m.ApiVersionsRequest())
+            frame = await client.receive()
+            assert frame.correlation_id == cid  # the first answer is to the second request
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    assert [r["value"] for r in _stored(agent)] == [b"fire"]
+
+
+def test_long_poll_waits_max_wait_on_an_empty_partition(agent: AgentHandle) -> None:
+    async def run() -> float:
+        client = await WireClient.connect(agent.host, agent.port)
+        try:
+            start = time.monotonic()
+            resp = await client.call(m.ApiKey.FETCH, fetch_request(TOPIC, 1, 0, max_wait_ms=500))
+            assert resp.topics[0].partitions[0].records is None
+            return time.monotonic() - start
+        finally:
+            await client.close()
+
+    elapsed = asyncio.run(run())
+    assert 0.45 <= elapsed < 3.0, elapsed
+
+
+def test_long_poll_answers_as_soon_as_data_arrives(agent: AgentHandle) -> None:
+    async def run() -> None:
+        consumer = await WireClient.connect(agent.host, agent.port)
+        producer = await WireClient.connect(agent.host, agent.port)
+        try:
+            # the fetch may wait up to 30 s: only the arriving data can end it early
+            cid = await consumer.send(
+                m.ApiKey.FETCH, fetch_request(TOPIC, 1, 0, max_wait_ms=30_000)
+            )
+            start = time.monotonic()
+            await producer.call(
+                m.ApiKey.PRODUCE, produce_request(TOPIC, 1, encode_batch([b"wake up"]))
+            )
+            frame = await consumer.receive(timeout=20)
+            assert frame.correlation_id == cid
+            records = m.FetchResponse.decode(frame.body).topics[0].partitions[0].records
+            assert [r["value"] for r in decode_batches(records).to_pylist()] == [b"wake up"]
+            assert time.monotonic() - start < 20
+        finally:
+            await consumer.close()
+            await producer.close()
+
+    asyncio.run(run())
+
+
+def test_not_leader_names_the_leader(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    cluster.start(2)
+    cluster.create_topic(TOPIC, 2, 1)
+    leaders = cluster.wait_for_leaders(TOPIC)
+    p = leaders[0]
+    other = next(a for a in cluster.agents.values() if a.agent_id != p.leader_id)
+
+    async def run() -> None:
+        resp = await WireClient.call_once(
+            other.host,
+            other.port,
+            m.ApiKey.PRODUCE,
+            produce_request(TOPIC, 0, encode_batch([b"x"])),
+        )
+        r = resp.topics[0].partitions[0]
+        assert r.error_code == NotLeaderError.code
+        assert (r.leader_id, r.leader_epoch) == (p.leader_id, p.leader_epoch)
+
+    asyncio.run(run())
