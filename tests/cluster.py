@@ -9,6 +9,7 @@ the protocol with ``storage.protocol`` directly, for tests that must send what n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -195,14 +196,14 @@ class WireClient:
         await self.writer.drain()
         return self.correlation
 
-    async def receive(self, timeout: float = 10.0) -> Any:
-        async with asyncio.timeout(timeout):
+    async def receive(self, wait_s: float = 10.0) -> Any:
+        async with asyncio.timeout(wait_s):
             size = read_size(await self.reader.readexactly(4), 1 << 30)
             return parse_response(await self.reader.readexactly(size))
 
-    async def call(self, key: int, body: m.Message, timeout: float = 10.0) -> Any:
+    async def call(self, key: int, body: m.Message, wait_s: float = 10.0) -> Any:
         cid = await self.send(key, body)
-        frame = await self.receive(timeout)
+        frame = await self.receive(wait_s)
         assert frame.correlation_id == cid
         err = frame.error()
         if err is not None:
@@ -211,10 +212,8 @@ class WireClient:
 
     async def close(self) -> None:
         self.writer.close()
-        try:
+        with contextlib.suppress(OSError):
             await self.writer.wait_closed()
-        except OSError:
-            pass
 
     @classmethod
     async def call_once(cls, host: str, port: int, key: int, body: m.Message) -> Any:

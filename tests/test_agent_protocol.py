@@ -259,7 +259,7 @@ def test_long_poll_answers_as_soon_as_data_arrives(agent: AgentHandle) -> None:
             await producer.call(
                 m.ApiKey.PRODUCE, produce_request(TOPIC, 1, encode_batch([b"wake up"]))
             )
-            frame = await consumer.receive(timeout=20)
+            frame = await consumer.receive(wait_s=20)
             assert frame.correlation_id == cid
             records = m.FetchResponse.decode(frame.body).topics[0].partitions[0].records
             assert [r["value"] for r in decode_batches(records).to_pylist()] == [b"wake up"]
