@@ -14,6 +14,7 @@ one ``asyncio.TaskGroup``: if one fails, the agent stops rather than limping on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -84,6 +85,8 @@ class Agent:
         self._watched_topics: dict[str, list[Callable[[], None]]] = {}
         self._watched_partitions: set[tuple[str, int]] = set()
         self._stop = asyncio.Event()
+        self._agents_generation = 0
+        self._background: set[asyncio.Future[None]] = set()
         self._reregister = asyncio.Event()
 
     def stop(self) -> None:
@@ -174,13 +177,17 @@ class Agent:
 
     # ---- watches ----------------------------------------------------------------------------
     def _watch_cluster(self) -> None:
-        self.zk.watch_children(
-            AGENTS, lambda children: asyncio.ensure_future(self._agents_changed(children))
-        )
+        self.zk.watch_children(AGENTS, self._agents_watch)
         self.zk.watch_data(CONTROLLER, self._controller_changed)
         self.zk.watch_children(TOPICS, self._topics_changed)
 
-    async def _agents_changed(self, children: list[str]) -> None:
+    def _agents_watch(self, children: list[str]) -> None:
+        self._agents_generation += 1
+        task = asyncio.ensure_future(self._agents_changed(children, self._agents_generation))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _agents_changed(self, children: list[str], generation: int) -> None:
         agents = {}
         for child in children:
             try:
@@ -188,6 +195,8 @@ class Agent:
                 agents[int(child)] = load(AgentRegistration, data)
             except MetadataError:
                 continue
+        if generation != self._agents_generation:
+            return  # a newer change is being read; it wins
         self.view.agents = agents
         self.controller.poke()
         self.fetchers.update()
@@ -215,13 +224,13 @@ class Agent:
                 self._changed.set()
         for name in current - set(self._watched_topics):
             self._watched_topics[name] = [
-                self.zk.watch_data(topic_path(name), lambda d, s, n=name: self._spec_changed(n, d)),
+                self.zk.watch_data(topic_path(name), functools.partial(self._spec_changed, name)),
                 self.zk.watch_children(
-                    partitions_path(name), lambda c, n=name: self._partitions_changed(n, c)
+                    partitions_path(name), functools.partial(self._partitions_changed, name)
                 ),
             ]
 
-    def _spec_changed(self, name: str, data: bytes | None) -> None:
+    def _spec_changed(self, name: str, data: bytes | None, stat: object = None) -> None:
         if data is None:
             return
         try:
@@ -238,11 +247,11 @@ class Agent:
             self._watched_partitions.add(key)
             self._watched_topics[name].append(
                 self.zk.watch_data(
-                    state_path(name, key[1]), lambda d, s, k=key: self._state_changed(k, d)
+                    state_path(name, key[1]), functools.partial(self._state_changed, key)
                 )
             )
 
-    def _state_changed(self, key: tuple[str, int], data: bytes | None) -> None:
+    def _state_changed(self, key: tuple[str, int], data: bytes | None, stat: object = None) -> None:
         if key not in self._watched_partitions:
             return
         try:

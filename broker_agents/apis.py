@@ -28,12 +28,13 @@ from storage.errors import (
     UnsupportedVersionError,
 )
 from storage.protocol import messages as m
+from storage.protocol.schema import Message
 
 if TYPE_CHECKING:
     from broker_agents.agent import Agent
     from broker_agents.partitions import Partition
 
-Handler = Callable[[Any], Awaitable[m.Message]]
+Handler = Callable[[Any], Awaitable[Message]]
 
 
 def _code(exc: BaseException) -> int:

@@ -243,7 +243,7 @@ class AsyncZooKeeper:
     async def ensure_path(self, path: str) -> None:
         await self._call(self.client.ensure_path_async(path), f"ensure {path}")
 
-    async def transaction(self, build: Callable[[Any], None]) -> list[Any]:
+    async def transaction(self, build: Callable[[Any], object]) -> list[Any]:
         """Run ``build(tx)`` (kazoo TransactionRequest ops) and commit atomically."""
         tx = self.client.transaction()
         build(tx)
@@ -264,8 +264,12 @@ class AsyncZooKeeper:
         def on_change(children: list[str] | None) -> bool:  # kazoo thread
             if not active[0] or loop.is_closed():
                 return False
-            loop.call_soon_threadsafe(lambda: active[0] and callback(list(children or [])))
+            loop.call_soon_threadsafe(deliver, list(children or []))
             return True
+
+        def deliver(children: list[str]) -> None:
+            if active[0]:
+                callback(children)
 
         self.client.ChildrenWatch(path, on_change, allow_session_lost=True)
 
@@ -284,8 +288,12 @@ class AsyncZooKeeper:
         def on_change(data: bytes | None, stat: ZnodeStat | None, event: Any = None) -> bool:
             if not active[0] or loop.is_closed():
                 return False
-            loop.call_soon_threadsafe(lambda: active[0] and callback(data, stat))
+            loop.call_soon_threadsafe(deliver, data, stat)
             return True
+
+        def deliver(data: bytes | None, stat: ZnodeStat | None) -> None:
+            if active[0]:
+                callback(data, stat)
 
         self.client.DataWatch(path, on_change)
 
