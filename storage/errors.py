@@ -36,7 +36,8 @@ at one boundary per adapter and never leak out.
     │   └── CorruptSegmentError        stored bytes failed verification; segment quarantined
     └── LogClosedError                 the log was closed under the caller; retriable
 
-Codes are Kafka's where Kafka has the same error, so people and tools recognise them.
+Codes are Kafka's where Kafka has the same error, so people and tools recognise them;
+errors Kafka does not have use codes from 1000 up, one per class.
 """
 
 from __future__ import annotations
@@ -54,6 +55,13 @@ class StrataError(Exception):
     position: int | None = None
     leader_id: int = -1
     leader_epoch: int = -1
+    reason: str = ""
+    offset: int = -1
+    log_start: int = -1
+    log_end: int = -1
+    size: int = -1
+    limit: int = -1
+    path: str = ""
 
 
 class InvalidRequestError(StrataError):
@@ -89,7 +97,7 @@ class InvalidConfigError(InvalidRequestError):
 
 
 class InvalidOffsetError(InvalidRequestError):
-    code = 44
+    code = 1001
 
 
 class InvalidTopicError(InvalidRequestError):
@@ -167,22 +175,24 @@ class NetworkError(StrataError):
 
 
 class MetadataError(StrataError):
-    code = 59
+    code = 1004
 
 
 class NodeNotFoundError(MetadataError):
-    pass
+    code = 1005
 
 
 class NodeExistsError(MetadataError):
-    pass
+    code = 1006
 
 
 class VersionConflictError(MetadataError):
+    code = 1007
     retriable = True
 
 
 class MetadataUnavailableError(MetadataError):
+    code = 1008
     retriable = True
 
 
@@ -204,7 +214,7 @@ class StorageError(StrataError):
 class CorruptSegmentError(StorageError):
     """Verified bytes on disk are damaged. The segment is quarantined, never skipped."""
 
-    code = 57
+    code = 1002
     retriable = False
 
     def __init__(self, message: str, *, path: str, position: int | None = None) -> None:
@@ -216,7 +226,7 @@ class CorruptSegmentError(StorageError):
 
 
 class LogClosedError(StrataError):
-    code = 58
+    code = 1003
     retriable = True
 
 
@@ -233,8 +243,8 @@ def _register() -> None:
 
 def for_code(code: int) -> type[StrataError]:
     """The error class for a wire error code (StrataError for codes this version does not know)."""
-    if not _BY_CODE:
-        _register()
+    if code not in _BY_CODE:
+        _register()  # cheap, and picks up classes defined since the last call
     return _BY_CODE.get(code, StrataError)
 
 
