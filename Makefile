@@ -1,7 +1,8 @@
 # The two set-up commands a newcomer runs (see README.md):
 #   make demo   - builds .venv if needed, then runs the demo on the embedded local stack
 #   make test   - builds .venv if needed, then runs the whole test suite
-# A fresh machine needs only Python 3.11 (and Java 17 once ZooKeeper is in the stack).
+# A fresh machine needs only Python 3.11 and Java 17 (ZooKeeper runs from the jars that the
+# pyspark wheel ships; everything else comes from PyPI, pinned in constraints.txt).
 
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   := .venv
@@ -9,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench bench-storage lint clean
+.PHONY: venv test demo bench bench-storage bench-produce lint clean
 
 venv: $(STAMP)
 
@@ -28,7 +29,10 @@ demo: venv
 bench-storage: venv
 	$(PY) -m bench.storage_bench --write-docs
 
-bench: bench-storage
+bench-produce: venv
+	$(PY) -m bench.produce_bench --write-docs
+
+bench: bench-storage bench-produce
 
 lint: venv
 	$(PY) -m ruff check .
