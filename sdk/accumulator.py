@@ -1,0 +1,496 @@
+"""The producer's record accumulator: per-partition batches under one byte budget.
+
+Theory of operation
+-------------------
+``send`` never talks to the network. It reserves the record's estimated encoded size from the
+:class:`BufferPool` (``buffer.memory`` bytes shared by every batch of the producer), then
+appends the record to the open batch at the tail of its partition's queue — appending means
+adding the value, key, timestamp, headers and tags to five Python lists and one future to a
+sixth; no encoding happens per record. A batch is *closed* when the next record would take it
+past ``batch.size`` (a record larger than that gets a batch of its own), and a partition is
+*ready* to send when its head batch is closed, is older than ``linger.ms``, or a flush or
+close is under way.
+
+The sender (``sdk.producer``) asks :meth:`RecordAccumulator.ready` which partitions are ready
+and :meth:`~RecordAccumulator.drain`\\ s their head batches, grouped by leader agent. Draining
+encodes a batch — once, with ``storage.codec.encode_batch`` over the collected lists — drops the
+lists, and *mutes* the partition: while one batch of a partition is in flight, no other batch of
+that partition is sent. A batch that fails with a retriable error goes back to the *head* of its
+queue (:meth:`~RecordAccumulator.reenqueue`) with a retry time; only then is the partition
+unmuted. So batches of a partition reach the leader in the order they were created, however
+often they are retried, and a retried batch is sent as the very bytes encoded the first time.
+
+Completion (:meth:`~RecordAccumulator.complete` / :meth:`~RecordAccumulator.fail`) resolves each
+record's future (offset = the batch's base offset + the record's index) and only then gives the
+batch's bytes back to the pool. The pool therefore bounds everything the producer holds —
+open, closed, in-flight and retrying batches. When it is full, ``send`` waits (FIFO, so a big
+record is not starved) up to ``max.block.ms`` and then raises :class:`BufferExhaustedError`:
+backpressure, never unbounded memory. Batches not acknowledged within ``delivery.timeout.ms``
+of their creation fail with :class:`DeliveryTimeoutError`.
+
+Everything here is synchronous except waiting for memory; time comes from an injected clock,
+so linger, backoff and expiry are tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
+from sdk.records import RecordMetadata, TopicPartition
+from storage.codec import HEADER_SIZE, Compression, encode_batch
+from storage.errors import BatchTooLargeError, StrataError
+
+#: per record: timestamp (8), key, value, header-list and tag-list offsets (4 x 4: a list
+#: column present for one record has offsets for all), validity bits (rounded up to 1)
+RECORD_OVERHEAD = 25
+#: per batch: header, body directory, worst-case padding of 15 buffers, the n+1-th offsets
+BATCH_OVERHEAD = HEADER_SIZE + 64 + 15 * 7 + 5 * 4
+
+#: clock readings this close count as equal (float sums of ms in seconds do not add up exactly)
+_EPSILON = 1e-6
+
+Headers = Sequence[tuple[str, bytes]]
+Encoder = Callable[..., bytes]
+
+
+def estimate_size(
+    value: bytes | None,
+    key: bytes | None,
+    headers: Headers | None,
+    tags: Sequence[str] | None,
+) -> int:
+    """An upper bound of the bytes a record adds to an uncompressed batch."""
+    size = RECORD_OVERHEAD + (len(value) if value else 0) + (len(key) if key else 0)
+    if headers:
+        size += sum(8 + len(k.encode()) + len(v) for k, v in headers)
+    if tags:
+        size += sum(4 + len(t.encode()) for t in tags)
+    return size
+
+
+class BufferPool:
+    """A byte budget: ``reserve`` before buffering, ``release`` when the bytes are gone.
+
+    Waiters are served first come, first served; a caller that would fit is not allowed to
+    overtake one that is already waiting.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._waiters: deque[tuple[int, asyncio.Future[None]]] = deque()
+
+    @property
+    def available(self) -> int:
+        return self.total - self.used
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)
+
+    def try_reserve(self, n: int) -> bool:
+        if not self._waiters and self.used + n <= self.total:
+            self.used += n
+            return True
+        return False
+
+    async def reserve(self, n: int, max_block: float) -> None:
+        """Reserve ``n`` bytes, waiting up to ``max_block`` seconds; else BufferExhaustedError."""
+        if n > self.total:
+            raise BatchTooLargeError(n, self.total)
+        if self.try_reserve(n):
+            return
+        if max_block <= 0:
+            raise self._exhausted(n, max_block)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        entry = (n, fut)
+        self._waiters.append(entry)
+        try:
+            async with asyncio.timeout(max_block):
+                await fut
+        except BaseException as exc:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted just as we gave up
+            else:
+                fut.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(entry)
+                self._grant()
+            if isinstance(exc, TimeoutError):
+                raise self._exhausted(n, max_block) from None
+            raise
+
+    def _exhausted(self, n: int, timeout: float) -> BufferExhaustedError:
+        return BufferExhaustedError(
+            f"could not reserve {n} bytes of buffer.memory ({self.used} of {self.total} in use) "
+            f"within max.block.ms ({timeout * 1000:.0f} ms): the producer is sending slower "
+            "than records arrive"
+        )
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        self._grant()
+
+    def _grant(self) -> None:
+        while self._waiters:
+            n, fut = self._waiters[0]
+            if fut.done():
+                self._waiters.popleft()
+                continue
+            if self.used + n > self.total:
+                return
+            self._waiters.popleft()
+            self.used += n
+            fut.set_result(None)
+
+
+class ProducerBatch:
+    """Records of one partition on their way to the leader (see the module docstring)."""
+
+    __slots__ = (
+        "attempts",
+        "closed",
+        "created",
+        "deadline",
+        "done",
+        "encoded",
+        "futures",
+        "has_headers",
+        "has_keys",
+        "has_tags",
+        "headers",
+        "keys",
+        "last_error",
+        "reserved",
+        "retry_at",
+        "size",
+        "tags",
+        "timestamps",
+        "tp",
+        "values",
+    )
+
+    def __init__(self, tp: TopicPartition, created: float, deadline: float) -> None:
+        self.tp = tp
+        self.created = created
+        self.deadline = deadline
+        self.values: list[bytes | None] = []
+        self.keys: list[bytes | None] = []
+        self.timestamps: list[int] = []
+        self.headers: list[Headers | None] = []
+        self.tags: list[Sequence[str] | None] = []
+        self.futures: list[asyncio.Future[RecordMetadata]] = []
+        self.has_keys = self.has_headers = self.has_tags = False
+        self.size = BATCH_OVERHEAD
+        self.reserved = 0
+        self.closed = False
+        self.encoded: bytes | None = None
+        self.attempts = 0
+        self.retry_at = 0.0
+        self.last_error: BaseException | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    @property
+    def record_count(self) -> int:
+        return len(self.timestamps)
+
+    def append(
+        self,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Headers | None,
+        tags: Sequence[str] | None,
+        timestamp_ms: int,
+        size: int,
+    ) -> asyncio.Future[RecordMetadata]:
+        self.values.append(value)
+        self.keys.append(key)
+        self.timestamps.append(timestamp_ms)
+        self.headers.append(headers)
+        self.tags.append(tags)
+        if key is not None:
+            self.has_keys = True
+        if headers:
+            self.has_headers = True
+        if tags:
+            self.has_tags = True
+        self.size += size
+        self.reserved += size
+        fut: asyncio.Future[RecordMetadata] = self.done.get_loop().create_future()
+        self.futures.append(fut)
+        return fut
+
+    def encode(self, encoder: Encoder, compression: Compression) -> bytes:
+        """The batch's bytes, encoded on the first call only; the record lists are dropped."""
+        if self.encoded is None:
+            self.closed = True
+            self.encoded = encoder(
+                self.values,
+                keys=self.keys if self.has_keys else None,
+                timestamps=self.timestamps,
+                headers=self.headers if self.has_headers else None,
+                tags=self.tags if self.has_tags else None,
+                compression=compression,
+            )
+            self.values = self.keys = []
+            self.headers = []
+            self.tags = []
+        return self.encoded
+
+
+class RecordAccumulator:
+    """Per-partition queues of batches under one :class:`BufferPool`."""
+
+    def __init__(
+        self,
+        *,
+        batch_size: int,
+        linger_ms: float,
+        buffer_memory: int,
+        delivery_timeout_ms: float,
+        max_request_size: int,
+        compression: Compression = Compression.NONE,
+        clock: Callable[[], float] = time.monotonic,
+        encoder: Encoder = encode_batch,
+        on_batch_closed: Callable[[TopicPartition], None] | None = None,
+    ) -> None:
+        self.batch_size = batch_size
+        self.linger = linger_ms / 1000
+        self.delivery_timeout = delivery_timeout_ms / 1000
+        self.max_request_size = max_request_size
+        self.compression = compression
+        self.pool = BufferPool(buffer_memory)
+        self.clock = clock
+        self._encoder = encoder
+        self._on_batch_closed = on_batch_closed
+        self._queues: dict[TopicPartition, deque[ProducerBatch]] = {}
+        self._muted: set[TopicPartition] = set()
+        self._incomplete: set[ProducerBatch] = set()
+        self._flushing = 0
+        self._closing = False
+        #: set whenever the sender may have new work: a new or closed batch, a flush, a retry
+        self.wakeup = asyncio.Event()
+
+    # ---- appending ------------------------------------------------------------------------
+    async def append(
+        self,
+        tp: TopicPartition,
+        value: bytes | None,
+        key: bytes | None = None,
+        headers: Headers | None = None,
+        tags: Sequence[str] | None = None,
+        timestamp_ms: int = 0,
+        max_block: float = 0.0,
+    ) -> asyncio.Future[RecordMetadata]:
+        """Add one record; waits up to ``max_block`` seconds for buffer space."""
+        if self._closing:
+            raise ProducerClosedError("the producer is closed")
+        size = estimate_size(value, key, headers, tags)
+        limit = min(self.max_request_size, self.pool.total)
+        if size + BATCH_OVERHEAD > limit:
+            raise BatchTooLargeError(size + BATCH_OVERHEAD, limit)
+        if not self.pool.try_reserve(size):
+            await self.pool.reserve(size, max_block)
+            if self._closing:
+                self.pool.release(size)
+                raise ProducerClosedError("the producer was closed while send() waited")
+        queue = self._queues.get(tp)
+        if queue is None:
+            queue = self._queues[tp] = deque()
+        batch = queue[-1] if queue else None
+        if batch is None or batch.closed or (
+            batch.record_count and batch.size + size > self.batch_size
+        ):
+            if batch is not None and not batch.closed:
+                self._close(batch)
+            now = self.clock()
+            batch = ProducerBatch(tp, now, now + self.delivery_timeout)
+            queue.append(batch)
+            self._incomplete.add(batch)
+            self.wakeup.set()
+        fut = batch.append(value, key, headers, tags, timestamp_ms, size)
+        if batch.size >= self.batch_size:
+            self._close(batch)
+        return fut
+
+    def _close(self, batch: ProducerBatch) -> None:
+        if not batch.closed:
+            batch.closed = True
+            self.wakeup.set()
+            if self._on_batch_closed is not None:
+                self._on_batch_closed(batch.tp)
+
+    # ---- the sender's side ---------------------------------------------------------------
+    def ready(self, now: float) -> tuple[list[TopicPartition], float | None]:
+        """Partitions whose head batch may be sent now, and seconds until the next one may."""
+        ready: list[TopicPartition] = []
+        wait: float | None = None
+        hurry = self._flushing > 0 or self._closing
+        cutoff = now + _EPSILON
+        for tp, queue in self._queues.items():
+            if not queue or tp in self._muted:
+                continue
+            head = queue[0]
+            if head.retry_at > cutoff:
+                delay = head.retry_at - now
+            elif hurry or head.closed or len(queue) > 1 or head.created + self.linger <= cutoff:
+                ready.append(tp)
+                continue
+            else:
+                delay = head.created + self.linger - now
+            wait = delay if wait is None else min(wait, delay)
+        return ready, wait
+
+    def drain(
+        self, tps: Iterable[TopicPartition], max_bytes: int | None = None
+    ) -> list[ProducerBatch]:
+        """Take the head batch of each ready partition in ``tps`` (encoding it if it is new),
+        up to ``max_bytes`` in all (at least one batch), and mute those partitions."""
+        limit = self.max_request_size if max_bytes is None else max_bytes
+        taken: list[ProducerBatch] = []
+        total = 0
+        for tp in tps:
+            queue = self._queues.get(tp)
+            if not queue or tp in self._muted:
+                continue
+            batch = queue[0]
+            if batch.retry_at > self.clock() + _EPSILON:
+                continue
+            was_closed = batch.closed
+            try:
+                data = batch.encode(self._encoder, self.compression)
+            except (StrataError, ValueError, TypeError, OverflowError) as exc:
+                queue.popleft()
+                self._finish(batch)
+                self._fail_futures(batch, exc)
+                continue
+            if not was_closed and self._on_batch_closed is not None:
+                self._on_batch_closed(tp)
+            if taken and total + len(data) > limit:
+                break
+            queue.popleft()
+            self._muted.add(tp)
+            taken.append(batch)
+            total += len(data)
+        return taken
+
+    def reenqueue(self, batch: ProducerBatch, retry_at: float, error: BaseException) -> None:
+        """Put an in-flight batch back at the head of its queue, to be sent at ``retry_at``."""
+        batch.attempts += 1
+        batch.retry_at = retry_at
+        batch.last_error = error
+        queue = self._queues.get(batch.tp)
+        if queue is None:
+            queue = self._queues[batch.tp] = deque()
+        queue.appendleft(batch)
+        self._muted.discard(batch.tp)
+        self.wakeup.set()
+
+    def complete(self, batch: ProducerBatch, base_offset: int) -> None:
+        """The leader stored the batch at ``base_offset`` (-1: unknown, with acks=0)."""
+        self._muted.discard(batch.tp)
+        self._finish(batch)
+        topic, partition = batch.tp
+        for i, (fut, ts) in enumerate(zip(batch.futures, batch.timestamps, strict=True)):
+            if not fut.done():
+                offset = base_offset + i if base_offset >= 0 else -1
+                fut.set_result(RecordMetadata(topic, partition, offset, ts))
+
+    def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
+        self._muted.discard(batch.tp)
+        self._finish(batch)
+        self._fail_futures(batch, exc)
+
+    def expire(self, now: float) -> list[ProducerBatch]:
+        """Fail queued (not in-flight) batches older than delivery.timeout.ms."""
+        expired: list[ProducerBatch] = []
+        for queue in self._queues.values():
+            while queue and queue[0].deadline <= now:
+                expired.append(queue.popleft())
+        for batch in expired:
+            exc = DeliveryTimeoutError(
+                f"{batch.record_count} record(s) for {batch.tp.topic}[{batch.tp.partition}] "
+                f"expired: {(now - batch.created) * 1000:.0f} ms passed since the batch was "
+                f"created (delivery.timeout.ms {self.delivery_timeout * 1000:.0f})"
+            )
+            exc.__cause__ = batch.last_error
+            self._finish(batch)
+            self._fail_futures(batch, exc)
+        return expired
+
+    def _finish(self, batch: ProducerBatch) -> None:
+        if batch in self._incomplete:
+            self._incomplete.discard(batch)
+            self.pool.release(batch.reserved)
+            batch.done.set_result(None)
+            self.wakeup.set()
+
+    @staticmethod
+    def _fail_futures(batch: ProducerBatch, exc: BaseException) -> None:
+        for fut in batch.futures:
+            if not fut.done():
+                fut.set_exception(exc)
+
+    # ---- flush, close, abort -------------------------------------------------------------
+    @property
+    def incomplete(self) -> int:
+        """Batches created and not yet completed (queued, in flight or waiting to retry)."""
+        return len(self._incomplete)
+
+    def queued(self) -> int:
+        """Batches waiting in queues (not in flight)."""
+        return sum(len(q) for q in self._queues.values())
+
+    async def flush(self) -> None:
+        """Make every buffered record ready now and wait until all of them are completed."""
+        self._flushing += 1
+        self.wakeup.set()
+        try:
+            pending = [b.done for b in self._incomplete]
+            if pending:
+                await asyncio.wait(pending)
+        finally:
+            self._flushing -= 1
+
+    def begin_close(self) -> None:
+        """No more appends; everything buffered is ready at once."""
+        self._closing = True
+        self.wakeup.set()
+
+    def abort(self, exc: BaseException) -> None:
+        """Fail every batch that is not in flight (a forced close)."""
+        for queue in self._queues.values():
+            while queue:
+                batch = queue.popleft()
+                self._finish(batch)
+                self._fail_futures(batch, exc)
+
+    def abort_incomplete(self, exc: BaseException) -> None:
+        """Fail every batch not yet completed, in flight or not (the producer is stopping)."""
+        self.abort(exc)
+        for batch in list(self._incomplete):
+            self._finish(batch)
+            self._fail_futures(batch, exc)
+        self._muted.clear()
+
+    def batches(self, tp: TopicPartition) -> Sequence[ProducerBatch]:
+        """The queued batches of a partition, head first (for tests and introspection)."""
+        return tuple(self._queues.get(tp, ()))
+
+    def is_muted(self, tp: TopicPartition) -> bool:
+        return tp in self._muted
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "buffer_used": self.pool.used,
+            "buffer_total": self.pool.total,
+            "incomplete_batches": len(self._incomplete),
+            "queued_batches": self.queued(),
+            "in_flight_partitions": len(self._muted),
+        }

@@ -1,0 +1,327 @@
+"""The admin client: topics, partitions and configs over the admin HTTP API.
+
+``Admin`` is async, ``SyncAdmin`` blocks; both send the same requests through one transport
+(``urllib`` from the standard library, run in a worker thread for ``Admin``)::
+
+    async with Admin("http://127.0.0.1:8080") as admin:
+        await admin.create_topic("orders", partitions=6, configs={"retention.ms": 86_400_000})
+        description = await admin.describe_topic("orders")
+
+Every request has a deadline: ``timeout`` seconds for connecting and for each read (the server
+answers within its own deadline, shorter than the default here); ``Admin`` also bounds each
+whole call.
+An error answer (``{"error": {"type", "code", "message", "retriable"}}``) is raised as the
+``storage.errors`` class its code names (``from_wire``), so ``InvalidTopicError``,
+``TopicAlreadyExistsError``, ``UnknownTopicOrPartitionError``... are the same classes the
+agents raise. A refused or reset connection is ``NetworkError``, a missed deadline
+``RequestTimedOutError`` (both retriable).
+
+The wire shapes (:class:`TopicDescription`, :class:`PartitionInfo`) are defined here, once:
+the admin handler builds its answers with them. This module imports neither kazoo nor
+``broker_agents``; the SDK never talks to ZooKeeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import http.client
+import json
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from storage.errors import (
+    InvalidRequestError,
+    NetworkError,
+    RequestTimedOutError,
+    StrataError,
+    from_wire,
+)
+
+DEFAULT_TIMEOUT = 30.0
+MAX_RESPONSE_BYTES = 64 << 20
+"""An answer larger than this is refused (a describe of 10,000 partitions is ~1.5 MB)."""
+
+
+class PartitionStatus(enum.StrEnum):
+    ONLINE = "online"
+    """Has a leader."""
+    OFFLINE = "offline"
+    """Has a state, but no live leader (leader -1)."""
+    PENDING = "pending"
+    """The controller has not created its state yet (no agents, or not reconciled yet)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PartitionInfo:
+    partition: int
+    status: PartitionStatus
+    leader: int = -1
+    """The leader agent id; -1 when offline or pending."""
+    leader_epoch: int = -1
+    replicas: tuple[int, ...] = ()
+    isr: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "partition": self.partition,
+            "status": self.status.value,
+            "leader": self.leader,
+            "leader_epoch": self.leader_epoch,
+            "replicas": list(self.replicas),
+            "isr": list(self.isr),
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PartitionInfo:
+        return cls(
+            partition=int(data["partition"]),
+            status=PartitionStatus(data["status"]),
+            leader=int(data["leader"]),
+            leader_epoch=int(data["leader_epoch"]),
+            replicas=tuple(int(r) for r in data["replicas"]),
+            isr=tuple(int(r) for r in data["isr"]),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TopicDescription:
+    name: str
+    topic_id: str
+    created_ms: int
+    partitions: int
+    replication_factor: int
+    configs: Mapping[str, Any] = field(default_factory=dict)
+    """Every topic config by its Kafka dotted name (``retention.ms``, ...)."""
+    partition_states: tuple[PartitionInfo, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "topic_id": self.topic_id,
+            "created_ms": self.created_ms,
+            "partitions": self.partitions,
+            "replication_factor": self.replication_factor,
+            "configs": dict(self.configs),
+            "partition_states": [p.to_json() for p in self.partition_states],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TopicDescription:
+        return cls(
+            name=str(data["name"]),
+            topic_id=str(data["topic_id"]),
+            created_ms=int(data["created_ms"]),
+            partitions=int(data["partitions"]),
+            replication_factor=int(data["replication_factor"]),
+            configs=dict(data["configs"]),
+            partition_states=tuple(PartitionInfo.from_json(p) for p in data["partition_states"]),
+        )
+
+
+def error_from_body(status: int, body: bytes) -> StrataError:
+    """The typed exception for an error answer (by its wire code; by status if unreadable)."""
+    try:
+        err = json.loads(body)["error"]
+        code, message, retriable = int(err["code"]), str(err["message"]), err.get("retriable")
+    except (ValueError, KeyError, TypeError):
+        text = body[:200].decode("utf-8", "replace")
+        if status in (502, 503):
+            return NetworkError(f"HTTP {status} from the admin API: {text}")
+        if status == 504:
+            return RequestTimedOutError(f"HTTP {status} from the admin API: {text}")
+        if 400 <= status < 500:
+            return InvalidRequestError(f"HTTP {status} from the admin API: {text}")
+        return StrataError(f"HTTP {status} from the admin API: {text}")
+    exc = from_wire(code, message)
+    if retriable is True and not exc.retriable:
+        # several errors share a code (59: metadata); keep what the server said of this one
+        exc.retriable = True  # type: ignore[misc]
+    return exc
+
+
+class _Transport:
+    """Blocking JSON-over-HTTP requests with a deadline; errors as ``StrataError``."""
+
+    def __init__(self, url: str, timeout: float) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise InvalidRequestError(f"admin URL {url!r} is not http(s)://host:port[/prefix]")
+        if not timeout > 0:
+            raise InvalidRequestError(f"timeout must be positive, got {timeout!r}")
+        self.base = url.rstrip("/")
+        self.timeout = timeout
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method)
+        req.add_header("accept", "application/json")
+        if data is not None:
+            req.add_header("content-type", "application/json")
+        try:
+            with self._opener.open(req, timeout=self.timeout) as resp:
+                payload = resp.read(MAX_RESPONSE_BYTES + 1)
+        except urllib.error.HTTPError as exc:
+            try:
+                text = exc.read(MAX_RESPONSE_BYTES)
+            except (OSError, http.client.HTTPException):
+                text = b""
+            finally:
+                exc.close()
+            raise error_from_body(exc.code, text) from None
+        except TimeoutError as exc:
+            raise RequestTimedOutError(
+                f"{method} {path}: no answer within {self.timeout} s"
+            ) from exc
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, TimeoutError):
+                raise RequestTimedOutError(
+                    f"{method} {path}: no answer within {self.timeout} s"
+                ) from exc
+            raise NetworkError(f"{method} {path}: {exc.reason}") from exc
+        except (OSError, http.client.HTTPException) as exc:
+            raise NetworkError(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+        if len(payload) > MAX_RESPONSE_BYTES:
+            raise NetworkError(f"{method} {path}: answer over {MAX_RESPONSE_BYTES} bytes")
+        if not payload:
+            return None
+        try:
+            return json.loads(payload)
+        except ValueError as exc:
+            raise NetworkError(f"{method} {path}: the answer is not JSON: {exc}") from None
+
+
+def _topic(name: str) -> str:
+    return "/topics/" + urllib.parse.quote(name, safe="")
+
+
+class SyncAdmin:
+    """The blocking admin client (one HTTP request per call, ``timeout`` s each)."""
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self._http = _Transport(url, timeout)
+
+    @property
+    def timeout(self) -> float:
+        return self._http.timeout
+
+    def create_topic(
+        self,
+        name: str,
+        partitions: int,
+        replication_factor: int | None = None,
+        configs: Mapping[str, Any] | None = None,
+    ) -> TopicDescription:
+        """Create a topic; ``replication_factor=None``: min(3, live agents)."""
+        body: dict[str, Any] = {"name": name, "partitions": partitions}
+        if replication_factor is not None:
+            body["replication_factor"] = replication_factor
+        if configs:
+            body["configs"] = dict(configs)
+        return TopicDescription.from_json(self._http.request("POST", "/topics", body))
+
+    def list_topics(self) -> list[str]:
+        return [str(n) for n in self._http.request("GET", "/topics")["topics"]]
+
+    def describe_topic(self, name: str) -> TopicDescription:
+        return TopicDescription.from_json(self._http.request("GET", _topic(name)))
+
+    def delete_topic(self, name: str) -> None:
+        self._http.request("DELETE", _topic(name))
+
+    def create_partitions(self, name: str, count: int) -> TopicDescription:
+        """Grow the topic to ``count`` partitions in total (more than it has)."""
+        answer = self._http.request("POST", _topic(name) + "/partitions", {"count": count})
+        return TopicDescription.from_json(answer)
+
+    def alter_configs(self, name: str, configs: Mapping[str, Any]) -> TopicDescription:
+        """Change some configs (dotted names); a value of ``None`` restores the default."""
+        answer = self._http.request("PATCH", _topic(name) + "/configs", {"configs": dict(configs)})
+        return TopicDescription.from_json(answer)
+
+    def close(self) -> None:
+        """Nothing to release (a connection per request); for symmetry with ``Admin``."""
+
+    def __enter__(self) -> SyncAdmin:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class Admin:
+    """The async admin client; each call runs one request in a worker thread."""
+
+    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self._sync = SyncAdmin(url, timeout=timeout)
+
+    @property
+    def timeout(self) -> float:
+        return self._sync.timeout
+
+    async def _call(self, fn: Any, *args: Any) -> Any:
+        # the socket timeout bounds each step; this bounds the whole call (with slack for a
+        # busy thread pool)
+        try:
+            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.timeout * 2 + 1)
+        except TimeoutError:
+            raise RequestTimedOutError(f"no answer within {self.timeout * 2 + 1:g} s") from None
+
+    async def create_topic(
+        self,
+        name: str,
+        partitions: int,
+        replication_factor: int | None = None,
+        configs: Mapping[str, Any] | None = None,
+    ) -> TopicDescription:
+        """Create a topic; ``replication_factor=None``: min(3, live agents)."""
+        result: TopicDescription = await self._call(
+            self._sync.create_topic, name, partitions, replication_factor, configs
+        )
+        return result
+
+    async def list_topics(self) -> list[str]:
+        result: list[str] = await self._call(self._sync.list_topics)
+        return result
+
+    async def describe_topic(self, name: str) -> TopicDescription:
+        result: TopicDescription = await self._call(self._sync.describe_topic, name)
+        return result
+
+    async def delete_topic(self, name: str) -> None:
+        await self._call(self._sync.delete_topic, name)
+
+    async def create_partitions(self, name: str, count: int) -> TopicDescription:
+        """Grow the topic to ``count`` partitions in total (more than it has)."""
+        result: TopicDescription = await self._call(self._sync.create_partitions, name, count)
+        return result
+
+    async def alter_configs(self, name: str, configs: Mapping[str, Any]) -> TopicDescription:
+        """Change some configs (dotted names); a value of ``None`` restores the default."""
+        result: TopicDescription = await self._call(self._sync.alter_configs, name, configs)
+        return result
+
+    async def close(self) -> None:
+        self._sync.close()
+
+    async def __aenter__(self) -> Admin:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()

@@ -1,0 +1,382 @@
+"""What a client knows about the cluster, and its connections to the agents.
+
+The client starts from ``bootstrap.servers`` (any agents; one is enough) and asks for
+Metadata: the agents (id, host, port), and for each topic it cares about the partitions with
+their leader and leader epoch. From then on it talks to leaders directly, one pooled
+:class:`~sdk.connection.Connection` per agent address.
+
+Metadata is refreshed
+
+* on demand — ``request_update()`` after NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION,
+  LEADER_NOT_AVAILABLE, a fenced epoch or a network error, and when a new topic is used;
+* by age — every ``metadata.max.age.ms``;
+
+by one long-lived loop (:meth:`Cluster.run`, under the client's supervisor) that backs off
+exponentially while refreshes fail. A refresh asks the known agents in random order, then
+the bootstrap servers in order, each with a deadline. A partition's leader never moves back to
+an older leader epoch than the one already known (metadata from a lagging agent is ignored for
+that partition), as Kafka clients do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import time
+from collections.abc import Callable, Coroutine, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from sdk.backoff import ExponentialBackoff
+from sdk.config import ClientConfig
+from sdk.connection import Connection, Spawn
+from sdk.errors import IllegalStateError
+from storage.errors import (
+    FencedLeaderEpochError,
+    LeaderNotAvailableError,
+    NetworkError,
+    NotLeaderError,
+    RequestTimedOutError,
+    StrataError,
+    UnknownTopicOrPartitionError,
+    from_wire,
+)
+from storage.protocol import DEFAULT_MAX_FRAME
+from storage.protocol.messages import MetadataRequest, MetadataResponse
+from storage.protocol.schema import Message
+
+#: errors after which the client's view of leaders is suspect
+STALE_METADATA_ERRORS: tuple[type[StrataError], ...] = (
+    NotLeaderError,
+    UnknownTopicOrPartitionError,
+    LeaderNotAvailableError,
+    FencedLeaderEpochError,
+    NetworkError,
+    RequestTimedOutError,
+)
+
+_UNKNOWN_TOPIC = UnknownTopicOrPartitionError.code
+_LEADER_NOT_AVAILABLE = LeaderNotAvailableError.code
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionInfo:
+    partition: int
+    leader_id: int  # -1: none
+    leader_epoch: int
+    replicas: tuple[int, ...]
+    isr: tuple[int, ...]
+    error_code: int = 0
+
+
+class Cluster:
+    """Metadata cache plus connection pool; shared by a client's loops."""
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        *,
+        spawn: Spawn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        backoff: ExponentialBackoff | None = None,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.config = config
+        self._spawn = spawn
+        self._clock = clock
+        self._backoff = backoff or ExponentialBackoff(
+            config.retry_backoff_ms, config.effective_backoff_max_ms
+        )
+        self._max_frame = max_frame
+        self._rng = rng or random.Random()
+        self._agents: dict[int, tuple[str, int]] = {}
+        self._partitions: dict[str, dict[int, PartitionInfo]] = {}
+        self._topic_errors: dict[str, StrataError] = {}
+        self._topics: set[str] = set()
+        self.controller_id = -1
+        self._pool: dict[tuple[str, int], Connection] = {}
+        self._refresh_lock = asyncio.Lock()
+        self._update_requested = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._listeners: list[Callable[[], None]] = []
+        self.version = 0
+        self.last_refresh = float("-inf")
+        self.last_error: StrataError | None = None
+        self._closed = False
+
+    # ---- what is known -------------------------------------------------------------------
+    @property
+    def agents(self) -> dict[int, tuple[str, int]]:
+        return dict(self._agents)
+
+    @property
+    def topics(self) -> frozenset[str]:
+        return frozenset(self._topics)
+
+    def partitions(self, topic: str) -> dict[int, PartitionInfo] | None:
+        return self._partitions.get(topic)
+
+    def partition_count(self, topic: str) -> int | None:
+        parts = self._partitions.get(topic)
+        return len(parts) if parts else None
+
+    def available_partitions(self, topic: str) -> list[int]:
+        """Partitions of ``topic`` whose leader is known."""
+        parts = self._partitions.get(topic)
+        if not parts:
+            return []
+        return [p for p, info in parts.items() if info.leader_id >= 0 and info.leader_id in self._agents]
+
+    def leader_for(self, topic: str, partition: int) -> int | None:
+        """The leader agent's id, or None when unknown (then ``request_update`` is wise)."""
+        parts = self._partitions.get(topic)
+        info = parts.get(partition) if parts else None
+        if info is None or info.leader_id < 0 or info.leader_id not in self._agents:
+            return None
+        return info.leader_id
+
+    def leader_epoch(self, topic: str, partition: int) -> int:
+        parts = self._partitions.get(topic)
+        info = parts.get(partition) if parts else None
+        return -1 if info is None else info.leader_epoch
+
+    def topic_error(self, topic: str) -> StrataError | None:
+        return self._topic_errors.get(topic)
+
+    def add_listener(self, callback: Callable[[], None]) -> None:
+        """``callback()`` runs after every metadata update."""
+        self._listeners.append(callback)
+
+    # ---- refreshing ----------------------------------------------------------------------
+    def add_topics(self, topics: Iterable[str]) -> None:
+        new = set(topics) - self._topics
+        if new:
+            self._topics |= new
+            self.request_update()
+
+    def request_update(self) -> None:
+        self._update_requested.set()
+
+    @property
+    def update_requested(self) -> bool:
+        return self._update_requested.is_set()
+
+    def is_stale(self, now: float | None = None) -> bool:
+        now = self._clock() if now is None else now
+        return now - self.last_refresh >= self.config.metadata_max_age_ms / 1000
+
+    async def bootstrap(self, max_wait: float | None = None) -> None:
+        """Refresh until one succeeds or ``max_wait`` s (default request.timeout.ms) pass."""
+        limit = self.config.request_timeout_ms / 1000 if max_wait is None else max_wait
+        attempt = 0
+        try:
+            async with asyncio.timeout(limit):
+                while True:
+                    try:
+                        await self.refresh()
+                        return
+                    except StrataError as exc:
+                        if not exc.retriable:
+                            raise
+                        await asyncio.sleep(self._backoff(attempt))
+                        attempt += 1
+        except TimeoutError:
+            raise NetworkError(
+                f"no bootstrap server of {', '.join(self.config.bootstrap_servers)} answered "
+                f"within {limit * 1000:.0f} ms (last error: {self.last_error})"
+            ) from None
+
+    async def refresh(self) -> None:
+        """Fetch metadata now (concurrent callers share one refresh)."""
+        version = self.version
+        async with self._refresh_lock:
+            if self.version != version:
+                return
+            await self._refresh()
+
+    async def _refresh(self) -> None:
+        self._update_requested.clear()
+        candidates: list[tuple[str, int]] = list(self._agents.values())
+        self._rng.shuffle(candidates)
+        candidates += [a for a in self.config.addresses if a not in candidates]
+        request = MetadataRequest(topics=sorted(self._topics))
+        errors = []
+        for address in candidates:
+            try:
+                conn = await self._connection(address)
+                response: MetadataResponse = await conn.request(request)
+            except StrataError as exc:
+                errors.append(f"{address[0]}:{address[1]}: {exc}")
+                self.last_error = exc
+                continue
+            self.apply_metadata(response)
+            return
+        err = NetworkError("metadata refresh failed: " + "; ".join(errors))
+        self.last_error = err
+        raise err
+
+    def apply_metadata(self, response: MetadataResponse) -> None:
+        """Take in a Metadata response (the pure half of a refresh)."""
+        self._agents = {a.agent_id: (a.host, a.port) for a in response.agents}
+        self.controller_id = response.controller_id
+        partitions: dict[str, dict[int, PartitionInfo]] = {}
+        errors: dict[str, StrataError] = {}
+        for t in response.topics:
+            if t.error_code and t.error_code != _LEADER_NOT_AVAILABLE:
+                errors[t.name] = from_wire(t.error_code, f"topic {t.name!r}: error {t.error_code}")
+                continue
+            old = self._partitions.get(t.name, {})
+            parts: dict[int, PartitionInfo] = {}
+            for p in t.partitions:
+                info = PartitionInfo(
+                    p.partition, p.leader_id, p.leader_epoch, tuple(p.replicas), tuple(p.isr),
+                    p.error_code,
+                )
+                prev = old.get(p.partition)
+                if prev is not None and 0 <= info.leader_epoch < prev.leader_epoch:
+                    info = prev  # a lagging agent's view: keep the newer leader
+                parts[p.partition] = info
+            if parts:
+                partitions[t.name] = parts
+        self._partitions = partitions
+        self._topic_errors = errors
+        self.version += 1
+        self.last_refresh = self._clock()
+        self.last_error = None
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+        for callback in self._listeners:
+            callback()
+
+    async def wait_for_update(self, max_wait: float) -> bool:
+        """Wait for the next metadata update; False if ``max_wait`` seconds passed first."""
+        changed = self._changed
+        try:
+            async with asyncio.timeout(max(max_wait, 0)):
+                await changed.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def wait_for_topic(self, topic: str, max_wait: float) -> int:
+        """The partition count of ``topic``, waiting up to ``max_wait`` s for it to appear."""
+        deadline = self._clock() + max_wait
+        self.add_topics([topic])
+        while True:
+            n = self.partition_count(topic)
+            if n:
+                return n
+            err = self._topic_errors.get(topic)
+            if err is not None and not err.retriable:
+                raise from_wire(err.code, str(err))
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise UnknownTopicOrPartitionError(
+                    f"topic {topic!r} not present in metadata after {max_wait * 1000:.0f} ms"
+                    + (f" (last error: {self.last_error})" if self.last_error else "")
+                )
+            self.request_update()
+            await self.wait_for_update(remaining)
+
+    async def run(self) -> None:
+        """The refresh loop: on request, by age, with backoff while refreshes fail."""
+        max_age = self.config.metadata_max_age_ms / 1000
+        idle = self.config.connections_max_idle_ms / 1000
+        failures = 0
+        while not self._closed:
+            now = self._clock()
+            wait = max(0.0, self.last_refresh + max_age - now)
+            wait = min(wait, max(idle / 4, 0.05))
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(wait):
+                    await self._update_requested.wait()
+            await self.close_idle()
+            if not (self._update_requested.is_set() or self.is_stale()):
+                continue
+            try:
+                await self.refresh()
+                failures = 0
+            except StrataError:
+                await asyncio.sleep(self._backoff(failures))
+                failures += 1
+                self.request_update()
+            else:
+                # do not refresh again sooner than retry.backoff.ms, whatever asks
+                await asyncio.sleep(self.config.retry_backoff_ms / 1000)
+
+    # ---- connections ---------------------------------------------------------------------
+    async def _connection(self, address: tuple[str, int]) -> Connection:
+        if self._closed:
+            raise NetworkError("the client is closed")
+        conn = self._pool.get(address)
+        if conn is None or conn.closed:
+            conn = Connection(
+                address[0],
+                address[1],
+                client_id=self.config.client_id,
+                request_timeout_ms=self.config.request_timeout_ms,
+                connect_timeout_ms=self.config.socket_connection_setup_timeout_ms,
+                max_in_flight=self.config.max_in_flight_requests_per_connection,
+                max_frame=self._max_frame,
+                spawn=self._spawn_reader,
+                clock=self._clock,
+            )
+            self._pool[address] = conn
+        await conn.connect()
+        return conn
+
+    def _spawn_reader(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        if self._spawn is None:
+            return asyncio.get_running_loop().create_task(coro, name=name)
+        try:
+            return self._spawn(coro, name)
+        except RuntimeError as exc:  # the supervisor is shutting down
+            coro.close()
+            raise IllegalStateError(f"the client is closing: {exc}") from None
+
+    async def connection_for(self, agent_id: int) -> Connection:
+        address = self._agents.get(agent_id)
+        if address is None:
+            self.request_update()
+            raise LeaderNotAvailableError(f"agent {agent_id} is not in the metadata")
+        return await self._connection(address)
+
+    async def send(
+        self,
+        agent_id: int,
+        body: Message,
+        *,
+        request_timeout: float | None = None,
+        expect_response: bool = True,
+    ) -> Any:
+        """One request to one agent; network trouble also asks for fresh metadata."""
+        try:
+            conn = await self.connection_for(agent_id)
+            return await conn.request(
+                body, request_timeout=request_timeout, expect_response=expect_response
+            )
+        except (NetworkError, RequestTimedOutError):
+            self.request_update()
+            raise
+
+    def in_flight(self, agent_id: int) -> int:
+        address = self._agents.get(agent_id)
+        conn = self._pool.get(address) if address else None
+        return 0 if conn is None or conn.closed else conn.in_flight
+
+    async def close_idle(self) -> None:
+        now = self._clock()
+        limit = self.config.connections_max_idle_ms / 1000
+        for address, conn in list(self._pool.items()):
+            if conn.closed or conn.idle_for(now) >= limit:
+                del self._pool[address]
+                await conn.close()
+
+    async def close(self) -> None:
+        self._closed = True
+        self._update_requested.set()
+        pool, self._pool = self._pool, {}
+        for conn in pool.values():
+            await conn.close()

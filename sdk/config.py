@@ -1,0 +1,201 @@
+"""Client configuration: frozen, validated models that accept Kafka's dotted names.
+
+Every field has a Python name (``linger_ms``) and Kafka's dotted name as its alias
+(``linger.ms``); either works, and a mapping of dotted names can be handed straight to
+``Producer`` / ``Consumer`` or to ``ProducerConfig.parse``::
+
+    ProducerConfig.parse({"bootstrap.servers": "a:9092,b:9092", "acks": "all", "linger.ms": 10})
+    ProducerConfig(bootstrap_servers=["a:9092"], acks=-1)
+
+A bad value, an unknown name or an inconsistent combination raises
+:class:`storage.errors.InvalidConfigError` naming the offending keys — from the constructor,
+``model_validate`` and ``parse`` alike. Objects are frozen: derive a changed copy with
+``cfg.model_copy(update={...})`` (which does not re-validate) or ``parse`` a new mapping.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+
+from storage.codec import Compression
+from storage.errors import InvalidConfigError
+
+MiB = 1 << 20
+_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.%\w]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$")
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """``"host:port"`` or ``"[v6]:port"`` as ``(host, port)``; ``ValueError`` otherwise."""
+    m = _HOST_PORT.match(address.strip())
+    if m is None or not 0 < int(m["port"]) < 65536:
+        raise ValueError(f"{address!r} is not host:port")
+    return m["v6"] or m["host"], int(m["port"])
+
+
+def _describe(cls: type, exc: ValidationError) -> str:
+    problems = []
+    for e in exc.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["loc"] and e["type"] not in ("missing", "extra_forbidden"):
+            shown = repr(e["input"])
+            msg += f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
+        problems.append(f"{where}: {msg}")
+    return f"invalid {cls.__name__}: " + "; ".join(problems)
+
+
+class ClientConfig(BaseModel):
+    """What every client (producer, consumer, admin) needs to reach the agents."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    bootstrap_servers: tuple[str, ...] = Field(alias="bootstrap.servers", min_length=1)
+    client_id: str = Field("strata-python", alias="client.id", max_length=32767)
+    request_timeout_ms: int = Field(30_000, alias="request.timeout.ms", ge=1)
+    metadata_max_age_ms: int = Field(300_000, alias="metadata.max.age.ms", ge=0)
+    retry_backoff_ms: int = Field(100, alias="retry.backoff.ms", ge=0)
+    retry_backoff_max_ms: int = Field(1000, alias="retry.backoff.max.ms", ge=0)
+    socket_connection_setup_timeout_ms: int = Field(
+        10_000, alias="socket.connection.setup.timeout.ms", ge=1
+    )
+    connections_max_idle_ms: int = Field(540_000, alias="connections.max.idle.ms", ge=1)
+    max_in_flight_requests_per_connection: int = Field(
+        5, alias="max.in.flight.requests.per.connection", ge=1
+    )
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _typed_errors(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(data)
+        except ValidationError as exc:
+            raise InvalidConfigError(_describe(cls, exc)) from None
+
+    @field_validator("bootstrap_servers", mode="before")
+    @classmethod
+    def _split_servers(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [s for s in (p.strip() for p in v.split(",")) if s]
+        if isinstance(v, list | tuple):
+            for s in v:
+                if not isinstance(s, str):
+                    raise ValueError(f"{s!r} is not a 'host:port' string")
+                split_host_port(s)
+        return v
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any] | Self | None = None, **kwargs: Any) -> Self:
+        """A config from a mapping of dotted or Python names (or a config object, kept as is)."""
+        if isinstance(values, cls) and not kwargs:
+            return values
+        if isinstance(values, ClientConfig):
+            values = values.model_dump()
+        merged = {**(values or {}), **kwargs}
+        return cls.model_validate(merged)
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        return [split_host_port(s) for s in self.bootstrap_servers]
+
+    @property
+    def effective_backoff_max_ms(self) -> int:
+        """Kafka's rule: a backoff above its maximum backs off constantly at the backoff."""
+        return max(self.retry_backoff_ms, self.retry_backoff_max_ms)
+
+
+class ProducerConfig(ClientConfig):
+    """A producer's settings (see ``sdk.producer`` for how batching uses them)."""
+
+    acks: Literal[0, 1, -1] = Field(1, alias="acks")
+    linger_ms: int = Field(5, alias="linger.ms", ge=0)
+    batch_size: int = Field(MiB, alias="batch.size", ge=0, le=256 * MiB)
+    buffer_memory: int = Field(64 * MiB, alias="buffer.memory", ge=1)
+    max_block_ms: int = Field(60_000, alias="max.block.ms", ge=0)
+    max_request_size: int = Field(MiB, alias="max.request.size", ge=1, le=1 << 30)
+    compression_type: Literal["none", "zstd", "lz4"] = Field("none", alias="compression.type")
+    retries: int = Field(2_147_483_647, alias="retries", ge=0)
+    delivery_timeout_ms: int = Field(120_000, alias="delivery.timeout.ms", ge=1)
+    queue_buffering_max_messages: int = Field(
+        100_000, alias="queue.buffering.max.messages", ge=1
+    )
+
+    @field_validator("acks", mode="before")
+    @classmethod
+    def _acks(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = v.strip().lower()
+            if v == "all":
+                return -1
+            if v.lstrip("-").isdigit():
+                return int(v)
+        return v
+
+    @field_validator("compression_type", mode="before")
+    @classmethod
+    def _compression(cls, v: Any) -> Any:
+        if isinstance(v, Compression):
+            return v.name.lower()
+        if isinstance(v, str):
+            v = v.strip().lower()
+            if v in ("gzip", "snappy"):
+                raise ValueError(f"compression.type {v!r} is not supported; use none, zstd or lz4")
+        return v
+
+    @model_validator(mode="after")
+    def _delivery_covers_one_attempt(self) -> Self:
+        floor = self.linger_ms + self.request_timeout_ms
+        if self.delivery_timeout_ms < floor:
+            # raised as is: a model validator of a subclass runs outside ``_typed_errors``
+            raise InvalidConfigError(
+                f"invalid {type(self).__name__}: delivery.timeout.ms ({self.delivery_timeout_ms}) must be at least "
+                f"linger.ms + request.timeout.ms ({floor})"
+            )
+        return self
+
+    @property
+    def compression(self) -> Compression:
+        return Compression[self.compression_type.upper()]
+
+
+class ConsumerConfig(ClientConfig):
+    """A consumer's settings. Only manual assignment exists yet; ``group.id`` is accepted
+    for forward compatibility but ``subscribe`` (group membership) is not implemented."""
+
+    group_id: str | None = Field(None, alias="group.id")
+    fetch_max_wait_ms: int = Field(500, alias="fetch.max.wait.ms", ge=0)
+    fetch_min_bytes: int = Field(1, alias="fetch.min.bytes", ge=0)
+    fetch_max_bytes: int = Field(50 * MiB, alias="fetch.max.bytes", ge=1, le=1 << 30)
+    max_partition_fetch_bytes: int = Field(MiB, alias="max.partition.fetch.bytes", ge=1, le=1 << 30)
+    auto_offset_reset: Literal["earliest", "latest", "none"] = Field(
+        "latest", alias="auto.offset.reset"
+    )
+    max_poll_records: int = Field(500, alias="max.poll.records", ge=1)
+    isolation_level: Literal["read_uncommitted"] = Field(
+        "read_uncommitted", alias="isolation.level"
+    )
+    check_crcs: bool = Field(True, alias="check.crcs")
+
+    @field_validator("isolation_level", mode="before")
+    @classmethod
+    def _isolation(cls, v: Any) -> Any:
+        if v == "read_committed":
+            raise ValueError("isolation.level 'read_committed' is not supported yet")
+        return v
+
+    @field_validator("auto_offset_reset", mode="before")
+    @classmethod
+    def _reset(cls, v: Any) -> Any:
+        # Kafka's old names, still common in configs
+        return {"smallest": "earliest", "largest": "latest"}.get(v, v) if isinstance(v, str) else v

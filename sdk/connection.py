@@ -1,0 +1,234 @@
+"""One TCP connection to an agent: pipelined requests matched by correlation id.
+
+Requests are written whole (``writelines`` of the parts ``storage.protocol.encode_request``
+returns, so record batches are not copied) without waiting for earlier answers; at most
+``max.in.flight.requests.per.connection`` are outstanding (a semaphore). One reader task reads
+size-prefixed response frames and hands each to the waiting request by correlation id.
+
+Deadlines and failures:
+
+* every request has a deadline (``request.timeout.ms`` unless the caller gives a longer one,
+  as a long-polling fetch does); when it passes the request raises ``RequestTimedOutError``
+  and the connection is closed, as Kafka clients do — a peer that does not answer in time
+  cannot be trusted to answer in order;
+* a refused, reset or closed connection, and a response stream that does not parse, fail every
+  outstanding request with ``NetworkError`` (retriable) or the protocol error, and close the
+  connection; the owner (``sdk.cluster``) opens a new one on the next request;
+* a response whose header carries an error raises the typed error (``ResponseFrame.error``);
+* a produce request with ``acks=0`` expects no response and completes once written.
+
+The reader is a long-lived loop; it is started through the owner's ``spawn`` so that it lives
+under the client's supervisor (``asyncio.TaskGroup``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from storage.errors import MalformedFrameError, NetworkError, RequestTimedOutError, StrataError
+from storage.protocol import APIS, DEFAULT_MAX_FRAME, encode_request, parse_response, read_size
+from storage.protocol.schema import Message
+
+Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
+
+_API_KEY: dict[type[Message], int] = {api.request: int(api.key) for api in APIS.values()}
+_RESPONSE: dict[int, type[Message]] = {int(api.key): api.response for api in APIS.values()}
+
+
+def _default_spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+    return asyncio.get_running_loop().create_task(coro, name=name)
+
+
+class Connection:
+    """A connection to ``host:port``; ``await connect()`` then ``await request(body)``."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        *,
+        client_id: str | None = None,
+        request_timeout_ms: float = 30_000,
+        connect_timeout_ms: float = 10_000,
+        max_in_flight: int = 5,
+        max_frame: int = DEFAULT_MAX_FRAME,
+        spawn: Spawn | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.client_id = client_id
+        self.request_timeout = request_timeout_ms / 1000
+        self.connect_timeout = connect_timeout_ms / 1000
+        self.max_frame = max_frame
+        self._spawn = spawn or _default_spawn
+        self._clock = clock
+        self._sem = asyncio.Semaphore(max_in_flight)
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._read_task: asyncio.Task[None] | None = None
+        self._connect_lock = asyncio.Lock()
+        self._closed: StrataError | None = None
+        self._requests = 0
+        self.last_used = clock()
+
+    def __repr__(self) -> str:
+        return f"<Connection {self.host}:{self.port} {'closed' if self.closed else 'open'}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed is not None
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None and self._closed is None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests written or waiting to be written and not yet answered."""
+        return self._requests
+
+    def idle_for(self, now: float) -> float:
+        return 0.0 if self._requests else now - self.last_used
+
+    def _closed_error(self) -> NetworkError:
+        err = NetworkError(f"connection to {self.host}:{self.port} is closed: {self._closed}")
+        err.__cause__ = self._closed
+        return err
+
+    async def connect(self) -> None:
+        if self._writer is not None and self._closed is None:
+            return
+        async with self._connect_lock:
+            if self._closed is not None:
+                raise self._closed_error()
+            if self._writer is not None:
+                return
+            try:
+                async with asyncio.timeout(self.connect_timeout):
+                    reader, writer = await asyncio.open_connection(self.host, self.port)
+            except TimeoutError:
+                err = NetworkError(
+                    f"connecting to {self.host}:{self.port} timed out after "
+                    f"{self.connect_timeout * 1000:.0f} ms"
+                )
+                self._closed = err
+                raise err from None
+            except OSError as exc:
+                err = NetworkError(f"cannot connect to {self.host}:{self.port}: {exc}")
+                self._closed = err
+                raise err from None
+            self._reader, self._writer = reader, writer
+            self._read_task = self._spawn(
+                self._read_loop(reader), f"strata-conn-read-{self.host}:{self.port}"
+            )
+            self.last_used = self._clock()
+
+    async def request(
+        self,
+        body: Message,
+        *,
+        request_timeout: float | None = None,
+        expect_response: bool = True,
+    ) -> Any:
+        """Send ``body`` and return the decoded response body (None if none is expected).
+
+        ``request_timeout`` (seconds, default ``request.timeout.ms``) covers waiting for a free
+        in-flight slot, writing and the answer.
+        """
+        api_key = _API_KEY[type(body)]
+        limit = self.request_timeout if request_timeout is None else request_timeout
+        await self.connect()
+        self._requests += 1
+        try:
+            async with asyncio.timeout(limit):
+                async with self._sem:
+                    frame = await self._exchange(api_key, body, expect_response)
+        except TimeoutError:
+            exc = RequestTimedOutError(
+                f"{type(body).__name__} to {self.host}:{self.port} got no response within "
+                f"{limit * 1000:.0f} ms"
+            )
+            self._fail(exc)
+            raise exc from None
+        finally:
+            self._requests -= 1
+            self.last_used = self._clock()
+        if frame is None:
+            return None
+        error = frame.error()
+        if error is not None:
+            raise error
+        return _RESPONSE[api_key].decode(frame.body)
+
+    async def _exchange(self, api_key: int, body: Message, expect_response: bool) -> Any:
+        if self._closed is not None:
+            raise self._closed_error()
+        writer = self._writer
+        assert writer is not None
+        correlation_id = next(self._ids) & 0x7FFFFFFF
+        parts = encode_request(api_key, correlation_id, self.client_id, body)
+        fut: asyncio.Future[Any] | None = None
+        if expect_response:
+            fut = asyncio.get_running_loop().create_future()
+            self._pending[correlation_id] = fut
+        try:
+            writer.writelines(parts)
+            await writer.drain()
+        except (OSError, RuntimeError) as exc:
+            self._fail(NetworkError(f"writing to {self.host}:{self.port} failed: {exc}"))
+            raise self._closed_error() from None
+        if fut is None:
+            return None
+        try:
+            return await fut
+        finally:
+            self._pending.pop(correlation_id, None)
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        error: StrataError | None = None
+        try:
+            while True:
+                size = read_size(await reader.readexactly(4), self.max_frame)
+                frame = parse_response(await reader.readexactly(size))
+                fut = self._pending.pop(frame.correlation_id, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(frame)
+        except asyncio.IncompleteReadError as exc:
+            error = NetworkError(
+                f"{self.host}:{self.port} closed the connection"
+                + (f" inside a frame ({len(exc.partial)} bytes read)" if exc.partial else "")
+            )
+        except OSError as exc:
+            error = NetworkError(f"reading from {self.host}:{self.port} failed: {exc}")
+        except MalformedFrameError as exc:
+            error = exc
+        finally:
+            self._fail(error or NetworkError(f"connection to {self.host}:{self.port} closed"))
+
+    def _fail(self, exc: StrataError) -> None:
+        """Close the connection and fail every outstanding request with ``exc``."""
+        if self._closed is None:
+            self._closed = exc
+        pending, self._pending = self._pending, {}
+        for fut in pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        if self._writer is not None:
+            self._writer.close()
+        task = self._read_task
+        if task is not None and task is not asyncio.current_task() and not task.done():
+            task.cancel()
+
+    async def close(self) -> None:
+        self._fail(NetworkError(f"connection to {self.host}:{self.port} was closed by the client"))
+        if self._writer is not None:
+            with contextlib.suppress(OSError, RuntimeError):
+                await self._writer.wait_closed()

@@ -1,0 +1,803 @@
+"""The asynchronous consumer (manual assignment; consumer groups come later).
+
+Theory of operation
+-------------------
+Each assigned partition has a *position*: the offset of the next record the application will
+see. A position comes from ``seek``, or is *reset* — by ``seek_to_beginning`` /
+``seek_to_end``, or when there is none, by ``auto.offset.reset`` — with a ListOffsets request
+to the partition's leader.
+
+One *fetcher* loop (a named task under the consumer's ``asyncio.TaskGroup``) keeps data ready
+ahead of the application. On each wake-up it groups the partitions that have a position, no
+buffered data and no error by leader agent and sends each leader one FetchRequest covering all
+of them (long polling: the agent answers after ``fetch.max.wait.ms`` or once it has
+``fetch.min.bytes``); at most one fetch per agent is in flight. A fetch response's record
+bytes are kept as they arrived (no copy, no decoding) until the application asks for them.
+Prefetching stops while the buffered bytes exceed ``fetch.max.bytes``, so the consumer holds at
+most about two responses' worth of data however slowly it is read.
+
+``getmany`` / ``getmany_arrow`` decode the buffered batches with ``storage.codec.decode_batch``
+(CRC checked unless ``check.crcs`` is off) into Arrow, drop records below the position with a
+zero-copy slice (a fetch may start in the middle of a batch), cut at ``max_records`` and move
+the position past what they return. ``getmany`` then turns Arrow columns into
+:class:`~sdk.records.ConsumerRecord` tuples; ``getmany_arrow`` returns the Arrow table itself,
+which is the fast path for analytics and replay.
+
+Errors: OFFSET_OUT_OF_RANGE resets the position by ``auto.offset.reset`` (``none``: raises
+``OffsetOutOfRangeError`` from ``getmany``); NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION, network
+errors and the like refresh metadata and retry the partition after ``retry.backoff.ms``; any
+other error is raised from the next ``getmany`` that covers the partition — after data already
+collected for other partitions has been returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
+from dataclasses import dataclass, field
+from itertools import repeat
+from types import TracebackType
+from typing import Any, NoReturn, Self
+
+import pyarrow as pa
+
+from sdk.backoff import ExponentialBackoff
+from sdk.cluster import STALE_METADATA_ERRORS, Cluster
+from sdk.config import ConsumerConfig
+from sdk.errors import IllegalStateError, NoOffsetForPartitionError
+from sdk.records import ConsumerRecord, OffsetAndTimestamp, TopicPartition
+from storage.codec import SCHEMA, decode_batch, read_header
+from storage.errors import (
+    CorruptBatchError,
+    InvalidOffsetError,
+    OffsetOutOfRangeError,
+    RequestTimedOutError,
+    StrataError,
+    from_wire,
+)
+from storage.protocol import DEFAULT_MAX_FRAME
+from storage.protocol.messages import (
+    CONSUMER_REPLICA_ID,
+    EARLIEST_TIMESTAMP,
+    LATEST_TIMESTAMP,
+    FetchPartition,
+    FetchPartitionResult,
+    FetchRequest,
+    FetchResponse,
+    FetchTopic,
+    ListOffsetsPartition,
+    ListOffsetsPartitionResult,
+    ListOffsetsRequest,
+    ListOffsetsResponse,
+    ListOffsetsTopic,
+)
+
+_OUT_OF_RANGE = OffsetOutOfRangeError.code
+_RESETS = {"earliest": EARLIEST_TIMESTAMP, "latest": LATEST_TIMESTAMP}
+_INT64 = pa.int64()
+
+
+class _Buffered:
+    """One fetch response's record bytes for one partition, consumed batch by batch."""
+
+    __slots__ = ("current", "current_base", "data", "pos", "seen_whole")
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.pos = 0
+        self.current: pa.RecordBatch | None = None
+        self.current_base = 0
+        self.seen_whole = False
+
+
+@dataclass(slots=True)
+class _PartitionState:
+    position: int | None = None
+    reset: int | None = None  # EARLIEST_TIMESTAMP / LATEST_TIMESTAMP while a reset is pending
+    error: StrataError | None = None
+    buffered: _Buffered | None = None
+    busy: bool = False  # a fetch or reset for it is in flight
+    retry_at: float = 0.0
+    generation: int = 0  # bumped by every seek: answers to older requests are dropped
+    high_watermark: int = -1
+    log_start_offset: int = -1
+    attempts: int = field(default=0)
+
+
+def _as_tp(tp: Any) -> TopicPartition:
+    try:
+        topic, partition = tp
+    except (TypeError, ValueError):
+        raise TypeError(f"expected a (topic, partition) pair, got {tp!r}") from None
+    if not isinstance(topic, str) or not isinstance(partition, int) or partition < 0:
+        raise TypeError(f"expected a (topic: str, partition: int >= 0) pair, got {tp!r}")
+    return TopicPartition(topic, partition)
+
+
+def _list_total(col: Any) -> int:
+    offsets = col.offsets
+    return int(offsets[len(offsets) - 1].as_py() - offsets[0].as_py())
+
+
+def to_records(tp: TopicPartition, batches: Iterable[pa.RecordBatch]) -> list[ConsumerRecord]:
+    """Arrow record batches (``storage.codec.SCHEMA``) as ConsumerRecords, column by column."""
+    out: list[ConsumerRecord] = []
+    for rb in batches:
+        n = rb.num_rows
+        offsets = rb.column(0).to_pylist()
+        timestamps = rb.column(1).cast(_INT64).to_pylist()
+        keys = rb.column(2).to_pylist()
+        values = rb.column(3).to_pylist()
+        hcol, tcol = rb.column(4), rb.column(5)
+        headers: Iterable[Any] = (
+            [tuple((h["key"], h["value"]) for h in hs) for hs in hcol.to_pylist()]
+            if _list_total(hcol)
+            else repeat((), n)
+        )
+        tags: Iterable[Any] = (
+            [tuple(ts) for ts in tcol.to_pylist()] if _list_total(tcol) else repeat((), n)
+        )
+        out.extend(
+            map(
+                ConsumerRecord,
+                repeat(tp.topic, n),
+                repeat(tp.partition, n),
+                offsets,
+                timestamps,
+                keys,
+                values,
+                headers,
+                tags,
+            )
+        )
+    return out
+
+
+class Consumer:
+    """Read records of assigned partitions (see the module docstring)::
+
+        async with Consumer({"bootstrap.servers": "localhost:9092",
+                             "auto.offset.reset": "earliest"}) as consumer:
+            consumer.assign([("events", 0), ("events", 1)])
+            async for record in consumer:
+                ...
+    """
+
+    def __init__(
+        self,
+        config: ConsumerConfig | Mapping[str, Any],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        backoff: ExponentialBackoff | None = None,
+    ) -> None:
+        self.config = ConsumerConfig.parse(config)
+        self._clock = clock
+        self._backoff = backoff or ExponentialBackoff(
+            self.config.retry_backoff_ms, self.config.effective_backoff_max_ms
+        )
+        self._states: dict[TopicPartition, _PartitionState] = {}
+        self._buffered_bytes = 0
+        self._fetching: set[int] = set()
+        self._rotation = 0
+        self._pending: deque[ConsumerRecord] = deque()
+        self._wake = asyncio.Event()
+        self._changed = asyncio.Event()
+        self._cluster: Cluster | None = None
+        self._tg: asyncio.TaskGroup | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._started = False
+        self._closed = False
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        if self._tg is None:
+            coro.close()
+            raise IllegalStateError("the consumer is not running")
+        return self._tg.create_task(coro, name=name)
+
+    async def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        cfg = self.config
+        self._cluster = Cluster(
+            cfg,
+            spawn=self._spawn,
+            clock=self._clock,
+            backoff=self._backoff,
+            max_frame=max(DEFAULT_MAX_FRAME, cfg.fetch_max_bytes + (1 << 20)),
+        )
+        self._cluster.add_topics(tp.topic for tp in self._states)
+        self._cluster.add_listener(self._wake.set)
+        running: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._supervisor = asyncio.create_task(self._supervise(running), name="strata-consumer")
+        await running
+        try:
+            await self._cluster.bootstrap()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _supervise(self, running: asyncio.Future[None]) -> None:
+        assert self._cluster is not None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                running.set_result(None)
+                loops = [
+                    tg.create_task(self._cluster.run(), name="strata-consumer-metadata"),
+                    tg.create_task(self._fetch_loop(), name="strata-consumer-fetcher"),
+                ]
+                await self._stop.wait()
+                for task in loops:
+                    task.cancel()
+                await self._cluster.close()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._failure = exc
+        finally:
+            self._tg = None
+            if not running.done():
+                running.set_exception(IllegalStateError("the consumer stopped while starting"))
+            if self._cluster is not None:
+                await self._cluster.close()
+            self._notify()
+
+    async def close(self) -> None:
+        """Stop fetching and close the connections. Buffered records are dropped."""
+        self._closed = True
+        self._stop.set()
+        if self._supervisor is not None:
+            await asyncio.wait([self._supervisor])
+        for st in self._states.values():
+            st.buffered = None
+        self._buffered_bytes = 0
+        self._pending.clear()
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _check_running(self) -> Cluster:
+        if self._closed:
+            raise IllegalStateError("the consumer is closed")
+        if self._failure is not None:
+            raise IllegalStateError(f"the consumer failed: {self._failure!r}") from self._failure
+        if self._cluster is None or self._tg is None:
+            raise IllegalStateError("the consumer is not started: await consumer.start()")
+        return self._cluster
+
+    def _notify(self) -> None:
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
+
+    async def _wait_changed(self, max_wait: float) -> None:
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(max_wait, 0)):
+                await changed.wait()
+
+    # ---- assignment and positions ---------------------------------------------------------
+    def subscribe(self, *args: Any, **kwargs: Any) -> NoReturn:
+        raise NotImplementedError(
+            "consumer groups (subscribe) are not implemented yet: use assign([(topic, partition)])"
+            + (f"; group.id {self.config.group_id!r} is accepted but not used" if self.config.group_id else "")
+        )
+
+    def assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
+        """Consume exactly these partitions (replacing any earlier assignment)."""
+        wanted = [_as_tp(tp) for tp in partitions]
+        keep = set(wanted)
+        for tp in list(self._states):
+            if tp not in keep:
+                self._drop(self._states.pop(tp))
+        for tp in wanted:
+            self._states.setdefault(tp, _PartitionState())
+        self._pending = deque(r for r in self._pending if (r.topic, r.partition) in keep)
+        if self._cluster is not None:
+            self._cluster.add_topics(tp.topic for tp in wanted)
+        self._wake.set()
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._states)
+
+    def _state(self, tp: Any) -> _PartitionState:
+        st = self._states.get(_as_tp(tp))
+        if st is None:
+            raise IllegalStateError(f"{tp} is not assigned to this consumer")
+        return st
+
+    def _drop(self, st: _PartitionState) -> None:
+        if st.buffered is not None:
+            self._buffered_bytes -= len(st.buffered.data)
+            st.buffered = None
+
+    def _reposition(self, tp: TopicPartition, st: _PartitionState) -> None:
+        self._drop(st)
+        st.error = None
+        st.retry_at = 0.0
+        st.generation += 1
+        if self._pending:
+            self._pending = deque(r for r in self._pending if (r.topic, r.partition) != tp)
+        self._wake.set()
+
+    def seek(self, tp: TopicPartition | tuple[str, int], offset: int) -> None:
+        """The next record returned for ``tp`` will be the one at ``offset`` (or after it)."""
+        if not isinstance(offset, int) or offset < 0:
+            raise InvalidOffsetError(f"cannot seek to offset {offset!r}")
+        tp = _as_tp(tp)
+        st = self._state(tp)
+        st.position, st.reset = offset, None
+        self._reposition(tp, st)
+
+    def seek_to_beginning(self, *partitions: TopicPartition | tuple[str, int]) -> None:
+        self._seek_to(EARLIEST_TIMESTAMP, partitions)
+
+    def seek_to_end(self, *partitions: TopicPartition | tuple[str, int]) -> None:
+        self._seek_to(LATEST_TIMESTAMP, partitions)
+
+    def _seek_to(self, where: int, partitions: Iterable[Any]) -> None:
+        tps = [_as_tp(tp) for tp in partitions] or list(self._states)
+        for tp in tps:
+            st = self._state(tp)
+            st.reset = where
+            self._reposition(tp, st)
+
+    async def position(self, tp: TopicPartition | tuple[str, int]) -> int:
+        """The offset of the next record to be returned, resolving a pending reset first."""
+        self._check_running()
+        tp = _as_tp(tp)
+        deadline = self._clock() + self.config.request_timeout_ms / 1000
+        while True:
+            st = self._state(tp)
+            if st.error is not None:
+                raise st.error
+            if st.position is not None and st.reset is None:
+                return st.position
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise RequestTimedOutError(f"could not find a position for {tp} in time")
+            self._wake.set()
+            await self._wait_changed(remaining)
+            self._check_running()
+
+    def highwater(self, tp: TopicPartition | tuple[str, int]) -> int:
+        """The partition's high watermark as of the last fetch (-1 before one)."""
+        return self._state(tp).high_watermark
+
+    # ---- offsets lookups -----------------------------------------------------------------
+    async def beginning_offsets(
+        self, partitions: Iterable[TopicPartition | tuple[str, int]]
+    ) -> dict[TopicPartition, int]:
+        found = await self._list_offsets({_as_tp(tp): EARLIEST_TIMESTAMP for tp in partitions})
+        return {tp: r.offset for tp, r in found.items()}
+
+    async def end_offsets(
+        self, partitions: Iterable[TopicPartition | tuple[str, int]]
+    ) -> dict[TopicPartition, int]:
+        found = await self._list_offsets({_as_tp(tp): LATEST_TIMESTAMP for tp in partitions})
+        return {tp: r.offset for tp, r in found.items()}
+
+    async def offsets_for_times(
+        self, timestamps: Mapping[TopicPartition | tuple[str, int], int]
+    ) -> dict[TopicPartition, OffsetAndTimestamp | None]:
+        """The first offset whose timestamp is at or after the one given (None: no such)."""
+        query: dict[TopicPartition, int] = {}
+        for tp, ts in timestamps.items():
+            if not isinstance(ts, int) or ts < 0:
+                raise ValueError(f"timestamp for {tp} must be a non-negative int (ms), got {ts!r}")
+            query[_as_tp(tp)] = ts
+        found = await self._list_offsets(query)
+        return {
+            tp: None if r.offset < 0 else OffsetAndTimestamp(r.offset, r.timestamp)
+            for tp, r in found.items()
+        }
+
+    async def _list_offsets(
+        self, query: dict[TopicPartition, int]
+    ) -> dict[TopicPartition, ListOffsetsPartitionResult]:
+        """ListOffsets to each partition's leader, retrying retriable errors until
+        ``request.timeout.ms`` has passed."""
+        cluster = self._check_running()
+        cluster.add_topics(tp.topic for tp in query)
+        deadline = self._clock() + self.config.request_timeout_ms / 1000
+        pending = dict(query)
+        results: dict[TopicPartition, ListOffsetsPartitionResult] = {}
+        last: StrataError | None = None
+        attempt = 0
+        while pending:
+            by_leader: dict[int, dict[TopicPartition, int]] = defaultdict(dict)
+            for tp, ts in pending.items():
+                leader = cluster.leader_for(tp.topic, tp.partition)
+                if leader is None:
+                    cluster.request_update()
+                else:
+                    by_leader[leader][tp] = ts
+            answers = await asyncio.gather(
+                *(cluster.send(agent, _list_offsets_request(q)) for agent, q in by_leader.items()),
+                return_exceptions=True,
+            )
+            for answer in answers:
+                if isinstance(answer, StrataError):
+                    if not answer.retriable:
+                        raise answer
+                    last = answer
+                    continue
+                if isinstance(answer, BaseException):
+                    raise answer
+                response: ListOffsetsResponse = answer
+                for t in response.topics:
+                    for r in t.partitions:
+                        tp = TopicPartition(t.name, r.partition)
+                        if tp not in pending:
+                            continue
+                        if r.error_code == 0:
+                            results[tp] = r
+                            del pending[tp]
+                            continue
+                        err = from_wire(r.error_code, f"{tp}: error {r.error_code}")
+                        if not err.retriable:
+                            raise err
+                        if isinstance(err, STALE_METADATA_ERRORS):
+                            cluster.request_update()
+                        last = err
+            if not pending:
+                break
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                raise RequestTimedOutError(
+                    f"offsets of {sorted(pending)} not found within request.timeout.ms"
+                    + (f" (last error: {last})" if last else "")
+                )
+            await cluster.wait_for_update(min(remaining, self._backoff(attempt)))
+            attempt += 1
+        return results
+
+    # ---- fetching ------------------------------------------------------------------------
+    async def _fetch_loop(self) -> None:
+        while True:
+            self._wake.clear()
+            delay = self._plan(self._clock())
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await self._wake.wait()
+
+    def _plan(self, now: float) -> float | None:
+        """Start the resets and fetches that can go now; seconds until one is due."""
+        cluster = self._cluster
+        assert cluster is not None
+        resets: dict[int, dict[TopicPartition, int]] = defaultdict(dict)
+        fetches: dict[int, list[TopicPartition]] = defaultdict(list)
+        delay: float | None = None
+        room = self._buffered_bytes < self.config.fetch_max_bytes
+        for tp, st in self._states.items():
+            if st.error is not None or st.buffered is not None or st.busy:
+                continue
+            if st.retry_at > now:
+                wait = st.retry_at - now
+                delay = wait if delay is None else min(delay, wait)
+                continue
+            if st.position is None and st.reset is None:
+                policy = self.config.auto_offset_reset
+                if policy == "none":
+                    st.error = NoOffsetForPartitionError(tp.topic, tp.partition)
+                    self._notify()
+                    continue
+                st.reset = _RESETS[policy]
+            leader = cluster.leader_for(tp.topic, tp.partition)
+            if leader is None:
+                cluster.request_update()
+                continue  # woken by the metadata update
+            if st.reset is not None:
+                resets[leader][tp] = st.reset
+            elif room and leader not in self._fetching:
+                fetches[leader].append(tp)
+        for leader, query in resets.items():
+            for tp in query:
+                self._states[tp].busy = True
+            self._spawn(self._reset(leader, query), f"strata-reset-from-{leader}")
+        for leader, tps in fetches.items():
+            for tp in tps:
+                self._states[tp].busy = True
+            self._fetching.add(leader)
+            self._spawn(self._fetch(leader, tps), f"strata-fetch-from-{leader}")
+        return delay
+
+    def _backoff_partition(self, st: _PartitionState) -> None:
+        st.retry_at = self._clock() + self._backoff(st.attempts)
+        st.attempts += 1
+
+    async def _reset(self, leader: int, query: dict[TopicPartition, int]) -> None:
+        cluster = self._cluster
+        assert cluster is not None
+        asked = {tp: self._states[tp].generation for tp in query}
+        try:
+            response: ListOffsetsResponse = await cluster.send(leader, _list_offsets_request(query))
+        except StrataError as exc:
+            for tp, gen in asked.items():
+                st = self._states.get(tp)
+                if st is not None and st.generation == gen:
+                    self._partition_error(tp, st, exc)
+            return
+        finally:
+            for tp in query:
+                st = self._states.get(tp)
+                if st is not None:
+                    st.busy = False
+            self._wake.set()
+        for t in response.topics:
+            for r in t.partitions:
+                tp = TopicPartition(t.name, r.partition)
+                st = self._states.get(tp)
+                if st is None or tp not in asked or st.generation != asked[tp]:
+                    continue
+                if r.error_code == 0 and r.offset >= 0:
+                    st.position, st.reset, st.attempts = r.offset, None, 0
+                elif r.error_code == 0:
+                    self._backoff_partition(st)
+                else:
+                    self._partition_error(tp, st, from_wire(r.error_code, f"{tp}: error {r.error_code}"))
+        self._notify()
+
+    async def _fetch(self, leader: int, tps: list[TopicPartition]) -> None:
+        cluster = self._cluster
+        assert cluster is not None
+        cfg = self.config
+        asked: dict[TopicPartition, tuple[int, int]] = {}
+        topics: dict[str, list[FetchPartition]] = defaultdict(list)
+        for tp in tps:
+            state = self._states[tp]
+            assert state.position is not None
+            asked[tp] = (state.generation, state.position)
+            topics[tp.topic].append(
+                FetchPartition(
+                    tp.partition,
+                    state.position,
+                    cfg.max_partition_fetch_bytes,
+                    cluster.leader_epoch(tp.topic, tp.partition),
+                )
+            )
+        request = FetchRequest(
+            replica_id=CONSUMER_REPLICA_ID,
+            max_wait_ms=cfg.fetch_max_wait_ms,
+            min_bytes=cfg.fetch_min_bytes,
+            max_bytes=cfg.fetch_max_bytes,
+            isolation_level=0,
+            topics=[FetchTopic(name, parts) for name, parts in topics.items()],
+        )
+        try:
+            response: FetchResponse = await cluster.send(
+                leader,
+                request,
+                request_timeout=(cfg.request_timeout_ms + cfg.fetch_max_wait_ms) / 1000,
+            )
+        except StrataError as exc:
+            for tp, (gen, _) in asked.items():
+                st = self._states.get(tp)
+                if st is not None and st.generation == gen:
+                    self._partition_error(tp, st, exc)
+            return
+        finally:
+            self._fetching.discard(leader)
+            for tp in tps:
+                st = self._states.get(tp)
+                if st is not None:
+                    st.busy = False
+            self._wake.set()
+        for t in response.topics:
+            for r in t.partitions:
+                tp = TopicPartition(t.name, r.partition)
+                st = self._states.get(tp)
+                if st is not None and tp in asked and (st.generation, st.position) == asked[tp]:
+                    self._fetched(tp, st, r)
+        self._notify()
+
+    def _fetched(self, tp: TopicPartition, st: _PartitionState, r: FetchPartitionResult) -> None:
+        if r.error_code == 0:
+            st.high_watermark = r.high_watermark
+            st.log_start_offset = r.log_start_offset
+            st.attempts = 0
+            if r.records is not None and len(r.records):
+                data = memoryview(r.records)
+                st.buffered = _Buffered(data)
+                self._buffered_bytes += len(data)
+            return
+        if r.error_code == _OUT_OF_RANGE:
+            policy = self.config.auto_offset_reset
+            if policy == "none":
+                st.error = OffsetOutOfRangeError(
+                    st.position if st.position is not None else -1,
+                    r.log_start_offset,
+                    r.high_watermark,
+                )
+            else:
+                st.reset = _RESETS[policy]
+            return
+        self._partition_error(tp, st, from_wire(r.error_code, f"{tp}: error {r.error_code}"))
+
+    def _partition_error(self, tp: TopicPartition, st: _PartitionState, exc: StrataError) -> None:
+        if exc.retriable:
+            if isinstance(exc, STALE_METADATA_ERRORS) and self._cluster is not None:
+                self._cluster.request_update()
+            self._backoff_partition(st)
+        else:
+            st.error = exc
+
+    # ---- handing records out --------------------------------------------------------------
+    async def getmany(
+        self,
+        *partitions: TopicPartition | tuple[str, int],
+        timeout_ms: int = 0,
+        max_records: int | None = None,
+    ) -> dict[TopicPartition, list[ConsumerRecord]]:
+        """Records ready now (waiting up to ``timeout_ms`` for some), per partition, in offset
+        order; at most ``max_records`` (default ``max.poll.records``) in all."""
+        got = await self._poll(partitions, timeout_ms, max_records)
+        return {tp: to_records(tp, batches) for tp, batches in got.items()}
+
+    async def getmany_arrow(
+        self,
+        *partitions: TopicPartition | tuple[str, int],
+        timeout_ms: int = 0,
+        max_records: int | None = None,
+    ) -> dict[TopicPartition, pa.Table]:
+        """Like ``getmany`` but each partition's records as one Arrow table (``codec.SCHEMA``),
+        pointing into the fetched bytes (no per-record Python work)."""
+        got = await self._poll(partitions, timeout_ms, max_records)
+        return {tp: pa.Table.from_batches(batches, schema=SCHEMA) for tp, batches in got.items()}
+
+    async def getone(self, *partitions: TopicPartition | tuple[str, int]) -> ConsumerRecord:
+        """The next record (of ``partitions``, default all), waiting as long as it takes."""
+        wanted = {_as_tp(tp) for tp in partitions}
+        while True:
+            if self._pending and not wanted:
+                return self._pending.popleft()
+            if wanted:
+                for i, r in enumerate(self._pending):
+                    if (r.topic, r.partition) in wanted:
+                        del self._pending[i]
+                        return r
+            got = await self.getmany(*wanted, timeout_ms=1000)
+            for records in got.values():
+                self._pending.extend(records)
+
+    def __aiter__(self) -> AsyncIterator[ConsumerRecord]:
+        return self
+
+    async def __anext__(self) -> ConsumerRecord:
+        if self._closed:
+            raise StopAsyncIteration
+        try:
+            return await self.getone()
+        except IllegalStateError:
+            if self._closed:
+                raise StopAsyncIteration from None
+            raise
+
+    async def _poll(
+        self,
+        partitions: tuple[TopicPartition | tuple[str, int], ...],
+        timeout_ms: int,
+        max_records: int | None,
+    ) -> dict[TopicPartition, list[pa.RecordBatch]]:
+        self._check_running()
+        limit = self.config.max_poll_records if max_records is None else max_records
+        if limit < 1:
+            raise ValueError(f"max_records must be at least 1, got {limit}")
+        wanted = [_as_tp(tp) for tp in partitions]
+        for tp in wanted:
+            self._state(tp)
+        deadline = self._clock() + max(timeout_ms, 0) / 1000
+        while True:
+            got = self._take(wanted or list(self._states), limit)
+            if got:
+                return got
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                return {}
+            await self._wait_changed(remaining)
+            self._check_running()
+
+    def _take(
+        self, tps: list[TopicPartition], limit: int
+    ) -> dict[TopicPartition, list[pa.RecordBatch]]:
+        out: dict[TopicPartition, list[pa.RecordBatch]] = {}
+        taken = 0
+        failed: tuple[TopicPartition, _PartitionState] | None = None
+        if tps:
+            start = self._rotation % len(tps)
+            self._rotation += 1
+            tps = tps[start:] + tps[:start]
+        for tp in tps:
+            st = self._states.get(tp)
+            if st is None:
+                continue
+            if st.error is not None:
+                failed = failed or (tp, st)
+                continue
+            while st.buffered is not None and taken < limit:
+                try:
+                    part = self._next_slice(st, st.buffered, limit - taken)
+                except StrataError as exc:
+                    self._drop(st)
+                    st.error = exc
+                    failed = failed or (tp, st)
+                    break
+                if part is None:
+                    self._drop(st)
+                    self._wake.set()
+                    break
+                out.setdefault(tp, []).append(part)
+                taken += part.num_rows
+            if taken >= limit:
+                break
+        if failed is not None and not out:
+            tp, st = failed
+            err, st.error = st.error, None
+            st.generation += 1
+            self._wake.set()
+            assert err is not None
+            raise err
+        return out
+
+    def _next_slice(
+        self, st: _PartitionState, buf: _Buffered, max_rows: int
+    ) -> pa.RecordBatch | None:
+        """The next records at or after the position (at most ``max_rows``), or None when
+        the buffer holds no more; moves the position past them."""
+        assert st.position is not None
+        while True:
+            if buf.current is None:
+                if buf.pos >= len(buf.data):
+                    return None
+                try:
+                    h = read_header(buf.data, buf.pos)
+                    if buf.pos + h.size > len(buf.data):
+                        raise CorruptBatchError(
+                            f"truncated batch: {len(buf.data) - buf.pos} of {h.size} bytes",
+                            position=buf.pos,
+                        )
+                except CorruptBatchError:
+                    if buf.seen_whole:
+                        return None  # a torn tail after whole batches: fetch it again later
+                    raise
+                start, buf.pos = buf.pos, buf.pos + h.size
+                buf.seen_whole = True
+                if h.next_offset <= st.position:
+                    continue
+                if h.is_control:
+                    st.position = h.next_offset
+                    continue
+                buf.current = decode_batch(buf.data, start, verify=self.config.check_crcs)
+                buf.current_base = h.base_offset
+            rb = buf.current
+            skip = max(st.position - buf.current_base, 0)
+            if skip >= rb.num_rows:
+                buf.current = None
+                continue
+            take = min(rb.num_rows - skip, max_rows)
+            if skip + take >= rb.num_rows:
+                buf.current = None
+            st.position = buf.current_base + skip + take
+            return rb.slice(skip, take)
+
+
+def _list_offsets_request(query: Mapping[TopicPartition, int]) -> ListOffsetsRequest:
+    topics: dict[str, list[ListOffsetsPartition]] = defaultdict(list)
+    for tp, ts in query.items():
+        topics[tp.topic].append(ListOffsetsPartition(tp.partition, ts))
+    return ListOffsetsRequest(topics=[ListOffsetsTopic(name, parts) for name, parts in topics.items()])

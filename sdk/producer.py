@@ -1,0 +1,476 @@
+"""The asynchronous producer.
+
+Theory of operation
+-------------------
+``await producer.send(topic, value, key=...)`` picks the partition (``sdk.partitioner``:
+murmur2 of the key as Kafka does, sticky for keyless records), then appends the record to the
+:class:`~sdk.accumulator.RecordAccumulator` and returns a future of its
+:class:`~sdk.records.RecordMetadata`. Awaiting ``send`` waits only for metadata of a new topic
+and for buffer space (both bounded by ``max.block.ms``); awaiting the returned future waits for
+the leader's acknowledgement. ``send_and_wait`` does both.
+
+One *sender* task turns ready batches into requests. On each wake-up (a new or full batch, a
+linger deadline, a response, a retry falling due, new metadata) it:
+
+1. fails queued batches older than ``delivery.timeout.ms``;
+2. asks the accumulator which partitions are ready and looks up each one's leader (an unknown
+   leader asks for a metadata refresh and the partition waits);
+3. for every leader agent with fewer than ``max.in.flight.requests.per.connection`` produce
+   requests outstanding, drains one head batch per ready partition (up to
+   ``max.request.size``) into a single ProduceRequest — several partitions per request — and
+   sends it from a short task of its own, so a slow agent never holds up the others.
+
+A response completes each batch at its base offset (record *i* gets ``base_offset + i``). A
+retriable error (``NotLeaderError``, ``NetworkError``, ``RequestTimedOutError``, ...) puts the
+batch back at the head of its partition — the partition stays muted while a batch of it is in
+flight, so order within a partition holds across retries — after an exponential backoff with
+jitter (``retry.backoff.ms`` .. ``retry.backoff.max.ms``), and errors that suggest stale
+leadership also refresh metadata. A batch fails for good on a non-retriable error, after
+``retries`` retries, or when its ``delivery.timeout.ms`` would pass. With ``acks=0`` the
+futures resolve once the request is written, with offset -1.
+
+The sender, the metadata refresh loop and the connections' reader loops are named tasks under
+one ``asyncio.TaskGroup`` owned by a supervisor task; if any of them fails unexpectedly the
+others are cancelled and every outstanding future fails with that error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections import defaultdict
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Self
+
+from sdk.accumulator import Headers, ProducerBatch, RecordAccumulator
+from sdk.backoff import ExponentialBackoff
+from sdk.cluster import STALE_METADATA_ERRORS, Cluster
+from sdk.config import ProducerConfig
+from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedError
+from sdk.partitioner import DefaultPartitioner
+from sdk.records import RecordMetadata, TopicPartition
+from storage.errors import StrataError, UnknownTopicOrPartitionError, from_wire
+from storage.protocol.messages import (
+    ProducePartition,
+    ProduceRequest,
+    ProduceResponse,
+    ProduceTopic,
+)
+
+_BYTES_LIKE = (bytes, bytearray, memoryview)
+
+
+def _as_bytes(value: Any, what: str) -> bytes | None:
+    if value is None or type(value) is bytes:
+        return value
+    if isinstance(value, _BYTES_LIKE):
+        return bytes(value)
+    raise TypeError(f"{what} must be bytes (or None), not {type(value).__name__}")
+
+
+def _check_headers(headers: Any) -> Headers | None:
+    if not headers:
+        return None
+    if isinstance(headers, Mapping):
+        headers = list(headers.items())
+    out = []
+    for pair in headers:
+        k, v = pair
+        if not isinstance(k, str):
+            raise TypeError(f"header keys must be str, not {type(k).__name__}")
+        out.append((k, _as_bytes(v, "a header value") or b""))
+    return out
+
+
+def _check_tags(tags: Any) -> list[str] | None:
+    if not tags:
+        return None
+    if isinstance(tags, str):
+        raise TypeError("tags must be a sequence of str, not one str")
+    out = list(tags)
+    for t in out:
+        if not isinstance(t, str):
+            raise TypeError(f"tags must be str, not {type(t).__name__}")
+    return out
+
+
+class Sender:
+    """Drains ready batches into ProduceRequests, one in-flight window per leader agent."""
+
+    def __init__(
+        self,
+        config: ProducerConfig,
+        accumulator: RecordAccumulator,
+        cluster: Cluster,
+        spawn: Callable[[Coroutine[Any, Any, None], str], asyncio.Task[None]],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        backoff: ExponentialBackoff | None = None,
+    ) -> None:
+        self.config = config
+        self._acc = accumulator
+        self._cluster = cluster
+        self._spawn = spawn
+        self._clock = clock
+        self._backoff = backoff or ExponentialBackoff(
+            config.retry_backoff_ms, config.effective_backoff_max_ms
+        )
+        self._in_flight: dict[int, int] = defaultdict(int)
+        self._drain_start: dict[int, int] = defaultdict(int)
+        self._stopping = False
+        self._retry_poll = max(config.retry_backoff_ms / 1000, 0.01)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(self._in_flight.values())
+
+    def stop(self) -> None:
+        """Send what is buffered, then return from ``run``."""
+        self._stopping = True
+        self._acc.wakeup.set()
+
+    async def run(self) -> None:
+        acc = self._acc
+        while True:
+            acc.wakeup.clear()
+            delay = self.run_once(self._clock())
+            if self._stopping and acc.incomplete == 0 and self.in_flight == 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(delay):
+                    await acc.wakeup.wait()
+
+    def run_once(self, now: float) -> float | None:
+        """One pass: plan, then start each request. Returns seconds until the next pass."""
+        requests, delay = self.plan(now)
+        for agent_id, batches in requests:
+            self._spawn(self._produce(agent_id, batches), f"strata-produce-to-{agent_id}")
+        return delay
+
+    def plan(self, now: float) -> tuple[list[tuple[int, list[ProducerBatch]]], float | None]:
+        """Expire old batches, group ready partitions by leader and drain one request's worth
+        of batches for every leader with a free in-flight slot (taking the slot)."""
+        acc = self._acc
+        acc.expire(now)
+        ready, delay = acc.ready(now)
+        requests: list[tuple[int, list[ProducerBatch]]] = []
+        if not ready:
+            return requests, delay
+        by_leader: dict[int, list[TopicPartition]] = defaultdict(list)
+        for tp in ready:
+            leader = self._cluster.leader_for(tp.topic, tp.partition)
+            if leader is None:
+                self._cluster.request_update()
+                delay = self._retry_poll if delay is None else min(delay, self._retry_poll)
+                continue
+            by_leader[leader].append(tp)
+        limit = self.config.max_in_flight_requests_per_connection
+        for agent_id, tps in by_leader.items():
+            if self._in_flight[agent_id] >= limit:
+                continue  # a response will wake us
+            start = self._drain_start[agent_id] % len(tps)
+            self._drain_start[agent_id] = start + 1
+            batches = acc.drain(tps[start:] + tps[:start], self.config.max_request_size)
+            if batches:
+                self._in_flight[agent_id] += 1
+                requests.append((agent_id, batches))
+        return requests, delay
+
+    def request_done(self, agent_id: int) -> None:
+        self._in_flight[agent_id] -= 1
+        self._acc.wakeup.set()
+
+    def request_for(self, batches: Sequence[ProducerBatch]) -> ProduceRequest:
+        topics: dict[str, list[ProducePartition]] = defaultdict(list)
+        for b in batches:
+            topics[b.tp.topic].append(ProducePartition(b.tp.partition, b.encoded))
+        return ProduceRequest(
+            acks=self.config.acks,
+            timeout_ms=self.config.request_timeout_ms,
+            topics=[ProduceTopic(name, parts) for name, parts in topics.items()],
+        )
+
+    async def _produce(self, agent_id: int, batches: list[ProducerBatch]) -> None:
+        acks = self.config.acks
+        settled: set[int] = set()
+        try:
+            try:
+                response: ProduceResponse | None = await self._cluster.send(
+                    agent_id, self.request_for(batches), expect_response=acks != 0
+                )
+            except StrataError as exc:
+                for b in batches:
+                    self.retry_or_fail(b, exc)
+                    settled.add(id(b))
+                return
+            if response is None:
+                for b in batches:
+                    self._acc.complete(b, -1)
+                    settled.add(id(b))
+                return
+            results = {
+                (t.name, r.partition): r for t in response.topics for r in t.partitions
+            }
+            for b in batches:
+                r = results.get(b.tp)
+                if r is None:
+                    self.retry_or_fail(
+                        b,
+                        UnknownTopicOrPartitionError(
+                            f"agent {agent_id} did not answer for {b.tp.topic}[{b.tp.partition}]"
+                        ),
+                    )
+                elif r.error_code == 0:
+                    self._acc.complete(b, r.base_offset)
+                else:
+                    self.retry_or_fail(b, from_wire(r.error_code, r.error_message))
+                settled.add(id(b))
+        except BaseException as exc:
+            failure = exc if isinstance(exc, Exception) else ProducerClosedError("producer stopped")
+            for b in batches:
+                if id(b) not in settled:
+                    self._acc.fail(b, failure)
+            raise
+        finally:
+            self.request_done(agent_id)
+
+    def retry_or_fail(self, batch: ProducerBatch, exc: StrataError) -> None:
+        """Back to the head of its partition after a backoff, or fail it for good."""
+        now = self._clock()
+        if exc.retriable and batch.attempts < self.config.retries:
+            if isinstance(exc, STALE_METADATA_ERRORS):
+                self._cluster.request_update()
+            retry_at = now + self._backoff(batch.attempts)
+            if retry_at < batch.deadline:
+                self._acc.reenqueue(batch, retry_at, exc)
+                return
+            timeout = DeliveryTimeoutError(
+                f"{batch.record_count} record(s) for {batch.tp.topic}[{batch.tp.partition}] "
+                f"not delivered within delivery.timeout.ms ({self.config.delivery_timeout_ms} "
+                f"ms) after {batch.attempts + 1} attempt(s); last error: {exc}"
+            )
+            timeout.__cause__ = exc
+            self._acc.fail(batch, timeout)
+            return
+        self._acc.fail(batch, exc)
+
+
+class Producer:
+    """Send records to topics (see the module docstring). Use as an async context manager::
+
+        async with Producer({"bootstrap.servers": "localhost:9092"}) as producer:
+            meta = await producer.send_and_wait("events", b"payload", key=b"user-1")
+    """
+
+    def __init__(
+        self,
+        config: ProducerConfig | Mapping[str, Any],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        backoff: ExponentialBackoff | None = None,
+        partitioner: DefaultPartitioner | None = None,
+    ) -> None:
+        self.config = ProducerConfig.parse(config)
+        self._clock = clock
+        self._wall_ms = wall_clock_ms
+        self._backoff = backoff
+        self._partitioner = partitioner or DefaultPartitioner()
+        self._tg: asyncio.TaskGroup | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._failure: BaseException | None = None
+        self._closed = False
+        self._started = False
+        self._cluster: Cluster | None = None
+        self._acc: RecordAccumulator | None = None
+        self._sender: Sender | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+        if self._tg is None:
+            coro.close()
+            raise IllegalStateError("the producer is not running")
+        return self._tg.create_task(coro, name=name)
+
+    async def start(self) -> None:
+        """Start the background tasks and fetch the cluster's metadata."""
+        if self._started:
+            return
+        self._started = True
+        cfg = self.config
+        self._cluster = Cluster(cfg, spawn=self._spawn, clock=self._clock, backoff=self._backoff)
+        self._acc = RecordAccumulator(
+            batch_size=cfg.batch_size,
+            linger_ms=cfg.linger_ms,
+            buffer_memory=cfg.buffer_memory,
+            delivery_timeout_ms=cfg.delivery_timeout_ms,
+            max_request_size=cfg.max_request_size,
+            compression=cfg.compression,
+            clock=self._clock,
+            on_batch_closed=self._batch_closed,
+        )
+        self._sender = Sender(
+            cfg, self._acc, self._cluster, self._spawn, clock=self._clock, backoff=self._backoff
+        )
+        self._cluster.add_listener(self._acc.wakeup.set)
+        running: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._supervisor = asyncio.create_task(self._supervise(running), name="strata-producer")
+        await running
+        try:
+            await self._cluster.bootstrap()
+        except BaseException:
+            await self.close(flush_timeout=0)
+            raise
+
+    async def _supervise(self, running: asyncio.Future[None]) -> None:
+        assert self._cluster is not None and self._sender is not None
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                running.set_result(None)
+                refresher = tg.create_task(self._cluster.run(), name="strata-producer-metadata")
+                sender = tg.create_task(self._sender.run(), name="strata-producer-sender")
+                await asyncio.wait([sender, refresher], return_when=asyncio.FIRST_COMPLETED)
+                refresher.cancel()
+                await self._cluster.close()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self._failure = exc
+        finally:
+            self._tg = None
+            if not running.done():
+                running.set_exception(ProducerClosedError("the producer stopped while starting"))
+            if self._cluster is not None:
+                await self._cluster.close()
+            if self._acc is not None:
+                cause = self._failure
+                err = ProducerClosedError(
+                    "the producer stopped" + (f": {cause!r}" if cause is not None else "")
+                )
+                err.__cause__ = cause
+                self._acc.abort_incomplete(err)
+
+    async def flush(self) -> None:
+        """Send everything buffered now and wait until each record is acknowledged or failed.
+
+        Bound the wait with ``asyncio.timeout`` if needed; records keep their own
+        ``delivery.timeout.ms`` either way.
+        """
+        await self._running_acc().flush()
+
+    async def close(self, flush_timeout: float | None = None) -> None:
+        """Flush (up to ``flush_timeout`` seconds; None waits), then stop. Records still
+        unsent when that time passes fail with ``ProducerClosedError``."""
+        if self._closed:
+            if self._supervisor is not None:
+                await asyncio.wait([self._supervisor])
+            return
+        self._closed = True
+        if self._acc is None or self._sender is None or self._supervisor is None:
+            return
+        self._acc.begin_close()
+        self._sender.stop()
+        try:
+            async with asyncio.timeout(flush_timeout):
+                await asyncio.wait([self._supervisor])
+        except TimeoutError:
+            self._acc.abort_incomplete(ProducerClosedError("the producer closed before sending"))
+            self._supervisor.cancel()
+            await asyncio.wait([self._supervisor])
+        if self._failure is not None:
+            raise ProducerClosedError(f"the producer failed: {self._failure!r}") from self._failure
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ---- sending -------------------------------------------------------------------------
+    def _running_acc(self) -> RecordAccumulator:
+        if self._closed:
+            raise ProducerClosedError("the producer is closed")
+        if self._acc is None or self._tg is None:
+            if self._failure is not None:
+                raise ProducerClosedError(f"the producer failed: {self._failure!r}")
+            raise IllegalStateError("the producer is not started: await producer.start()")
+        return self._acc
+
+    def _batch_closed(self, tp: TopicPartition) -> None:
+        assert self._cluster is not None
+        n = self._cluster.partition_count(tp.topic)
+        if n:
+            self._partitioner.batch_closed(
+                tp.topic, tp.partition, n, self._cluster.available_partitions(tp.topic)
+            )
+
+    async def send(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes]] | Mapping[str, bytes] | None = None,
+        tags: Sequence[str] | None = None,
+        partition: int | None = None,
+        timestamp_ms: int | None = None,
+    ) -> asyncio.Future[RecordMetadata]:
+        """Buffer one record; the returned future resolves when the leader acknowledges it."""
+        acc = self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        value = _as_bytes(value, "value")
+        key = _as_bytes(key, "key")
+        hdrs = _check_headers(headers)
+        tag_list = _check_tags(tags)
+        max_block = self.config.max_block_ms / 1000
+        started = self._clock()
+        n = cluster.partition_count(topic)
+        if n is None:
+            n = await cluster.wait_for_topic(topic, max_block)
+        if partition is None:
+            partition = self._partitioner.partition(
+                topic, key, n, cluster.available_partitions(topic)
+            )
+        elif not 0 <= partition < n:
+            raise UnknownTopicOrPartitionError(
+                f"partition {partition} of topic {topic!r} does not exist (it has {n})"
+            )
+        ts = self._wall_ms() if timestamp_ms is None else int(timestamp_ms)
+        remaining = max_block - (self._clock() - started)
+        return await acc.append(
+            TopicPartition(topic, partition), value, key, hdrs, tag_list, ts, remaining
+        )
+
+    async def send_and_wait(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None = None,
+        headers: Sequence[tuple[str, bytes]] | Mapping[str, bytes] | None = None,
+        tags: Sequence[str] | None = None,
+        partition: int | None = None,
+        timestamp_ms: int | None = None,
+    ) -> RecordMetadata:
+        fut = await self.send(topic, value, key, headers, tags, partition, timestamp_ms)
+        return await fut
+
+    async def partitions_for(self, topic: str) -> list[int]:
+        self._running_acc()
+        assert self._cluster is not None
+        n = await self._cluster.wait_for_topic(topic, self.config.max_block_ms / 1000)
+        return list(range(n))
+
+    def metrics(self) -> dict[str, Any]:
+        stats = self._acc.stats() if self._acc is not None else {}
+        if self._sender is not None:
+            stats["in_flight_requests"] = self._sender.in_flight
+        return stats

@@ -1,0 +1,36 @@
+"""The small value types applications see: partitions, delivery reports, consumed records."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+
+class TopicPartition(NamedTuple):
+    topic: str
+    partition: int
+
+
+class RecordMetadata(NamedTuple):
+    """Where a produced record was stored. ``offset`` is -1 with ``acks=0`` (nobody answers)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int  # ms since the epoch: the record's own (CreateTime) timestamp
+
+
+class ConsumerRecord(NamedTuple):
+    topic: str
+    partition: int
+    offset: int
+    timestamp: int  # ms since the epoch
+    key: bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes]]
+    tags: Sequence[str]
+
+
+class OffsetAndTimestamp(NamedTuple):
+    offset: int
+    timestamp: int

@@ -1,0 +1,462 @@
+"""The producer's accumulator: batching by size and linger, the memory bound, encode-once,
+order within a partition. Units only: an injected clock, no network."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+
+from sdk.accumulator import (
+    BATCH_OVERHEAD,
+    BufferPool,
+    ProducerBatch,
+    RecordAccumulator,
+    estimate_size,
+)
+from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
+from sdk.records import RecordMetadata, TopicPartition
+from storage.codec import decode_batch, encode_batch
+from storage.codec.header import STAMP
+from storage.errors import BatchTooLargeError, NotLeaderError
+
+T = TypeVar("T")
+TP = TopicPartition("t", 0)
+TP1 = TopicPartition("t", 1)
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    return asyncio.run(fn())  # type: ignore[arg-type]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingEncoder:
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def __call__(self, values: Any, **kw: Any) -> bytes:
+        self.calls.append({"values": values, **kw})
+        return encode_batch(values, **kw)
+
+
+def make(clock: Clock, **kw: Any) -> RecordAccumulator:
+    args: dict[str, Any] = {
+        "batch_size": 1 << 20,
+        "linger_ms": 5,
+        "buffer_memory": 64 << 20,
+        "delivery_timeout_ms": 120_000,
+        "max_request_size": 1 << 20,
+        "clock": clock,
+    }
+    args.update(kw)
+    return RecordAccumulator(**args)
+
+
+def test_a_batch_is_ready_after_linger() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=5)
+        await acc.append(TP, b"v")
+        clock.now += 0.003
+        await acc.append(TP, b"w")
+        ready, wait = acc.ready(clock.now)
+        assert ready == []
+        assert wait == pytest.approx(0.002)
+        clock.now += 0.002
+        ready, wait = acc.ready(clock.now)
+        assert (ready, wait) == ([TP], None)
+        (batch,) = acc.drain(ready)
+        assert batch.record_count == 2
+
+    run(go)
+
+
+def test_linger_zero_is_ready_at_once() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=0)
+        await acc.append(TP, b"v")
+        assert acc.ready(clock.now) == ([TP], None)
+
+    run(go)
+
+
+def test_a_batch_closes_at_batch_size_and_is_ready_without_linger() -> None:
+    async def go() -> None:
+        clock = Clock()
+        closed: list[TopicPartition] = []
+        record = estimate_size(b"x" * 100, None, None, None)
+        acc = make(clock, batch_size=BATCH_OVERHEAD + 3 * record, linger_ms=1000,
+                   on_batch_closed=closed.append)
+        for _ in range(7):
+            await acc.append(TP, b"x" * 100)
+        batches = acc.batches(TP)
+        assert [b.record_count for b in batches] == [3, 3, 1]
+        assert [b.closed for b in batches] == [True, True, False]
+        assert closed == [TP, TP]
+        assert all(b.size <= acc.batch_size for b in batches)
+        assert acc.ready(clock.now)[0] == [TP]  # full batches do not wait for linger
+        drained = acc.drain([TP])
+        assert [b.record_count for b in drained] == [3]
+
+    run(go)
+
+
+def test_a_record_larger_than_batch_size_gets_a_batch_of_its_own() -> None:
+    async def go() -> None:
+        acc = make(Clock(), batch_size=1000)
+        await acc.append(TP, b"a")
+        await acc.append(TP, b"b" * 5000)
+        await acc.append(TP, b"c")
+        assert [b.record_count for b in acc.batches(TP)] == [1, 1, 1]
+
+    run(go)
+
+
+def test_a_record_larger_than_a_request_is_refused() -> None:
+    async def go() -> None:
+        acc = make(Clock(), max_request_size=10_000)
+        with pytest.raises(BatchTooLargeError) as info:
+            await acc.append(TP, b"x" * 10_000)
+        assert info.value.limit == 10_000
+        assert acc.pool.used == 0
+
+    run(go)
+
+
+def test_batch_is_encoded_once_from_the_collected_lists() -> None:
+    async def go() -> None:
+        clock = Clock()
+        enc = CountingEncoder()
+        acc = make(clock, encoder=enc, linger_ms=0)
+        f1 = await acc.append(TP, b"v1", timestamp_ms=111)
+        f2 = await acc.append(TP, b"v2", key=b"k2", headers=[("h", b"x")], tags=["red"],
+                              timestamp_ms=222)
+        (batch,) = acc.drain([TP])
+        assert len(enc.calls) == 1
+        call = enc.calls[0]
+        assert call["values"] == [b"v1", b"v2"]
+        assert call["keys"] == [None, b"k2"]
+        assert call["timestamps"] == [111, 222]
+        assert call["headers"] == [None, [("h", b"x")]]
+        assert call["tags"] == [None, ["red"]]
+        first = batch.encoded
+        assert batch.values == []  # the lists are let go once encoded
+
+        acc.reenqueue(batch, clock.now, NotLeaderError())
+        (again,) = acc.drain([TP])
+        assert again is batch and again.encoded is first
+        assert len(enc.calls) == 1  # a retry sends the same bytes
+
+        assert first is not None
+        rb = decode_batch(first)
+        assert rb.column("value").to_pylist() == [b"v1", b"v2"]
+        assert rb.column("key").to_pylist() == [None, b"k2"]
+        assert rb.column("tags").to_pylist() == [[], ["red"]]
+        acc.complete(batch, 40)
+        assert await f1 == RecordMetadata("t", 0, 40, 111)
+        assert await f2 == RecordMetadata("t", 0, 41, 222)
+
+    run(go)
+
+
+def test_columns_without_data_are_not_passed() -> None:
+    async def go() -> None:
+        enc = CountingEncoder()
+        acc = make(Clock(), encoder=enc, linger_ms=0)
+        for i in range(5):
+            await acc.append(TP, b"%d" % i)
+        acc.drain([TP])
+        call = enc.calls[0]
+        assert call["keys"] is None and call["headers"] is None and call["tags"] is None
+
+    run(go)
+
+
+def test_order_within_a_partition_survives_retries() -> None:
+    async def go() -> None:
+        clock = Clock()
+        two = 2 * estimate_size(b"r00", None, None, None)
+        acc = make(clock, batch_size=BATCH_OVERHEAD + two, linger_ms=0)
+        futures = [await acc.append(TP, b"r%02d" % i) for i in range(4)]
+        assert [b.record_count for b in acc.batches(TP)] == [2, 2]
+
+        (first,) = acc.drain([TP])
+        assert acc.is_muted(TP)
+        assert acc.ready(clock.now)[0] == []  # the second batch waits behind the first
+        assert acc.drain([TP]) == []
+
+        acc.reenqueue(first, clock.now + 0.1, NotLeaderError())
+        assert not acc.is_muted(TP)
+        ready, wait = acc.ready(clock.now)
+        assert ready == [] and wait == pytest.approx(0.1)  # backing off, still at the head
+        clock.now += 0.1
+        (again,) = acc.drain(acc.ready(clock.now)[0])
+        assert again is first and first.attempts == 1
+
+        acc.complete(first, 0)
+        (second,) = acc.drain(acc.ready(clock.now)[0])
+        acc.complete(second, 2)
+        offsets = [(await f).offset for f in futures]
+        assert offsets == [0, 1, 2, 3]
+
+    run(go)
+
+
+def test_partitions_are_independent() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=0)
+        await acc.append(TP, b"a")
+        await acc.append(TP1, b"b")
+        (b0,) = acc.drain([TP])
+        assert acc.ready(clock.now)[0] == [TP1]
+        drained = acc.drain([TP, TP1])
+        assert [b.tp for b in drained] == [TP1]
+        acc.complete(b0, 0)
+
+    run(go)
+
+
+def test_drain_stops_at_the_request_size_but_takes_at_least_one() -> None:
+    async def go() -> None:
+        acc = make(Clock(), linger_ms=0, max_request_size=4096)
+        tps = [TopicPartition("t", p) for p in range(4)]
+        for tp in tps:
+            await acc.append(tp, b"x" * 1500)
+        taken = acc.drain(tps)
+        assert len(taken) == 2  # the third would pass 4096 bytes
+        assert sum(len(b.encoded or b"") for b in taken) <= 4096
+        assert [b.tp for b in acc.drain(tps, max_bytes=1)] == [tps[2]]
+
+    run(go)
+
+
+def test_full_buffer_fails_at_once_with_no_block_time() -> None:
+    async def go() -> None:
+        record = estimate_size(b"x" * 1000, None, None, None)
+        acc = make(Clock(), buffer_memory=3 * record, max_request_size=1 << 20)
+        for _ in range(3):
+            await acc.append(TP, b"x" * 1000)
+        assert acc.pool.available == 0
+        with pytest.raises(BufferExhaustedError, match=r"buffer\.memory"):
+            await acc.append(TP, b"x" * 1000, max_block=0)
+        assert acc.pool.used == 3 * record
+
+    run(go)
+
+
+def test_full_buffer_blocks_then_errors_after_max_block() -> None:
+    async def go() -> None:
+        record = estimate_size(b"x" * 1000, None, None, None)
+        acc = make(Clock(), buffer_memory=2 * record)
+        await acc.append(TP, b"x" * 1000)
+        await acc.append(TP, b"x" * 1000)
+        started = time.monotonic()
+        with pytest.raises(BufferExhaustedError):
+            await acc.append(TP, b"x" * 1000, max_block=0.05)
+        assert time.monotonic() - started >= 0.045
+        assert acc.pool.used == 2 * record and acc.pool.waiting == 0
+
+    run(go)
+
+
+def test_a_blocked_send_proceeds_when_a_batch_completes() -> None:
+    async def go() -> None:
+        record = estimate_size(b"x" * 1000, None, None, None)
+        acc = make(Clock(), buffer_memory=2 * record, linger_ms=0)
+        await acc.append(TP, b"x" * 1000)
+        await acc.append(TP, b"x" * 1000)
+        blocked = asyncio.create_task(acc.append(TP1, b"x" * 1000, max_block=5))
+        await asyncio.sleep(0)
+        assert not blocked.done() and acc.pool.waiting == 1
+        (batch,) = acc.drain([TP])
+        acc.complete(batch, 0)
+        fut = await asyncio.wait_for(blocked, 1)
+        assert not fut.done()
+        assert acc.pool.used == record
+
+    run(go)
+
+
+def test_pool_serves_waiters_in_order() -> None:
+    async def go() -> None:
+        pool = BufferPool(100)
+        assert pool.try_reserve(90)
+        big = asyncio.create_task(pool.reserve(60, 5))
+        await asyncio.sleep(0)
+        assert not pool.try_reserve(5)  # it would fit, but the big one waits first
+        small = asyncio.create_task(pool.reserve(5, 5))
+        await asyncio.sleep(0)
+        pool.release(40)  # 50 used: big (60) still does not fit; small must not overtake
+        await asyncio.sleep(0)
+        assert not big.done() and not small.done()
+        pool.release(50)
+        await asyncio.wait_for(asyncio.gather(big, small), 1)
+        assert pool.used == 65
+
+    run(go)
+
+
+def test_a_timed_out_waiter_does_not_block_the_next() -> None:
+    async def go() -> None:
+        pool = BufferPool(100)
+        pool.try_reserve(100)
+        with pytest.raises(BufferExhaustedError):
+            await pool.reserve(80, 0.01)
+        waiter = asyncio.create_task(pool.reserve(30, 5))
+        await asyncio.sleep(0)
+        pool.release(50)
+        await asyncio.wait_for(waiter, 1)
+        assert pool.used == 80
+
+    run(go)
+
+
+def test_batches_expire_after_delivery_timeout() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, delivery_timeout_ms=1000, linger_ms=10_000)
+        fut = await acc.append(TP, b"x")
+        assert acc.expire(clock.now + 0.999) == []
+        clock.now += 1.0
+        (expired,) = acc.expire(clock.now)
+        assert expired.tp == TP
+        with pytest.raises(DeliveryTimeoutError, match=r"1 record.*t\[0\]"):
+            await fut
+        assert acc.pool.used == 0 and acc.incomplete == 0
+
+    run(go)
+
+
+def test_flush_makes_everything_ready_and_waits_for_completion() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=60_000)
+        fut = await acc.append(TP, b"x")
+        assert acc.ready(clock.now)[0] == []
+        flushing = asyncio.create_task(acc.flush())
+        await asyncio.sleep(0)
+        assert acc.ready(clock.now)[0] == [TP]
+        (batch,) = acc.drain([TP])
+        assert not flushing.done()
+        acc.complete(batch, 7)
+        await asyncio.wait_for(flushing, 1)
+        assert (await fut).offset == 7
+        assert acc.ready(clock.now)[0] == []
+
+    run(go)
+
+
+def test_failure_fails_every_record_and_frees_memory() -> None:
+    async def go() -> None:
+        acc = make(Clock(), linger_ms=0)
+        futs = [await acc.append(TP, b"x") for _ in range(3)]
+        (batch,) = acc.drain([TP])
+        acc.fail(batch, NotLeaderError("gone"))
+        for f in futs:
+            with pytest.raises(NotLeaderError):
+                await f
+        assert acc.pool.used == 0 and not acc.is_muted(TP)
+
+    run(go)
+
+
+def test_acks_zero_completion_has_no_offset() -> None:
+    async def go() -> None:
+        acc = make(Clock(), linger_ms=0)
+        fut = await acc.append(TP, b"x", timestamp_ms=5)
+        (batch,) = acc.drain([TP])
+        acc.complete(batch, -1)
+        assert await fut == RecordMetadata("t", 0, -1, 5)
+
+    run(go)
+
+
+def test_closing_refuses_new_records_and_hurries_old_ones() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=60_000)
+        await acc.append(TP, b"x")
+        acc.begin_close()
+        assert acc.ready(clock.now)[0] == [TP]
+        with pytest.raises(ProducerClosedError):
+            await acc.append(TP, b"y")
+
+    run(go)
+
+
+def test_abort_fails_queued_and_in_flight_batches() -> None:
+    async def go() -> None:
+        acc = make(Clock(), linger_ms=0)
+        in_flight = await acc.append(TP, b"a")
+        acc.drain([TP])
+        queued = await acc.append(TP1, b"b")
+        acc.abort_incomplete(ProducerClosedError("stop"))
+        for f in (in_flight, queued):
+            with pytest.raises(ProducerClosedError):
+                await f
+        assert acc.pool.used == 0 and acc.incomplete == 0
+
+    run(go)
+
+
+def test_an_unencodable_batch_fails_alone() -> None:
+    async def go() -> None:
+        def broken(values: Any, **kw: Any) -> bytes:
+            raise ValueError("boom")
+
+        acc = make(Clock(), linger_ms=0, encoder=broken)
+        fut = await acc.append(TP, b"x")
+        assert acc.drain([TP]) == []
+        with pytest.raises(ValueError, match="boom"):
+            await fut
+        assert acc.pool.used == 0
+
+    run(go)
+
+
+def test_stamped_batch_decodes_at_its_base_offset() -> None:
+    async def go() -> None:
+        acc = make(Clock(), linger_ms=0)
+        for i in range(3):
+            await acc.append(TP, b"%d" % i)
+        (batch,) = acc.drain([TP])
+        data = bytearray(batch.encoded or b"")
+        STAMP.pack_into(data, 0, 1000, len(data) - 12, 3)  # what a leader does
+        assert decode_batch(data).column("offset").to_pylist() == [1000, 1001, 1002]
+
+    run(go)
+
+
+def test_estimate_is_an_upper_bound_of_the_encoded_size() -> None:
+    async def go() -> None:
+        batch = ProducerBatch(TP, 0.0, 1.0)
+        rows = [
+            (b"v" * (i % 50), None if i % 3 else b"k" * (i % 7),
+             [("h", b"x" * (i % 5))] if i % 4 == 0 else None,
+             [f"tag-{i}"] if i % 6 == 0 else None)
+            for i in range(300)
+        ]
+        for value, key, headers, tags in rows:
+            batch.append(value, key, headers, tags, 0, estimate_size(value, key, headers, tags))
+        encoded = batch.encode(encode_batch, batch_compression())
+        assert len(encoded) <= batch.size
+
+    run(go)
+
+
+def batch_compression() -> Any:
+    from storage.codec import Compression
+
+    return Compression.NONE

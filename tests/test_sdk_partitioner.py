@@ -1,0 +1,131 @@
+"""The partitioner must choose exactly the partition Kafka's Java client chooses."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from sdk.partitioner import DefaultPartitioner, murmur2, partition_for_key, to_positive
+
+# Kafka's clients/src/test/java/org/apache/kafka/common/utils/UtilsTest.java, testMurmur2
+KAFKA_UTILS_TEST = {
+    b"21": -973932308,
+    b"foobar": -790332482,
+    b"a-little-bit-long-string": -985981536,
+    b"a-little-bit-longer-string": -1486304829,
+    b"lkjh234lh9fiuh90y23oiuhsafujhadof229phr9h19h89h8": -58897971,
+    b"abc": 479470107,
+}
+
+# librdkafka src/rdmurmur2.c, unittest_murmur2 (java_murmur2_results, as unsigned 32-bit);
+# adds the tails Kafka's own vectors miss (length % 4 == 1) and the empty key
+LIBRDKAFKA_JAVA_RESULTS = {
+    b"kafka": 0xD067CF64,
+    b"giberish123456789": 0x8F552B0C,
+    b"1234": 0x9FC97B14,
+    b"234": 0xE7C009CA,
+    b"34": 0x873930DA,
+    b"4": 0x5A4B5CA1,
+    b"PreAmbleWillBeRemoved,ThePrePartThatIs": 0x78424F1C,
+    b"reAmbleWillBeRemoved,ThePrePartThatIs": 0x4A62B377,
+    b"eAmbleWillBeRemoved,ThePrePartThatIs": 0xE0E4E09E,
+    b"AmbleWillBeRemoved,ThePrePartThatIs": 0x62B8B43F,
+    b"": 0x106E08D9,
+}
+
+
+@pytest.mark.parametrize(("key", "expected"), KAFKA_UTILS_TEST.items())
+def test_murmur2_matches_kafka_utils_test(key: bytes, expected: int) -> None:
+    assert murmur2(key) == expected
+
+
+@pytest.mark.parametrize(("key", "expected"), LIBRDKAFKA_JAVA_RESULTS.items())
+def test_murmur2_matches_librdkafka_java_vectors(key: bytes, expected: int) -> None:
+    assert murmur2(key) & 0xFFFFFFFF == expected
+
+
+def test_vectors_cover_every_tail_length() -> None:
+    tails = {len(k) % 4 for k in [*KAFKA_UTILS_TEST, *LIBRDKAFKA_JAVA_RESULTS]}
+    assert tails == {0, 1, 2, 3}
+
+
+def test_partition_is_to_positive_hash_modulo_count() -> None:
+    # toPositive(-790332482) = -790332482 & 0x7fffffff = 1357151166; 1357151166 % 50 = 16
+    assert to_positive(murmur2(b"foobar")) == 1357151166
+    assert partition_for_key(b"foobar", 50) == 16
+    assert partition_for_key(b"abc", 7) == 479470107 % 7  # positive hash unchanged
+    for key in KAFKA_UTILS_TEST:
+        for n in (1, 3, 12, 1000):
+            assert 0 <= partition_for_key(key, n) < n
+
+
+def test_hash_is_signed_32_bit_and_accepts_any_bytes() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        key = rng.randbytes(rng.randrange(0, 40))
+        h = murmur2(key)
+        assert -(1 << 31) <= h < (1 << 31)
+        assert murmur2(bytearray(key)) == h
+
+
+def test_keys_spread_evenly_over_partitions() -> None:
+    n, count = 12, 24_000
+    hits = Counter(partition_for_key(f"user-{i}".encode(), n) for i in range(count))
+    expected = count / n
+    assert set(hits) == set(range(n))
+    assert max(abs(v - expected) for v in hits.values()) < 0.06 * expected
+    # chi-square with 11 degrees of freedom: 99.9th percentile is 31.3
+    assert sum((v - expected) ** 2 / expected for v in hits.values()) < 31.3
+
+
+def test_same_key_same_partition_whatever_the_partitioner_state() -> None:
+    p = DefaultPartitioner(random.Random(1))
+    first = p.partition("t", b"k", 10)
+    p.batch_closed("t", first, 10)
+    assert p.partition("t", b"k", 10) == first == partition_for_key(b"k", 10)
+
+
+def test_keyless_records_stick_until_the_batch_closes() -> None:
+    p = DefaultPartitioner(random.Random(3))
+    first = p.partition("t", None, 8)
+    assert all(p.partition("t", None, 8) == first for _ in range(100))
+    p.batch_closed("t", (first + 1) % 8, 8)  # another partition's batch: no move
+    assert p.partition("t", None, 8) == first
+    p.batch_closed("t", first, 8)
+    second = p.partition("t", None, 8)
+    assert second != first
+    assert all(p.partition("t", None, 8) == second for _ in range(100))
+
+
+def test_sticky_choice_is_per_topic_and_prefers_partitions_with_a_leader() -> None:
+    p = DefaultPartitioner(random.Random(5))
+    seen = set()
+    for _ in range(50):
+        chosen = p.partition("a", None, 10, available=[2, 7])
+        assert chosen in (2, 7)
+        seen.add(chosen)
+        p.batch_closed("a", chosen, 10, available=[2, 7])
+    assert seen == {2, 7}  # it moves between the available ones
+    b = p.partition("b", None, 10)
+    p.batch_closed("b", b, 10)
+    assert p.partition("a", None, 10, available=[2, 7]) in (2, 7)
+
+
+def test_single_partition_topic_stays_put() -> None:
+    p = DefaultPartitioner(random.Random(0))
+    assert p.partition("t", None, 1) == 0
+    p.batch_closed("t", 0, 1)
+    assert p.partition("t", None, 1) == 0
+
+
+def test_sticky_partitions_spread_over_time() -> None:
+    p = DefaultPartitioner(random.Random(11))
+    used = Counter()
+    for _ in range(3000):
+        chosen = p.partition("t", None, 6)
+        used[chosen] += 1
+        p.batch_closed("t", chosen, 6)
+    assert set(used) == set(range(6))
+    assert min(used.values()) > 350

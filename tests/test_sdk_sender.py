@@ -1,0 +1,196 @@
+"""The producer's sender logic without a network: grouping by leader, the in-flight window,
+retry versus failure. Metadata is fed in as a decoded MetadataResponse."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine
+from typing import Any
+
+import pytest
+
+from sdk.accumulator import RecordAccumulator
+from sdk.cluster import Cluster
+from sdk.config import ProducerConfig
+from sdk.errors import DeliveryTimeoutError
+from sdk.producer import Sender
+from sdk.records import TopicPartition
+from storage.errors import CorruptBatchError, NotLeaderError, RequestTimedOutError
+from storage.protocol.messages import (
+    AgentInfo,
+    MetadataResponse,
+    PartitionMetadata,
+    TopicMetadata,
+)
+
+
+class Clock:
+    now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def metadata(leaders: dict[int, int], epoch: int = 1) -> MetadataResponse:
+    return MetadataResponse(
+        agents=[AgentInfo(1, "a1", 1), AgentInfo(2, "a2", 2)],
+        controller_id=1,
+        topics=[
+            TopicMetadata(
+                0, "t", [PartitionMetadata(0, p, leader, epoch, [leader], [leader])
+                         for p, leader in leaders.items()]
+            )
+        ],
+    )
+
+
+def setup(**config: Any) -> tuple[Sender, RecordAccumulator, Cluster, Clock]:
+    cfg = ProducerConfig.parse(
+        {"bootstrap.servers": "a1:1", "linger.ms": 0, "retry.backoff.ms": 100, **config}
+    )
+    clock = Clock()
+    cluster = Cluster(cfg, clock=clock)
+    cluster.apply_metadata(metadata({0: 1, 1: 1, 2: 2}))
+    acc = RecordAccumulator(
+        batch_size=cfg.batch_size,
+        linger_ms=cfg.linger_ms,
+        buffer_memory=cfg.buffer_memory,
+        delivery_timeout_ms=cfg.delivery_timeout_ms,
+        max_request_size=cfg.max_request_size,
+        clock=clock,
+    )
+
+    def no_spawn(coro: Coroutine[Any, Any, None], name: str) -> Any:
+        coro.close()
+        raise AssertionError("plan() must not start tasks")
+
+    sender = Sender(cfg, acc, cluster, no_spawn, clock=clock, backoff=lambda attempt: 0.1)  # type: ignore[arg-type]
+    return sender, acc, cluster, clock
+
+
+def test_one_request_per_leader_with_several_partitions() -> None:
+    async def go() -> None:
+        sender, acc, _, clock = setup()
+        for p in (0, 1, 2):
+            await acc.append(TopicPartition("t", p), b"x%d" % p)
+        requests, _ = sender.plan(clock.now)
+        by_agent = {agent: sorted(b.tp.partition for b in batches) for agent, batches in requests}
+        assert by_agent == {1: [0, 1], 2: [2]}
+        (batches,) = [b for agent, b in requests if agent == 1]
+        request = sender.request_for(batches)
+        assert request.acks == 1 and request.timeout_ms == 30_000
+        assert [(t.name, sorted(p.partition for p in t.partitions)) for t in request.topics] == [
+            ("t", [0, 1])
+        ]
+        assert all(p.records == b.encoded for b, p in zip(
+            sorted(batches, key=lambda b: b.tp.partition),
+            sorted(request.topics[0].partitions, key=lambda p: p.partition), strict=True))
+
+    asyncio.run(go())
+
+
+def test_in_flight_window_per_leader() -> None:
+    async def go() -> None:
+        sender, acc, _, clock = setup(**{"max.in.flight.requests.per.connection": 1})
+        await acc.append(TopicPartition("t", 0), b"a")
+        (req,), _ = sender.plan(clock.now)
+        assert req[0] == 1
+        await acc.append(TopicPartition("t", 1), b"b")  # same leader, window full
+        await acc.append(TopicPartition("t", 2), b"c")  # other leader, free
+        requests, _ = sender.plan(clock.now)
+        assert [agent for agent, _ in requests] == [2]
+        sender.request_done(1)
+        requests, _ = sender.plan(clock.now)
+        assert [(agent, [b.tp.partition for b in bs]) for agent, bs in requests] == [(1, [1])]
+
+    asyncio.run(go())
+
+
+def test_unknown_leader_waits_and_asks_for_metadata() -> None:
+    async def go() -> None:
+        sender, acc, cluster, clock = setup()
+        cluster.apply_metadata(metadata({0: -1, 1: 1, 2: 2}))
+        await acc.append(TopicPartition("t", 0), b"a")
+        assert not cluster.update_requested
+        requests, delay = sender.plan(clock.now)
+        assert requests == [] and delay == pytest.approx(0.1)
+        assert cluster.update_requested
+        cluster.apply_metadata(metadata({0: 2, 1: 1, 2: 2}, epoch=2))
+        requests, _ = sender.plan(clock.now)
+        assert [agent for agent, _ in requests] == [2]
+
+    asyncio.run(go())
+
+
+def test_retriable_error_goes_back_to_the_head_after_backoff() -> None:
+    async def go() -> None:
+        sender, acc, cluster, clock = setup()
+        tp = TopicPartition("t", 0)
+        fut = await acc.append(tp, b"a")
+        await acc.append(tp, b"b")  # same batch (linger 0 but still open)
+        ((_, (batch,)),), _ = sender.plan(clock.now)
+        sender.retry_or_fail(batch, NotLeaderError("moved"))
+        assert cluster.update_requested
+        assert acc.batches(tp)[0] is batch and batch.attempts == 1
+        assert sender.plan(clock.now)[0] == []  # backing off
+        clock.now += 0.1
+        ((_, (again,)),), _ = sender.plan(clock.now)
+        assert again is batch
+        acc.complete(batch, 10)
+        assert (await fut).offset == 10
+
+    asyncio.run(go())
+
+
+def test_non_retriable_error_fails_at_once() -> None:
+    async def go() -> None:
+        sender, acc, _, clock = setup()
+        fut = await acc.append(TopicPartition("t", 0), b"a")
+        ((_, (batch,)),), _ = sender.plan(clock.now)
+        sender.retry_or_fail(batch, CorruptBatchError("bad crc"))
+        with pytest.raises(CorruptBatchError):
+            await fut
+
+    asyncio.run(go())
+
+
+def test_retries_are_bounded_by_the_retries_setting() -> None:
+    async def go() -> None:
+        sender, acc, _, clock = setup(retries=1)
+        fut = await acc.append(TopicPartition("t", 0), b"a")
+        ((_, (batch,)),), _ = sender.plan(clock.now)
+        sender.retry_or_fail(batch, RequestTimedOutError("slow"))
+        clock.now += 0.1
+        ((_, (batch,)),), _ = sender.plan(clock.now)
+        sender.retry_or_fail(batch, RequestTimedOutError("still slow"))
+        with pytest.raises(RequestTimedOutError, match="still slow"):
+            await fut
+
+    asyncio.run(go())
+
+
+def test_retries_stop_at_the_delivery_timeout() -> None:
+    async def go() -> None:
+        sender, acc, _, clock = setup(**{"delivery.timeout.ms": 30_100})
+        fut = await acc.append(TopicPartition("t", 0), b"a")
+        ((_, (batch,)),), _ = sender.plan(clock.now)
+        clock.now += 30.05  # a retry after the 0.1 s backoff would be too late
+        sender.retry_or_fail(batch, NotLeaderError("moved"))
+        with pytest.raises(DeliveryTimeoutError, match=r"delivery\.timeout\.ms") as info:
+            await fut
+        assert isinstance(info.value.__cause__, NotLeaderError)
+
+    asyncio.run(go())
+
+
+def test_metadata_never_goes_back_to_an_older_leader_epoch() -> None:
+    async def go() -> None:
+        _, _, cluster, _ = setup()
+        cluster.apply_metadata(metadata({0: 2, 1: 1, 2: 2}, epoch=5))
+        cluster.apply_metadata(metadata({0: 1, 1: 1, 2: 2}, epoch=4))  # a lagging agent
+        assert cluster.leader_for("t", 0) == 2
+        assert cluster.leader_epoch("t", 0) == 5
+        cluster.apply_metadata(metadata({0: 1, 1: 1, 2: 2}, epoch=6))
+        assert cluster.leader_for("t", 0) == 1
+
+    asyncio.run(go())
