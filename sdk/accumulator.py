@@ -35,14 +35,16 @@ so linger, backoff and expiry are tested without sleeping.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
+from itertools import accumulate, repeat
 from typing import Any
 
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
-from sdk.records import RecordMetadata, TopicPartition
+from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
 from storage.codec import HEADER_SIZE, Compression, encode_batch
 from storage.errors import BatchTooLargeError, StrataError
 
@@ -161,6 +163,7 @@ class ProducerBatch:
         "done",
         "encoded",
         "futures",
+        "groups",
         "has_headers",
         "has_keys",
         "has_tags",
@@ -185,7 +188,10 @@ class ProducerBatch:
         self.timestamps: list[int] = []
         self.headers: list[Headers | None] = []
         self.tags: list[Sequence[str] | None] = []
-        self.futures: list[asyncio.Future[RecordMetadata]] = []
+        #: one future per record appended alone (None for records appended in a run)
+        self.futures: list[asyncio.Future[RecordMetadata] | None] = []
+        #: (future, first index, count) per run of records appended by ``extend``
+        self.groups: list[tuple[asyncio.Future[RecordsMetadata], int, int]] = []
         self.has_keys = self.has_headers = self.has_tags = False
         self.size = BATCH_OVERHEAD
         self.reserved = 0
@@ -224,6 +230,42 @@ class ProducerBatch:
         self.reserved += size
         fut: asyncio.Future[RecordMetadata] = self.done.get_loop().create_future()
         self.futures.append(fut)
+        return fut
+
+    def extend(
+        self,
+        values: list[bytes | None],
+        keys: list[bytes | None] | None,
+        headers: list[Headers | None] | None,
+        tags: list[Sequence[str] | None] | None,
+        timestamps: list[int],
+        size: int,
+    ) -> asyncio.Future[RecordsMetadata]:
+        """Append a run of records with one future for all of them (list extends, no loop)."""
+        n = len(values)
+        start = len(self.timestamps)
+        self.values.extend(values)
+        self.timestamps.extend(timestamps)
+        if keys is not None:
+            self.keys.extend(keys)
+            self.has_keys = True
+        else:
+            self.keys.extend(repeat(None, n))
+        if headers is not None:
+            self.headers.extend(headers)
+            self.has_headers = True
+        else:
+            self.headers.extend(repeat(None, n))
+        if tags is not None:
+            self.tags.extend(tags)
+            self.has_tags = True
+        else:
+            self.tags.extend(repeat(None, n))
+        self.futures.extend(repeat(None, n))
+        self.size += size
+        self.reserved += size
+        fut: asyncio.Future[RecordsMetadata] = self.done.get_loop().create_future()
+        self.groups.append((fut, start, n))
         return fut
 
     def encode(self, encoder: Encoder, compression: Compression) -> bytes:
@@ -278,6 +320,113 @@ class RecordAccumulator:
         self.wakeup = asyncio.Event()
 
     # ---- appending ------------------------------------------------------------------------
+    def append_nowait(
+        self,
+        tp: TopicPartition,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Headers | None,
+        tags: Sequence[str] | None,
+        timestamp_ms: int,
+    ) -> asyncio.Future[RecordMetadata] | None:
+        """``append`` without waiting: None when buffer space must be waited for."""
+        if self._closing:
+            raise ProducerClosedError("the producer is closed")
+        size = RECORD_OVERHEAD + (len(value) if value else 0) + (len(key) if key else 0)
+        if headers or tags:
+            size = estimate_size(value, key, headers, tags)
+        if size + BATCH_OVERHEAD > self.max_request_size or size + BATCH_OVERHEAD > self.pool.total:
+            raise BatchTooLargeError(
+                size + BATCH_OVERHEAD, min(self.max_request_size, self.pool.total)
+            )
+        if not self.pool.try_reserve(size):
+            return None
+        return self._add(tp, value, key, headers, tags, timestamp_ms, size)
+
+    def _current(self, tp: TopicPartition, size: int) -> ProducerBatch:
+        """The open batch of ``tp`` that ``size`` more bytes fit in (a new one if needed)."""
+        queue = self._queues.get(tp)
+        if queue is None:
+            queue = self._queues[tp] = deque()
+        batch = queue[-1] if queue else None
+        if (
+            batch is None
+            or batch.closed
+            or (batch.record_count and batch.size + size > self.batch_size)
+        ):
+            if batch is not None and not batch.closed:
+                self._close(batch)
+            now = self.clock()
+            batch = ProducerBatch(tp, now, now + self.delivery_timeout)
+            queue.append(batch)
+            self._incomplete.add(batch)
+            self.wakeup.set()
+        return batch
+
+    def _add(
+        self,
+        tp: TopicPartition,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Headers | None,
+        tags: Sequence[str] | None,
+        timestamp_ms: int,
+        size: int,
+    ) -> asyncio.Future[RecordMetadata]:
+        batch = self._current(tp, size)
+        fut = batch.append(value, key, headers, tags, timestamp_ms, size)
+        if batch.size >= self.batch_size:
+            self._close(batch)
+        return fut
+
+    async def append_many(
+        self,
+        tp: TopicPartition,
+        values: list[bytes | None],
+        keys: list[bytes | None] | None,
+        headers: list[Headers | None] | None,
+        tags: list[Sequence[str] | None] | None,
+        timestamps: list[int],
+        sizes: list[int],
+        max_block: float = 0.0,
+    ) -> list[asyncio.Future[RecordsMetadata]]:
+        """Append a run of records to ``tp``, filling batches up to ``batch.size``: one future
+        per batch-sized chunk. ``sizes`` are the records' size estimates (``estimate_size``)."""
+        cum = list(accumulate(sizes))
+        futures = []
+        i, n = 0, len(values)
+        limit = min(self.max_request_size, self.pool.total)
+        while i < n:
+            if self._closing:
+                raise ProducerClosedError("the producer is closed")
+            batch = self._current(tp, sizes[i])
+            base = cum[i - 1] if i else 0
+            j = bisect.bisect_right(cum, base + max(self.batch_size - batch.size, 0), lo=i)
+            if j == i:
+                if sizes[i] + BATCH_OVERHEAD > limit:
+                    raise BatchTooLargeError(sizes[i] + BATCH_OVERHEAD, limit)
+                j = i + 1  # _current made room: an empty batch takes one record whatever its size
+            chunk = cum[j - 1] - base
+            if not self.pool.try_reserve(chunk):
+                await self.pool.reserve(chunk, max_block)
+                if self._closing:
+                    self.pool.release(chunk)
+                    raise ProducerClosedError("the producer was closed while send_batch() waited")
+                batch = self._current(tp, chunk)
+            fut = batch.extend(
+                values[i:j],
+                None if keys is None else keys[i:j],
+                None if headers is None else headers[i:j],
+                None if tags is None else tags[i:j],
+                timestamps[i:j],
+                chunk,
+            )
+            futures.append(fut)
+            if batch.size >= self.batch_size:
+                self._close(batch)
+            i = j
+        return futures
+
     async def append(
         self,
         tp: TopicPartition,
@@ -300,24 +449,7 @@ class RecordAccumulator:
             if self._closing:
                 self.pool.release(size)
                 raise ProducerClosedError("the producer was closed while send() waited")
-        queue = self._queues.get(tp)
-        if queue is None:
-            queue = self._queues[tp] = deque()
-        batch = queue[-1] if queue else None
-        if batch is None or batch.closed or (
-            batch.record_count and batch.size + size > self.batch_size
-        ):
-            if batch is not None and not batch.closed:
-                self._close(batch)
-            now = self.clock()
-            batch = ProducerBatch(tp, now, now + self.delivery_timeout)
-            queue.append(batch)
-            self._incomplete.add(batch)
-            self.wakeup.set()
-        fut = batch.append(value, key, headers, tags, timestamp_ms, size)
-        if batch.size >= self.batch_size:
-            self._close(batch)
-        return fut
+        return self._add(tp, value, key, headers, tags, timestamp_ms, size)
 
     def _close(self, batch: ProducerBatch) -> None:
         if not batch.closed:
@@ -398,9 +530,13 @@ class RecordAccumulator:
         self._finish(batch)
         topic, partition = batch.tp
         for i, (fut, ts) in enumerate(zip(batch.futures, batch.timestamps, strict=True)):
-            if not fut.done():
+            if fut is not None and not fut.done():
                 offset = base_offset + i if base_offset >= 0 else -1
                 fut.set_result(RecordMetadata(topic, partition, offset, ts))
+        for gfut, start, count in batch.groups:
+            if not gfut.done():
+                offset = base_offset + start if base_offset >= 0 else -1
+                gfut.set_result(RecordsMetadata(topic, partition, offset, count))
 
     def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
         self._muted.discard(batch.tp)
@@ -434,8 +570,11 @@ class RecordAccumulator:
     @staticmethod
     def _fail_futures(batch: ProducerBatch, exc: BaseException) -> None:
         for fut in batch.futures:
-            if not fut.done():
+            if fut is not None and not fut.done():
                 fut.set_exception(exc)
+        for gfut, _, _ in batch.groups:
+            if not gfut.done():
+                gfut.set_exception(exc)
 
     # ---- flush, close, abort -------------------------------------------------------------
     @property

@@ -127,7 +127,9 @@ class Cluster:
         parts = self._partitions.get(topic)
         if not parts:
             return []
-        return [p for p, info in parts.items() if info.leader_id >= 0 and info.leader_id in self._agents]
+        return [
+            p for p, info in parts.items() if info.leader_id >= 0 and info.leader_id in self._agents
+        ]
 
     def leader_for(self, topic: str, partition: int) -> int | None:
         """The leader agent's id, or None when unknown (then ``request_update`` is wise)."""
@@ -231,7 +233,11 @@ class Cluster:
             parts: dict[int, PartitionInfo] = {}
             for p in t.partitions:
                 info = PartitionInfo(
-                    p.partition, p.leader_id, p.leader_epoch, tuple(p.replicas), tuple(p.isr),
+                    p.partition,
+                    p.leader_id,
+                    p.leader_epoch,
+                    tuple(p.replicas),
+                    tuple(p.isr),
                     p.error_code,
                 )
                 prev = old.get(p.partition)

@@ -33,7 +33,9 @@ from storage.codec import Compression
 from storage.errors import InvalidConfigError
 
 MiB = 1 << 20
-_HOST_PORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.%\w]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$")
+_HOST_PORT = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.%\w]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$"
+)
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -127,9 +129,7 @@ class ProducerConfig(ClientConfig):
     compression_type: Literal["none", "zstd", "lz4"] = Field("none", alias="compression.type")
     retries: int = Field(2_147_483_647, alias="retries", ge=0)
     delivery_timeout_ms: int = Field(120_000, alias="delivery.timeout.ms", ge=1)
-    queue_buffering_max_messages: int = Field(
-        100_000, alias="queue.buffering.max.messages", ge=1
-    )
+    queue_buffering_max_messages: int = Field(100_000, alias="queue.buffering.max.messages", ge=1)
 
     @field_validator("acks", mode="before")
     @classmethod

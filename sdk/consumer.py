@@ -159,11 +159,11 @@ def to_records(tp: TopicPartition, batches: Iterable[pa.RecordBatch]) -> list[Co
 class Consumer:
     """Read records of assigned partitions (see the module docstring)::
 
-        async with Consumer({"bootstrap.servers": "localhost:9092",
-                             "auto.offset.reset": "earliest"}) as consumer:
-            consumer.assign([("events", 0), ("events", 1)])
-            async for record in consumer:
-                ...
+    async with Consumer({"bootstrap.servers": "localhost:9092",
+                         "auto.offset.reset": "earliest"}) as consumer:
+        consumer.assign([("events", 0), ("events", 1)])
+        async for record in consumer:
+            ...
     """
 
     def __init__(
@@ -295,7 +295,11 @@ class Consumer:
     def subscribe(self, *args: Any, **kwargs: Any) -> NoReturn:
         raise NotImplementedError(
             "consumer groups (subscribe) are not implemented yet: use assign([(topic, partition)])"
-            + (f"; group.id {self.config.group_id!r} is accepted but not used" if self.config.group_id else "")
+            + (
+                f"; group.id {self.config.group_id!r} is accepted but not used"
+                if self.config.group_id
+                else ""
+            )
         )
 
     def assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
@@ -550,7 +554,9 @@ class Consumer:
                 elif r.error_code == 0:
                     self._backoff_partition(st)
                 else:
-                    self._partition_error(tp, st, from_wire(r.error_code, f"{tp}: error {r.error_code}"))
+                    self._partition_error(
+                        tp, st, from_wire(r.error_code, f"{tp}: error {r.error_code}")
+                    )
         self._notify()
 
     async def _fetch(self, leader: int, tps: list[TopicPartition]) -> None:
@@ -800,4 +806,6 @@ def _list_offsets_request(query: Mapping[TopicPartition, int]) -> ListOffsetsReq
     topics: dict[str, list[ListOffsetsPartition]] = defaultdict(list)
     for tp, ts in query.items():
         topics[tp.topic].append(ListOffsetsPartition(tp.partition, ts))
-    return ListOffsetsRequest(topics=[ListOffsetsTopic(name, parts) for name, parts in topics.items()])
+    return ListOffsetsRequest(
+        topics=[ListOffsetsTopic(name, parts) for name, parts in topics.items()]
+    )

@@ -77,6 +77,10 @@ class DefaultPartitioner:
             p = self._choose(topic, num_partitions, available, previous=None)
         return p
 
+    def sticky(self, topic: str) -> int | None:
+        """The topic's current sticky partition for keyless records (None: not chosen yet)."""
+        return self._sticky.get(topic)
+
     def batch_closed(
         self, topic: str, partition: int, num_partitions: int, available: Sequence[int] = ()
     ) -> None:

@@ -41,16 +41,23 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from itertools import repeat
 from types import TracebackType
 from typing import Any, Self
 
-from sdk.accumulator import Headers, ProducerBatch, RecordAccumulator
+from sdk.accumulator import (
+    RECORD_OVERHEAD,
+    Headers,
+    ProducerBatch,
+    RecordAccumulator,
+    estimate_size,
+)
 from sdk.backoff import ExponentialBackoff
 from sdk.cluster import STALE_METADATA_ERRORS, Cluster
 from sdk.config import ProducerConfig
 from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedError
-from sdk.partitioner import DefaultPartitioner
-from sdk.records import RecordMetadata, TopicPartition
+from sdk.partitioner import DefaultPartitioner, partition_for_key
+from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
 from storage.errors import StrataError, UnknownTopicOrPartitionError, from_wire
 from storage.protocol.messages import (
     ProducePartition,
@@ -60,6 +67,11 @@ from storage.protocol.messages import (
 )
 
 _BYTES_LIKE = (bytes, bytearray, memoryview)
+_VALUE_TYPES = frozenset({bytes, type(None)})
+
+
+def _len0(value: bytes | None) -> int:
+    return len(value) if value else 0
 
 
 def _as_bytes(value: Any, what: str) -> bytes | None:
@@ -210,9 +222,7 @@ class Sender:
                     self._acc.complete(b, -1)
                     settled.add(id(b))
                 return
-            results = {
-                (t.name, r.partition): r for t in response.topics for r in t.partitions
-            }
+            results = {(t.name, r.partition): r for t in response.topics for r in t.partitions}
             for b in batches:
                 r = results.get(b.tp)
                 if r is None:
@@ -260,8 +270,8 @@ class Sender:
 class Producer:
     """Send records to topics (see the module docstring). Use as an async context manager::
 
-        async with Producer({"bootstrap.servers": "localhost:9092"}) as producer:
-            meta = await producer.send_and_wait("events", b"payload", key=b"user-1")
+    async with Producer({"bootstrap.servers": "localhost:9092"}) as producer:
+        meta = await producer.send_and_wait("events", b"payload", key=b"user-1")
     """
 
     def __init__(
@@ -286,6 +296,7 @@ class Producer:
         self._cluster: Cluster | None = None
         self._acc: RecordAccumulator | None = None
         self._sender: Sender | None = None
+        self._tps: dict[tuple[str, int], TopicPartition] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -427,28 +438,156 @@ class Producer:
         acc = self._running_acc()
         cluster = self._cluster
         assert cluster is not None
-        value = _as_bytes(value, "value")
-        key = _as_bytes(key, "key")
-        hdrs = _check_headers(headers)
-        tag_list = _check_tags(tags)
-        max_block = self.config.max_block_ms / 1000
-        started = self._clock()
+        if value is not None and type(value) is not bytes:
+            value = _as_bytes(value, "value")
+        if key is not None and type(key) is not bytes:
+            key = _as_bytes(key, "key")
+        hdrs = _check_headers(headers) if headers else None
+        tag_list = _check_tags(tags) if tags else None
         n = cluster.partition_count(topic)
+        started = self._clock()
         if n is None:
-            n = await cluster.wait_for_topic(topic, max_block)
+            n = await cluster.wait_for_topic(topic, self.config.max_block_ms / 1000)
         if partition is None:
-            partition = self._partitioner.partition(
-                topic, key, n, cluster.available_partitions(topic)
-            )
+            if key is None:
+                partition = self._partitioner.sticky(topic)
+                if partition is None or partition >= n:
+                    partition = self._partitioner.partition(
+                        topic, None, n, cluster.available_partitions(topic)
+                    )
+            else:
+                partition = partition_for_key(key, n)
         elif not 0 <= partition < n:
             raise UnknownTopicOrPartitionError(
                 f"partition {partition} of topic {topic!r} does not exist (it has {n})"
             )
         ts = self._wall_ms() if timestamp_ms is None else int(timestamp_ms)
-        remaining = max_block - (self._clock() - started)
-        return await acc.append(
-            TopicPartition(topic, partition), value, key, hdrs, tag_list, ts, remaining
+        tp = self._tps.get((topic, partition))
+        if tp is None:
+            tp = self._tps[(topic, partition)] = TopicPartition(topic, partition)
+        fut = acc.append_nowait(tp, value, key, hdrs, tag_list, ts)
+        if fut is not None:
+            return fut
+        remaining = self.config.max_block_ms / 1000 - (self._clock() - started)
+        return await acc.append(tp, value, key, hdrs, tag_list, ts, remaining)
+
+    async def send_batch(
+        self,
+        topic: str,
+        values: Sequence[bytes | None],
+        *,
+        keys: Sequence[bytes | None] | None = None,
+        headers: Sequence[Sequence[tuple[str, bytes]] | None] | None = None,
+        tags: Sequence[Sequence[str] | None] | None = None,
+        partition: int | None = None,
+        timestamp_ms: int | Sequence[int] | None = None,
+    ) -> asyncio.Future[list[RecordsMetadata]]:
+        """Buffer many records in one call: the fast path for bulk producing.
+
+        The records are appended to batches as list slices (no Python code per record, except
+        the murmur2 hash when ``keys`` pick the partitions). Keyless records without a
+        ``partition`` all go to the topic's current sticky partition. The returned future
+        resolves to one :class:`RecordsMetadata` per run of records stored together (record
+        ``i`` of a run is at ``base_offset + i``), in the order of the input.
+        """
+        acc = self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        values = list(values)
+        count = len(values)
+        if not count:
+            raise ValueError("send_batch needs at least one record")
+        if not set(map(type, values)) <= _VALUE_TYPES:
+            raise TypeError("values must be bytes (or None)")
+        key_list = None if keys is None else list(keys)
+        if key_list is not None and (
+            len(key_list) != count or not set(map(type, key_list)) <= _VALUE_TYPES
+        ):
+            raise TypeError("keys must be bytes (or None), one per value")
+        header_list = (
+            None if headers is None else [_check_headers(h) if h else None for h in headers]
         )
+        tag_lists = None if tags is None else [_check_tags(t) if t else None for t in tags]
+        for name, col in (("headers", header_list), ("tags", tag_lists)):
+            if col is not None and len(col) != count:
+                raise ValueError(f"{name} must have one entry per value")
+        if timestamp_ms is None or isinstance(timestamp_ms, int):
+            ts = self._wall_ms() if timestamp_ms is None else int(timestamp_ms)
+            timestamps = [ts] * count
+        else:
+            timestamps = [int(t) for t in timestamp_ms]
+            if len(timestamps) != count:
+                raise ValueError("timestamp_ms must have one entry per value")
+        max_block = self.config.max_block_ms / 1000
+        started = self._clock()
+        n = cluster.partition_count(topic)
+        if n is None:
+            n = await cluster.wait_for_topic(topic, max_block)
+        if partition is not None and not 0 <= partition < n:
+            raise UnknownTopicOrPartitionError(
+                f"partition {partition} of topic {topic!r} does not exist (it has {n})"
+            )
+        if header_list or tag_lists:
+            sizes = [
+                estimate_size(v, k, h, t)
+                for v, k, h, t in zip(
+                    values,
+                    key_list or repeat(None),
+                    header_list or repeat(None),
+                    tag_lists or repeat(None),
+                    strict=False,
+                )
+            ]
+        else:
+            sizes = list(map(len, values)) if None not in values else list(map(_len0, values))  # type: ignore[arg-type]
+            if key_list is not None:
+                key_sizes = map(len, key_list) if None not in key_list else map(_len0, key_list)  # type: ignore[arg-type]
+                sizes = list(map(int.__add__, sizes, key_sizes))
+            sizes = [RECORD_OVERHEAD + s for s in sizes]
+        if partition is None and key_list is None:
+            partition = self._partitioner.sticky(topic)
+            if partition is None or partition >= n:
+                partition = self._partitioner.partition(
+                    topic, None, n, cluster.available_partitions(topic)
+                )
+        runs: list[tuple[int, list[int] | None]]
+        if partition is not None:
+            runs = [(partition, None)]
+        else:
+            assert key_list is not None
+            by_partition: dict[int, list[int]] = defaultdict(list)
+            available = None
+            for i, k in enumerate(key_list):
+                if k is None:
+                    if available is None:
+                        available = cluster.available_partitions(topic)
+                    p = self._partitioner.partition(topic, None, n, available)
+                else:
+                    p = partition_for_key(k, n)
+                by_partition[p].append(i)
+            runs = [(p, idx) for p, idx in by_partition.items()]
+        futures: list[asyncio.Future[RecordsMetadata]] = []
+        for p, idx in runs:
+            tp = self._tps.get((topic, p))
+            if tp is None:
+                tp = self._tps[(topic, p)] = TopicPartition(topic, p)
+
+            def pick(col: list[Any] | None, idx: list[int] | None = idx) -> list[Any] | None:
+                return col if col is None or idx is None else [col[i] for i in idx]
+
+            remaining = max_block - (self._clock() - started)
+            futures += await acc.append_many(
+                tp,
+                pick(values) or [],
+                pick(key_list),
+                pick(header_list),
+                pick(tag_lists),
+                pick(timestamps) or [],
+                pick(sizes) or [],
+                remaining,
+            )
+        gathered: asyncio.Future[list[RecordsMetadata]] = asyncio.gather(*futures)
+        return gathered
 
     async def send_and_wait(
         self,

@@ -20,6 +20,17 @@ class RecordMetadata(NamedTuple):
     timestamp: int  # ms since the epoch: the record's own (CreateTime) timestamp
 
 
+class RecordsMetadata(NamedTuple):
+    """Where a run of records from ``Producer.send_batch`` was stored: ``record_count``
+    records at offsets ``base_offset`` .. ``base_offset + record_count - 1`` of one partition
+    (``base_offset`` -1 with acks=0)."""
+
+    topic: str
+    partition: int
+    base_offset: int
+    record_count: int
+
+
 class ConsumerRecord(NamedTuple):
     topic: str
     partition: int

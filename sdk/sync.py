@@ -126,9 +126,7 @@ class SyncProducer:
             self._outstanding += 1
         cb = on_delivery or callback
         try:
-            self._thread.run(
-                self._send(topic, value, key, headers, tags, partition, timestamp, cb)
-            )
+            self._thread.run(self._send(topic, value, key, headers, tags, partition, timestamp, cb))
         except BaseException:
             with self._lock:
                 self._outstanding -= 1
@@ -167,7 +165,9 @@ class SyncProducer:
         seconds (None: forever) for the first. Returns how many ran."""
         handled = 0
         try:
-            item = self._reports.get(timeout=timeout) if timeout != 0 else self._reports.get_nowait()
+            item = (
+                self._reports.get(timeout=timeout) if timeout != 0 else self._reports.get_nowait()
+            )
         except queue.Empty:
             return 0
         while True:

@@ -126,3 +126,46 @@ def test_a_producer_with_retries_keeps_producing_through_a_leader_kill(cluster: 
     for table in tables.values():
         values.update(pc.cast(pc.cast(table.column("value"), pa.string()), pa.int64()).to_pylist())
     assert set(range(n // 3 + 1, n)) <= values
+
+
+def test_send_batch_stores_runs_where_its_metadata_says(cluster: Cluster) -> None:
+    cluster.create_topic("bulk", PARTITIONS, 1)
+    cluster.wait_for_leaders("bulk")
+    n = 20_000
+    values = [b"v%d" % i for i in range(n)]
+    keys = [None if i % 5 == 0 else b"key-%d" % (i % 37) for i in range(n)]
+
+    async def run() -> tuple[list[object], list[object]]:
+        async with Producer({"bootstrap.servers": cluster.bootstrap, "batch.size": 64 << 10}) as producer:
+            keyless = await (await producer.send_batch("bulk", values[:5000], timestamp_ms=1_700_000_000_000))
+            keyed = await (await producer.send_batch("bulk", values[5000:], keys=keys[5000:]))
+        return keyless, keyed
+
+    keyless, keyed = asyncio.run(run())
+    # keyless: one partition, contiguous runs in input order, several batches (64 KiB each)
+    assert len({r.partition for r in keyless}) == 1 and len(keyless) > 1
+    assert sum(r.record_count for r in keyless) == 5000
+    for a, b in zip(keyless, keyless[1:], strict=False):
+        assert b.base_offset == a.base_offset + a.record_count
+    assert sum(r.record_count for r in keyed) == n - 5000
+    tables = asyncio.run(_consume_to_end(cluster.bootstrap, "bulk"))
+    by_value = {}
+    for p, table in tables.items():
+        for offset, key, value, ts in zip(
+            table.column("offset").to_pylist(),
+            table.column("key").to_pylist(),
+            table.column("value").to_pylist(),
+            table.column("timestamp").cast(pa.int64()).to_pylist(),
+            strict=True,
+        ):
+            by_value[value] = (p, offset, key, ts)
+    assert set(by_value) == set(values)
+    run0 = keyless[0]
+    for i, v in enumerate(values[:5000]):
+        p, offset, key, ts = by_value[v]
+        assert (p, offset, key, ts) == (run0.partition, run0.base_offset + i, None, 1_700_000_000_000)
+    for v, k in zip(values[5000:], keys[5000:], strict=True):
+        p, _, key, _ = by_value[v]
+        assert key == k
+        if k is not None:
+            assert p == to_positive(murmur2(k)) % PARTITIONS
