@@ -88,7 +88,9 @@ def _record_latency(latencies: list[float], sent: float, _: object) -> None:
     latencies.append(time.perf_counter() - sent)
 
 
-async def throughput_batched(bootstrap: str, n: int, size: int, chunk: int = 1000) -> dict[str, float]:
+async def throughput_batched(
+    bootstrap: str, n: int, size: int, chunk: int = 1000
+) -> dict[str, float]:
     """The same through ``Producer.send_batch`` (records handed over ``chunk`` at a time)."""
     values = [os.urandom(size)] * chunk
     config = {
@@ -110,7 +112,12 @@ async def throughput_batched(bootstrap: str, n: int, size: int, chunk: int = 100
         if stored != n // chunk * chunk:
             raise RuntimeError(f"{stored} records acknowledged of {n}")
     sent = n // chunk * chunk
-    return {"messages": sent, "seconds": elapsed, "msgs_per_s": sent / elapsed, "mb_per_s": sent * size / 1e6 / elapsed}
+    return {
+        "messages": sent,
+        "seconds": elapsed,
+        "msgs_per_s": sent / elapsed,
+        "mb_per_s": sent * size / 1e6 / elapsed,
+    }
 
 
 async def latency(bootstrap: str, rate: int, seconds: float, size: int) -> dict[str, float]:
@@ -203,7 +210,9 @@ def main(argv: list[str] | None = None) -> int:
             "fsync": args.fsync,
             "size": args.size,
             "throughput": asyncio.run(throughput(agent.address, args.messages, args.size)),
-            "throughput_batched": asyncio.run(throughput_batched(agent.address, args.messages, args.size)),
+            "throughput_batched": asyncio.run(
+                throughput_batched(agent.address, args.messages, args.size)
+            ),
             "latency": asyncio.run(latency(agent.address, args.rate, args.seconds, args.size)),
         }
     finally:

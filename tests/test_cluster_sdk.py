@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -26,11 +27,15 @@ def cluster(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path)
     return c
 
 
-async def _consume_all(bootstrap: str, topic: str, expected: int, deadline_s: float = 60) -> dict[int, pa.Table]:
+async def _consume_all(
+    bootstrap: str, topic: str, expected: int, deadline_s: float = 60
+) -> dict[int, pa.Table]:
     """Every record of ``topic`` from the beginning, per partition, as Arrow tables."""
     tables: dict[int, list[pa.Table]] = defaultdict(list)
     got = 0
-    async with Consumer({"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}) as consumer:
+    async with Consumer(
+        {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}
+    ) as consumer:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
@@ -43,21 +48,28 @@ async def _consume_all(bootstrap: str, topic: str, expected: int, deadline_s: fl
 
 
 async def _consume_to_end(bootstrap: str, topic: str) -> dict[int, pa.Table]:
-    async with Consumer({"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}) as consumer:
+    async with Consumer(
+        {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}
+    ) as consumer:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
         ends = await consumer.end_offsets(tps)
     return await _consume_all(bootstrap, topic, sum(ends.values()))
 
 
-def test_100k_keyed_messages_each_exactly_once_in_key_order_on_kafkas_partition(cluster: Cluster) -> None:
+def test_100k_keyed_messages_each_exactly_once_in_key_order_on_kafkas_partition(
+    cluster: Cluster,
+) -> None:
     cluster.create_topic("keyed", PARTITIONS, 3)
     cluster.wait_for_leaders("keyed")
     n, n_keys = 100_000, 997
 
     async def run() -> dict[int, pa.Table]:
-        async with Producer({"bootstrap.servers": cluster.bootstrap, "acks": 1, "linger.ms": 5}) as producer:
+        async with Producer(
+            {"bootstrap.servers": cluster.bootstrap, "acks": 1, "linger.ms": 5}
+        ) as producer:
             futures = [
-                await producer.send("keyed", b"%d" % i, key=b"key-%d" % (i % n_keys)) for i in range(n)
+                await producer.send("keyed", b"%d" % i, key=b"key-%d" % (i % n_keys))
+                for i in range(n)
             ]
             metas = await asyncio.gather(*futures)
         assert len({(m.partition, m.offset) for m in metas}) == n
@@ -136,8 +148,12 @@ def test_send_batch_stores_runs_where_its_metadata_says(cluster: Cluster) -> Non
     keys = [None if i % 5 == 0 else b"key-%d" % (i % 37) for i in range(n)]
 
     async def run() -> tuple[list[object], list[object]]:
-        async with Producer({"bootstrap.servers": cluster.bootstrap, "batch.size": 64 << 10}) as producer:
-            keyless = await (await producer.send_batch("bulk", values[:5000], timestamp_ms=1_700_000_000_000))
+        async with Producer(
+            {"bootstrap.servers": cluster.bootstrap, "batch.size": 64 << 10}
+        ) as producer:
+            keyless = await (
+                await producer.send_batch("bulk", values[:5000], timestamp_ms=1_700_000_000_000)
+            )
             keyed = await (await producer.send_batch("bulk", values[5000:], keys=keys[5000:]))
         return keyless, keyed
 
@@ -145,7 +161,7 @@ def test_send_batch_stores_runs_where_its_metadata_says(cluster: Cluster) -> Non
     # keyless: one partition, contiguous runs in input order, several batches (64 KiB each)
     assert len({r.partition for r in keyless}) == 1 and len(keyless) > 1
     assert sum(r.record_count for r in keyless) == 5000
-    for a, b in zip(keyless, keyless[1:], strict=False):
+    for a, b in itertools.pairwise(keyless):
         assert b.base_offset == a.base_offset + a.record_count
     assert sum(r.record_count for r in keyed) == n - 5000
     tables = asyncio.run(_consume_to_end(cluster.bootstrap, "bulk"))
@@ -163,7 +179,12 @@ def test_send_batch_stores_runs_where_its_metadata_says(cluster: Cluster) -> Non
     run0 = keyless[0]
     for i, v in enumerate(values[:5000]):
         p, offset, key, ts = by_value[v]
-        assert (p, offset, key, ts) == (run0.partition, run0.base_offset + i, None, 1_700_000_000_000)
+        assert (p, offset, key, ts) == (
+            run0.partition,
+            run0.base_offset + i,
+            None,
+            1_700_000_000_000,
+        )
     for v, k in zip(values[5000:], keys[5000:], strict=True):
         p, _, key, _ = by_value[v]
         assert key == k
