@@ -15,6 +15,7 @@ at one boundary per adapter and never leak out.
     │   ├── InvalidOffsetError         truncate/seek target the log cannot honour
     │   ├── InvalidTopicError          a topic name outside [a-zA-Z0-9._-]{1,249}, "." or ".."
     │   ├── InvalidPartitionsError     a partition count that is not allowed
+    │   ├── InvalidReplicationFactorError  more replicas than live agents, or out of range
     │   ├── TopicAlreadyExistsError
     │   └── MalformedFrameError        a protocol frame that does not parse
     │       └── FrameTooLargeError     a frame over the connection's maximum size
@@ -106,6 +107,10 @@ class InvalidTopicError(InvalidRequestError):
 
 class InvalidPartitionsError(InvalidRequestError):
     code = 37
+
+
+class InvalidReplicationFactorError(InvalidRequestError):
+    code = 38
 
 
 class TopicAlreadyExistsError(InvalidRequestError):

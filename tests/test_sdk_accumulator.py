@@ -96,8 +96,12 @@ def test_a_batch_closes_at_batch_size_and_is_ready_without_linger() -> None:
         clock = Clock()
         closed: list[TopicPartition] = []
         record = estimate_size(b"x" * 100, None, None, None)
-        acc = make(clock, batch_size=BATCH_OVERHEAD + 3 * record, linger_ms=1000,
-                   on_batch_closed=closed.append)
+        acc = make(
+            clock,
+            batch_size=BATCH_OVERHEAD + 3 * record,
+            linger_ms=1000,
+            on_batch_closed=closed.append,
+        )
         for _ in range(7):
             await acc.append(TP, b"x" * 100)
         batches = acc.batches(TP)
@@ -140,8 +144,9 @@ def test_batch_is_encoded_once_from_the_collected_lists() -> None:
         enc = CountingEncoder()
         acc = make(clock, encoder=enc, linger_ms=0)
         f1 = await acc.append(TP, b"v1", timestamp_ms=111)
-        f2 = await acc.append(TP, b"v2", key=b"k2", headers=[("h", b"x")], tags=["red"],
-                              timestamp_ms=222)
+        f2 = await acc.append(
+            TP, b"v2", key=b"k2", headers=[("h", b"x")], tags=["red"], timestamp_ms=222
+        )
         (batch,) = acc.drain([TP])
         assert len(enc.calls) == 1
         call = enc.calls[0]
@@ -443,9 +448,12 @@ def test_estimate_is_an_upper_bound_of_the_encoded_size() -> None:
     async def go() -> None:
         batch = ProducerBatch(TP, 0.0, 1.0)
         rows = [
-            (b"v" * (i % 50), None if i % 3 else b"k" * (i % 7),
-             [("h", b"x" * (i % 5))] if i % 4 == 0 else None,
-             [f"tag-{i}"] if i % 6 == 0 else None)
+            (
+                b"v" * (i % 50),
+                None if i % 3 else b"k" * (i % 7),
+                [("h", b"x" * (i % 5))] if i % 4 == 0 else None,
+                [f"tag-{i}"] if i % 6 == 0 else None,
+            )
             for i in range(300)
         ]
         for value, key, headers, tags in rows:

@@ -54,8 +54,13 @@ def test_round_trip_at_every_acks_level_and_compression(agent: Cluster) -> None:
                         1_700_000_000_000 + i,
                     )
                     fut = await producer.send(
-                        "t", record[0], key=record[1], headers=record[2], tags=record[3],
-                        partition=0, timestamp_ms=record[4],
+                        "t",
+                        record[0],
+                        key=record[1],
+                        headers=record[2],
+                        tags=record[3],
+                        partition=0,
+                        timestamp_ms=record[4],
                     )
                     sent.append((acks, fut, record))
                 await producer.flush()

@@ -142,7 +142,9 @@ def test_unsupported_compression_says_what_is_supported() -> None:
 
 
 def test_delivery_timeout_must_cover_linger_and_request_timeout() -> None:
-    with pytest.raises(InvalidConfigError, match=r"delivery\.timeout\.ms \(1000\) must be at least"):
+    with pytest.raises(
+        InvalidConfigError, match=r"delivery\.timeout\.ms \(1000\) must be at least"
+    ):
         ProducerConfig.parse({**BOOT, "delivery.timeout.ms": 1000})
     ok = ProducerConfig.parse(
         {**BOOT, "delivery.timeout.ms": 1000, "request.timeout.ms": 900, "linger.ms": 100}

@@ -37,8 +37,12 @@ def metadata(leaders: dict[int, int], epoch: int = 1) -> MetadataResponse:
         controller_id=1,
         topics=[
             TopicMetadata(
-                0, "t", [PartitionMetadata(0, p, leader, epoch, [leader], [leader])
-                         for p, leader in leaders.items()]
+                0,
+                "t",
+                [
+                    PartitionMetadata(0, p, leader, epoch, [leader], [leader])
+                    for p, leader in leaders.items()
+                ],
             )
         ],
     )
@@ -82,9 +86,14 @@ def test_one_request_per_leader_with_several_partitions() -> None:
         assert [(t.name, sorted(p.partition for p in t.partitions)) for t in request.topics] == [
             ("t", [0, 1])
         ]
-        assert all(p.records == b.encoded for b, p in zip(
-            sorted(batches, key=lambda b: b.tp.partition),
-            sorted(request.topics[0].partitions, key=lambda p: p.partition), strict=True))
+        assert all(
+            p.records == b.encoded
+            for b, p in zip(
+                sorted(batches, key=lambda b: b.tp.partition),
+                sorted(request.topics[0].partitions, key=lambda p: p.partition),
+                strict=True,
+            )
+        )
 
     asyncio.run(go())
 

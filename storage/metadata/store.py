@@ -157,6 +157,8 @@ class MetadataStore:
 
     async def delete_topic(self, name: str) -> None:
         validate_topic_name(name)
+        if await self.zk.exists(topic_path(name)) is None:  # kazoo's recursive delete ignores it
+            raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
         try:
             await self.zk.delete(topic_path(name), recursive=True)
         except NodeNotFoundError:

@@ -1,0 +1,324 @@
+"""The admin API: create, list, describe and delete topics, add partitions, alter configs.
+
+    POST   /topics                    {"name", "partitions", "replication_factor"?, "configs"?}
+                                       -> 201 TopicDescription
+    GET    /topics                    -> 200 {"topics": [names]}
+    GET    /topics/{name}             -> 200 TopicDescription
+    DELETE /topics/{name}             -> 204
+    POST   /topics/{name}/partitions  {"count": N}       -> 200 TopicDescription
+    PATCH  /topics/{name}/configs     {"configs": {...}} -> 200 TopicDescription
+
+The admin writes topic specs only (``/topics/<name>`` in ZooKeeper); the controller notices
+and creates the partition states (leader, replicas, ISR). Until it has, a describe shows
+those partitions as ``pending`` with leader -1 — as it does in a cluster with no agents.
+
+Changes to an existing topic are compare-and-set on the topic znode's version: read the spec,
+derive the new one, write it with the version read; if another admin got there first, read
+again (``CAS_ATTEMPTS`` times, then ``VersionConflictError``, 503).
+
+Input is checked before ZooKeeper is touched wherever that is possible (a bad name, count or
+config is a 400 even when ZooKeeper is down). Configs use Kafka's dotted names only
+(``retention.ms``); ``null`` in an alter restores a config's default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
+
+from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
+from handlers.runtime import Invocation
+from sdk.admin import PartitionInfo, PartitionStatus, TopicDescription
+from storage.errors import (
+    InvalidConfigError,
+    InvalidPartitionsError,
+    InvalidReplicationFactorError,
+    InvalidTopicError,
+    NodeNotFoundError,
+    UnknownTopicOrPartitionError,
+    VersionConflictError,
+)
+from storage.metadata import MetadataStore, PartitionState, TopicConfig, TopicSpec
+from storage.metadata.models import MAX_PARTITIONS, validate_topic_name
+
+CAS_ATTEMPTS = 5
+DEFAULT_REPLICATION_FACTOR = 3
+MAX_REPLICATION_FACTOR = 16
+STATE_READS_IN_FLIGHT = 32
+"""Partition states read concurrently by a describe."""
+_jitter = random.Random()
+
+_DEFAULTS: dict[str, Any] = {
+    f.alias: f.default for f in TopicConfig.model_fields.values() if f.alias is not None
+}
+CONFIG_NAMES: frozenset[str] = frozenset(_DEFAULTS)
+
+
+# ---------------------------------------------------------------- validation (no I/O)
+
+
+def topic_config(configs: Mapping[str, Any], base: TopicConfig | None = None) -> TopicConfig:
+    """``base`` (default: the defaults) with ``configs`` applied; ``None`` restores a default."""
+    unknown = sorted(k for k in configs if k not in CONFIG_NAMES)
+    if unknown:
+        raise InvalidConfigError(
+            f"unknown topic config {', '.join(map(repr, unknown))}; "
+            f"known: {', '.join(sorted(CONFIG_NAMES))}"
+        )
+    changes = {k: (_DEFAULTS[k] if v is None else v) for k, v in configs.items()}
+    merged = changes if base is None else {**base.to_wire(), **changes}
+    try:
+        return TopicConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise InvalidConfigError(describe_errors(exc)) from None
+
+
+def check_min_insync(config: TopicConfig, replication_factor: int) -> None:
+    if config.min_insync_replicas > replication_factor:
+        raise InvalidConfigError(
+            f"min.insync.replicas={config.min_insync_replicas} is more than the replication "
+            f"factor {replication_factor}: no acks=all write could ever succeed"
+        )
+
+
+def replication_factor_for(requested: int | None, live_agents: int) -> int:
+    """The requested factor, checked against the live agents; default min(3, live agents)."""
+    if requested is None:
+        if live_agents == 0:
+            raise InvalidReplicationFactorError(
+                "no live agents: cannot choose a replication factor (start an agent, or pass "
+                "replication_factor)"
+            )
+        return min(DEFAULT_REPLICATION_FACTOR, live_agents)
+    if not 1 <= requested <= MAX_REPLICATION_FACTOR:
+        raise InvalidReplicationFactorError(
+            f"replication factor must be between 1 and {MAX_REPLICATION_FACTOR}, got {requested}"
+        )
+    if requested > live_agents:
+        raise InvalidReplicationFactorError(
+            f"replication factor {requested} is larger than the number of live agents "
+            f"({live_agents})"
+        )
+    return requested
+
+
+def describe(spec: TopicSpec, states: Mapping[int, PartitionState]) -> TopicDescription:
+    infos = []
+    for p in range(spec.partitions):
+        state = states.get(p)
+        if state is None:
+            infos.append(PartitionInfo(partition=p, status=PartitionStatus.PENDING))
+            continue
+        infos.append(
+            PartitionInfo(
+                partition=p,
+                status=PartitionStatus.ONLINE if state.leader >= 0 else PartitionStatus.OFFLINE,
+                leader=state.leader,
+                leader_epoch=state.leader_epoch,
+                replicas=tuple(state.replicas),
+                isr=tuple(state.isr),
+            )
+        )
+    return TopicDescription(
+        name=spec.name,
+        topic_id=spec.topic_id,
+        created_ms=spec.created_ms,
+        partitions=spec.partitions,
+        replication_factor=spec.replication_factor,
+        configs=spec.config.to_wire(),
+        partition_states=tuple(infos),
+    )
+
+
+def respec(spec: TopicSpec, **changes: Any) -> TopicSpec:
+    """A validated copy of ``spec`` with ``changes`` (``model_copy`` would not validate)."""
+    return TopicSpec.build(**{**dict(spec), **changes})
+
+
+# ---------------------------------------------------------------- operations on ZooKeeper
+
+
+class TopicAdmin:
+    """Topic administration over a :class:`MetadataStore` (typed values in and out)."""
+
+    def __init__(self, store: MetadataStore) -> None:
+        self.store = store
+
+    async def create_topic(
+        self, name: str, partitions: int, replication_factor: int | None, config: TopicConfig
+    ) -> TopicDescription:
+        live = len(await self.store.list_agents())
+        rf = replication_factor_for(replication_factor, live)
+        check_min_insync(config, rf)
+        spec = TopicSpec.build(
+            name=name,
+            partitions=partitions,
+            replication_factor=rf,
+            config=config,
+            topic_id=uuid.uuid4().hex,
+            created_ms=int(time.time() * 1000),
+        )
+        await self.store.create_topic(spec)
+        return await self._describe(spec)
+
+    async def list_topics(self) -> list[str]:
+        return await self.store.list_topics()
+
+    async def describe_topic(self, name: str) -> TopicDescription:
+        spec, _ = await self.store.get_topic(name)
+        return await self._describe(spec)
+
+    async def delete_topic(self, name: str) -> None:
+        # kazoo's recursive delete ignores a missing node, so look first: unknown -> 404
+        await self.store.get_topic(name)
+        await self.store.delete_topic(name)
+
+    async def create_partitions(self, name: str, count: int) -> TopicDescription:
+        def grow(spec: TopicSpec) -> TopicSpec:
+            if count <= spec.partitions:
+                raise InvalidPartitionsError(
+                    f"topic {name!r} has {spec.partitions} partitions; the new count must be "
+                    f"greater, got {count}"
+                )
+            return respec(spec, partitions=count)
+
+        return await self._describe(await self._update(name, grow))
+
+    async def alter_configs(self, name: str, configs: Mapping[str, Any]) -> TopicDescription:
+        def alter(spec: TopicSpec) -> TopicSpec:
+            config = topic_config(configs, spec.config)
+            check_min_insync(config, spec.replication_factor)
+            return respec(spec, config=config)
+
+        return await self._describe(await self._update(name, alter))
+
+    async def _update(self, name: str, change: Callable[[TopicSpec], TopicSpec]) -> TopicSpec:
+        """Compare-and-set the topic spec with ``change`` applied, re-reading on conflict."""
+        for attempt in range(CAS_ATTEMPTS):
+            spec, stat = await self.store.get_topic(name)
+            new = change(spec)
+            if new == spec:
+                return spec
+            try:
+                await self.store.update_topic(new, stat.version)
+                return new
+            except NodeNotFoundError:
+                raise UnknownTopicOrPartitionError(f"unknown topic {name!r}") from None
+            except VersionConflictError:
+                await asyncio.sleep(_jitter.uniform(0, 0.01 * 2**attempt))
+        raise VersionConflictError(
+            f"topic {name!r} changed under {CAS_ATTEMPTS} attempts in a row; try again"
+        )
+
+    async def _describe(self, spec: TopicSpec) -> TopicDescription:
+        slots = asyncio.Semaphore(STATE_READS_IN_FLIGHT)
+
+        async def read(p: int) -> tuple[PartitionState, int] | None:
+            async with slots:
+                return await self.store.get_partition_state(spec.name, p)
+
+        found = await asyncio.gather(*(read(p) for p in range(spec.partitions)))
+        states = {p: got[0] for p, got in enumerate(found) if got is not None}
+        return describe(spec, states)
+
+
+# ---------------------------------------------------------------- HTTP endpoints
+
+
+class CreateTopicBody(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: StrictStr
+    partitions: StrictInt = Field(ge=1, le=MAX_PARTITIONS)
+    replication_factor: StrictInt | None = None
+    configs: dict[str, Any] = Field(default_factory=dict)
+
+
+class CreatePartitionsBody(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    count: StrictInt = Field(ge=1, le=MAX_PARTITIONS)
+
+
+class AlterConfigsBody(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    configs: dict[str, Any]
+
+
+def _create_topic(request: Request, invocation: Invocation) -> Response:
+    body = parse_body(
+        CreateTopicBody,
+        request.json(),
+        errors={
+            "name": InvalidTopicError,
+            "partitions": InvalidPartitionsError,
+            "configs": InvalidConfigError,
+        },
+    )
+    name = validate_topic_name(body.name)
+    config = topic_config(body.configs)
+    created = invocation.run(
+        lambda store: TopicAdmin(store).create_topic(
+            name, body.partitions, body.replication_factor, config
+        )
+    )
+    return Response(201, created.to_json(), headers={"location": f"/topics/{name}"})
+
+
+def _list_topics(request: Request, invocation: Invocation) -> Response:
+    names = invocation.run(lambda store: TopicAdmin(store).list_topics())
+    return Response(200, {"topics": names})
+
+
+def _describe_topic(request: Request, invocation: Invocation, name: str) -> Response:
+    name = validate_topic_name(name)
+    described = invocation.run(lambda store: TopicAdmin(store).describe_topic(name))
+    return Response(200, described.to_json())
+
+
+def _delete_topic(request: Request, invocation: Invocation, name: str) -> Response:
+    name = validate_topic_name(name)
+    invocation.run(lambda store: TopicAdmin(store).delete_topic(name))
+    return Response(204)
+
+
+def _create_partitions(request: Request, invocation: Invocation, name: str) -> Response:
+    name = validate_topic_name(name)
+    body = parse_body(
+        CreatePartitionsBody, request.json(), errors={"count": InvalidPartitionsError}
+    )
+    described = invocation.run(lambda store: TopicAdmin(store).create_partitions(name, body.count))
+    return Response(200, described.to_json())
+
+
+def _alter_configs(request: Request, invocation: Invocation, name: str) -> Response:
+    name = validate_topic_name(name)
+    body = parse_body(AlterConfigsBody, request.json(), errors={"configs": InvalidConfigError})
+    topic_config(body.configs)  # unknown keys and bad values are 400s before ZooKeeper
+    described = invocation.run(lambda store: TopicAdmin(store).alter_configs(name, body.configs))
+    return Response(200, described.to_json())
+
+
+ROUTER = Router(
+    [
+        Route("POST", "/topics", _create_topic),
+        Route("GET", "/topics", _list_topics),
+        Route("GET", "/topics/{name}", _describe_topic),
+        Route("DELETE", "/topics/{name}", _delete_topic),
+        Route("POST", "/topics/{name}/partitions", _create_partitions),
+        Route("PATCH", "/topics/{name}/configs", _alter_configs),
+    ],
+    invocation=Invocation,
+)
+
+
+def handler(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
+    """The Lambda entry point (API Gateway proxy integration, payload 1.0 or 2.0)."""
+    return ROUTER.serve(event, context)
