@@ -47,10 +47,15 @@ def start_agent(
     """Start one agent and return once it has printed its "listening" line."""
     log_path = log_path or data_dir.parent / f"agent-{agent_id}.log"
     argv = [
-        sys.executable, "-m", "broker_agents.main",
-        "--agent-id", str(agent_id),
-        "--zookeeper", zookeeper,
-        "--data-dir", str(data_dir),
+        sys.executable,
+        "-m",
+        "broker_agents.main",
+        "--agent-id",
+        str(agent_id),
+        "--zookeeper",
+        zookeeper,
+        "--data-dir",
+        str(data_dir),
     ]
     for key, value in (configs or {}).items():
         argv += ["--config", f"{key}={value}"]
@@ -68,5 +73,7 @@ def start_agent(
             raise LocalStackError(f"agent {agent_id} exited while starting:\n{log_tail(log_path)}")
         if time.monotonic() > deadline:
             terminate(process)
-            raise LocalStackError(f"agent {agent_id} not serving after {startup_timeout:g} s:\n{log_tail(log_path)}")
+            raise LocalStackError(
+                f"agent {agent_id} not serving after {startup_timeout:g} s:\n{log_tail(log_path)}"
+            )
         time.sleep(0.02)
