@@ -7,6 +7,7 @@ keeps serving other clients, and nothing already stored changes.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import struct
 import time
@@ -293,3 +294,51 @@ def test_not_leader_names_the_leader(
         assert (r.leader_id, r.leader_epoch) == (p.leader_id, p.leader_epoch)
 
     asyncio.run(run())
+
+
+def test_an_agent_cut_off_from_zookeeper_refuses_writes_until_its_session_is_confirmed(
+    processes: ProcessGroup, tmp_path: Path
+) -> None:
+    """Freeze this test's own ZooKeeper server (SIGSTOP): the agent's connection is SUSPENDED,
+    it may already have been replaced, so it must stop acting as leader. Thaw it (SIGCONT):
+    the session is confirmed again and writes are accepted."""
+    import signal
+
+    from infra.zookeeper import start_zookeeper
+    from tests.harness import ZooKeeperChroot
+
+    zk = start_zookeeper(tmp_path / "zk")
+    try:
+        cluster = Cluster(
+            processes,
+            ZooKeeperChroot(zk.connect_string, "/suspend"),
+            tmp_path / "data",
+            session_timeout_ms=20_000,
+        )
+        agent = cluster.start_agent(1)
+        cluster.create_topic(TOPIC, 1, 1)
+        cluster.wait_for_leaders(TOPIC)
+        assert _produce(agent, encode_batch([b"before"])).error_code == 0
+
+        os.kill(zk.pid, signal.SIGSTOP)
+        try:
+            # kazoo declares the connection lost after about 2/3 of the session timeout
+            # without an answer; until then writes may still be accepted
+            deadline = time.monotonic() + 30
+            while True:
+                result = _produce(agent, encode_batch([b"while frozen"]))
+                if result.error_code == NotLeaderError.code:
+                    break
+                assert time.monotonic() < deadline, "writes were still accepted"
+                time.sleep(0.2)
+            assert "ZooKeeper session" in (result.error_message or "")
+        finally:
+            os.kill(zk.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while _produce(agent, encode_batch([b"after"])).error_code != 0:
+            assert time.monotonic() < deadline, "writes were not accepted again after the thaw"
+            time.sleep(0.2)
+        values = [r["value"] for r in _stored(agent)]
+        assert values[0] == b"before" and values[-1] == b"after"
+    finally:
+        zk.stop()
