@@ -35,6 +35,7 @@ class ApiKey(enum.IntEnum):
     PRODUCE = 2
     FETCH = 3
     LIST_OFFSETS = 4
+    OFFSET_FOR_LEADER_EPOCH = 23
 
 
 LATEST_TIMESTAMP = -1
@@ -301,6 +302,59 @@ class ListOffsetsResponse(Message):
     SCHEMA = (("topics", Array(struct_of(ListOffsetsTopicResult))),)
 
 
+# ---- OffsetForLeaderEpoch ---------------------------------------------------------------------
+# A follower asks its leader where a leader epoch ended (KIP-101): the answer is the start
+# offset of the first later epoch in the leader's log (its log end for the current epoch), with
+# the largest epoch the leader knows that is <= the one asked about. The follower truncates its
+# log to that offset before fetching, so a divergent tail is cut at a known point, never guessed.
+@dataclass(slots=True)
+class EpochQuery(Message):
+    partition: int
+    leader_epoch: int
+    SCHEMA = (("partition", INT32), ("leader_epoch", INT32))
+
+
+@dataclass(slots=True)
+class EpochQueryTopic(Message):
+    name: str
+    partitions: list[EpochQuery]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(EpochQuery))))
+
+
+@dataclass(slots=True)
+class OffsetForLeaderEpochRequest(Message):
+    replica_id: int
+    topics: list[EpochQueryTopic]
+    SCHEMA = (("replica_id", INT32), ("topics", Array(struct_of(EpochQueryTopic))))
+
+
+@dataclass(slots=True)
+class EpochEndOffset(Message):
+    partition: int
+    error_code: int
+    leader_epoch: int
+    end_offset: int
+    SCHEMA = (
+        ("partition", INT32),
+        ("error_code", INT16),
+        ("leader_epoch", INT32),
+        ("end_offset", INT64),
+    )
+
+
+@dataclass(slots=True)
+class EpochEndOffsetTopic(Message):
+    name: str
+    partitions: list[EpochEndOffset]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(EpochEndOffset))))
+
+
+@dataclass(slots=True)
+class OffsetForLeaderEpochResponse(Message):
+    topics: list[EpochEndOffsetTopic]
+    SCHEMA = (("topics", Array(struct_of(EpochEndOffsetTopic))),)
+
+
 @dataclass(frozen=True, slots=True)
 class Api:
     key: ApiKey
@@ -318,5 +372,6 @@ APIS: dict[int, Api] = {
         Api(ApiKey.PRODUCE, ProduceRequest, ProduceResponse),
         Api(ApiKey.FETCH, FetchRequest, FetchResponse),
         Api(ApiKey.LIST_OFFSETS, ListOffsetsRequest, ListOffsetsResponse),
+        Api(ApiKey.OFFSET_FOR_LEADER_EPOCH, OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse),
     )
 }
