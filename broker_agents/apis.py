@@ -20,6 +20,9 @@ from typing import TYPE_CHECKING, Any
 from storage.codec import check_batch, iter_batches
 from storage.errors import (
     CorruptBatchError,
+    FencedLeaderEpochError,
+    NotEnoughReplicasAfterAppendError,
+    NotEnoughReplicasError,
     NotLeaderError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
@@ -51,6 +54,7 @@ class Apis:
             m.ApiKey.PRODUCE: self.produce,
             m.ApiKey.FETCH: self.fetch,
             m.ApiKey.LIST_OFFSETS: self.list_offsets,
+            m.ApiKey.OFFSET_FOR_LEADER_EPOCH: self.offset_for_leader_epoch,
         }
 
     # ---- ApiVersions ------------------------------------------------------------------------
@@ -99,6 +103,11 @@ class Apis:
                 try:
                     p = self.pm.leader_for_write(topic.name, part.partition)
                     result.leader_id, result.leader_epoch = p.state.leader, p.state.leader_epoch
+                    if req.acks == -1 and len(p.state.isr) < p.config.min_insync_replicas:
+                        raise NotEnoughReplicasError(
+                            f"{topic.name}-{part.partition} has {len(p.state.isr)} in-sync replicas,"
+                            f" min.insync.replicas is {p.config.min_insync_replicas}"
+                        )
                     end = self._append(p, part.records, req.acks)
                     result.base_offset = end[0]
                     result.log_start_offset = p.log.log_start_offset
@@ -110,15 +119,11 @@ class Apis:
                 results.append(result)
             out.append(m.ProduceTopicResult(topic.name, results))
         if req.acks != 0 and pending:
-            await self._wait_durable(pending, req.timeout_ms)
+            await self._wait_durable(pending, req.timeout_ms, req.acks)
         return m.ProduceResponse(out)
 
     def _append(self, p: Partition, records: Any, acks: int) -> tuple[int, int]:
         """Check every batch, then append them all; (first offset, end offset). Synchronous."""
-        if acks == -1:
-            raise UnsupportedVersionError(
-                "acks=all needs the replication protocol (not in this version)"
-            )
         if records is None or len(records) == 0:
             raise CorruptBatchError("produce request without record batches")
         limit = p.config.max_message_bytes
@@ -135,17 +140,40 @@ class Apis:
                 first = info.base_offset
             end = info.last_offset + 1
         p.notify()
+        p.advance_hw()
         self.agent.metrics_bytes_in += len(records)
         return first, end
 
     async def _wait_durable(
-        self, pending: list[tuple[m.ProducePartitionResult, Partition, int]], timeout_ms: int
+        self,
+        pending: list[tuple[m.ProducePartitionResult, Partition, int]],
+        timeout_ms: int,
+        acks: int,
     ) -> None:
         async def one(result: m.ProducePartitionResult, p: Partition, end: int) -> None:
+            epoch = p.state.leader_epoch
             try:
                 await p.committer.wait_durable(end)
+                if acks == -1:
+                    # every in-sync replica must have the records: wait for the high watermark
+                    while p.high_watermark < end:
+                        if p.role != "leader" or p.state.leader_epoch != epoch:
+                            raise NotLeaderError(
+                                f"leadership of {p.topic}-{p.index} moved before the records"
+                                " were replicated; they are not acknowledged",
+                                leader_id=p.state.leader,
+                                leader_epoch=p.state.leader_epoch,
+                            )
+                        await asyncio.shield(p.data_arrived)
+                    if len(p.state.isr) < p.config.min_insync_replicas:
+                        raise NotEnoughReplicasAfterAppendError(
+                            f"{p.topic}-{p.index}: the ISR shrank below min.insync.replicas"
+                            " while the records were replicated"
+                        )
             except StrataError as exc:
                 result.error_code, result.error_message = exc.code, str(exc)
+                if isinstance(exc, NotLeaderError):
+                    result.leader_id, result.leader_epoch = exc.leader_id, exc.leader_epoch
 
         tasks = [asyncio.ensure_future(one(*x)) for x in pending]
         _done, not_done = await asyncio.wait(tasks, timeout=max(timeout_ms, 1) / 1000)
@@ -180,12 +208,22 @@ class Apis:
                 r = m.FetchPartitionResult(fp.partition, 0, -1, -1, -1, -1, None)
                 try:
                     p = self._readable(topic.name, fp.partition, req.replica_id)
+                    replica = req.replica_id >= 0
+                    if replica:
+                        if fp.current_leader_epoch not in (-1, p.state.leader_epoch):
+                            raise FencedLeaderEpochError(
+                                f"fetch for epoch {fp.current_leader_epoch}, the leader is at"
+                                f" {p.state.leader_epoch}"
+                            )
+                        p.follower_fetched(req.replica_id, fp.fetch_offset, time.monotonic())
                     r.high_watermark, r.log_start_offset = p.high_watermark, p.log.log_start_offset
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
                     limit = min(fp.partition_max_bytes, budget) if total else fp.partition_max_bytes
                     if limit > 0 or not total:
                         chunk = p.log.read(
-                            fp.fetch_offset, max(limit, 1), max_offset=p.high_watermark
+                            fp.fetch_offset,
+                            max(limit, 1),
+                            max_offset=None if replica else p.high_watermark,
                         )
                         if len(chunk):
                             r.records = chunk.data
@@ -220,6 +258,24 @@ class Apis:
                 leader_epoch=latest.leader_epoch,
             )
         return p
+
+    # ---- OffsetForLeaderEpoch ---------------------------------------------------------------
+    async def offset_for_leader_epoch(
+        self, req: m.OffsetForLeaderEpochRequest
+    ) -> m.OffsetForLeaderEpochResponse:
+        topics = []
+        for topic in req.topics:
+            results = []
+            for q in topic.partitions:
+                r = m.EpochEndOffset(q.partition, 0, -1, -1)
+                try:
+                    p = self._readable(topic.name, q.partition, req.replica_id)
+                    r.leader_epoch, r.end_offset = p.log.end_offset_for_epoch(q.leader_epoch)
+                except StrataError as exc:
+                    r.error_code = exc.code
+                results.append(r)
+            topics.append(m.EpochEndOffsetTopic(topic.name, results))
+        return m.OffsetForLeaderEpochResponse(topics)
 
     # ---- ListOffsets ------------------------------------------------------------------------
     async def list_offsets(self, req: m.ListOffsetsRequest) -> m.ListOffsetsResponse:

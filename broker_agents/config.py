@@ -24,6 +24,14 @@ class AgentConfig(_Config):
     max_in_flight_per_connection: int = Field(64, alias="max.in.flight.per.connection", ge=1)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)
+    replica_lag_time_max_ms: int = Field(10_000, alias="replica.lag.time.max.ms", ge=100)
+    # consumer groups (docs/groups.md)
+    group_min_session_timeout_ms: int = Field(1000, alias="group.min.session.timeout.ms", ge=1)
+    group_max_session_timeout_ms: int = Field(300_000, alias="group.max.session.timeout.ms", ge=1)
+    group_initial_rebalance_delay_ms: int = Field(
+        3000, alias="group.initial.rebalance.delay.ms", ge=0
+    )
+    offsets_commit_linger_ms: int = Field(5, alias="offsets.commit.linger.ms", ge=0)
 
     @classmethod
     def from_env(cls, prefix: str = "STRATA_AGENT_") -> AgentConfig:

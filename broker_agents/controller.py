@@ -155,10 +155,26 @@ class Controller:
             pass  # a racing controller made it, or the topic was deleted meanwhile
 
     async def _maybe_elect(
-        self, name: str, p: int, state: PartitionState, version: int, live: list[int], unclean: bool
+        self,
+        name: str,
+        p: int,
+        state: PartitionState,
+        version: int,
+        live: list[int],
+        unclean: bool,
     ) -> None:
         alive = set(live)
         if state.leader in alive:
+            # a dead follower leaves the ISR at once (its leader would drop it only after
+            # replica.lag.time.max.ms, holding back the high watermark meanwhile)
+            isr = [r for r in state.isr if r in alive]
+            if isr != state.isr and state.leader in isr:
+                new = state.model_copy(update={"isr": isr, "controller_epoch": self.epoch or 0})
+                try:
+                    await self.agent.store.cas_partition_state(name, p, new, version)
+                    log.info("%s-%d: dead replicas leave the ISR %s -> %s", name, p, state.isr, isr)
+                except MetadataError as exc:
+                    log.info("%s-%d: ISR change lost a race (%s)", name, p, exc)
             return
         candidates = [r for r in state.isr if r in alive]
         if not candidates and unclean:
@@ -166,22 +182,29 @@ class Controller:
         new_leader = candidates[0] if candidates else -1
         if new_leader == state.leader:
             return
+        isr = [r for r in state.isr if r in alive] or (
+            [new_leader] if new_leader >= 0 else state.isr
+        )
+        if new_leader >= 0 and new_leader not in isr:
+            isr = [new_leader]  # unclean election: only the new leader is known to be in sync
         new = state.model_copy(
             update={
                 "leader": new_leader,
                 "leader_epoch": state.leader_epoch + 1,
+                "isr": isr,
                 "controller_epoch": self.epoch or 0,
             }
         )
         try:
             await self.agent.store.cas_partition_state(name, p, new, version)
             log.info(
-                "%s-%d: leader %d -> %d (epoch %d)",
+                "%s-%d: leader %d -> %d (epoch %d, ISR %s)",
                 name,
                 p,
                 state.leader,
                 new_leader,
                 new.leader_epoch,
+                isr,
             )
         except MetadataError as exc:
             log.info("%s-%d: election lost a race (%s); will re-read", name, p, exc)

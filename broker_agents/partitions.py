@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class Partition:
+    """One partition hosted here, and (as leader) the replication bookkeeping of KIP-101 style.
+
+    As leader it tracks every follower's log end offset (the offset of its last Fetch) and the
+    last time the follower was caught up (its fetch reached the leader's log end as of the
+    follower's previous fetch). The high watermark is the smallest log end offset over the
+    in-sync replicas (the leader included); it never moves back. Consumers read below it;
+    acks=all producers wait for it to pass their records.
+    """
+
     topic: str
     index: int
     config: TopicConfig
@@ -38,19 +48,82 @@ class Partition:
     log: PartitionLog
     committer: GroupCommitLog
     role: str  # "leader" | "follower"
+    agent_id: int = -1
+    hw: int = 0
+    follower_leo: dict[int, int] = field(default_factory=dict)
+    caught_up_at: dict[int, float] = field(default_factory=dict)
+    last_fetch_leo: dict[int, int] = field(default_factory=dict)
+    leader_since: float = 0.0
+    #: a follower that changed leader (or epoch) must truncate by epoch before fetching
+    needs_epoch_check: bool = True
     data_arrived: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
     @property
     def high_watermark(self) -> int:
-        return self.log.log_end_offset
+        return min(self.hw, self.log.log_end_offset)
 
     def notify(self) -> None:
-        """Wake every fetch waiting for data on this partition."""
+        """Wake every fetch (and acks=all producer) waiting for news on this partition."""
         if not self.data_arrived.done():
             self.data_arrived.set_result(None)
         self.data_arrived = asyncio.get_running_loop().create_future()
+
+    def become_leader(self, now: float) -> None:
+        self.leader_since = now
+        self.follower_leo.clear()
+        self.last_fetch_leo.clear()
+        # a grace period: followers in the ISR count as caught up when leadership starts
+        self.caught_up_at = {r: now for r in self.state.isr if r != self.agent_id}
+        self.advance_hw()
+
+    def follower_fetched(self, replica: int, fetch_offset: int, now: float) -> None:
+        """A follower's Fetch at ``fetch_offset``: everything below it is in its log."""
+        if replica not in self.state.replicas:
+            return
+        leo = self.log.log_end_offset
+        if fetch_offset >= leo or fetch_offset >= self.last_fetch_leo.get(replica, leo + 1):
+            self.caught_up_at[replica] = now
+        self.last_fetch_leo[replica] = leo
+        self.follower_leo[replica] = min(fetch_offset, leo)
+        self.advance_hw()
+
+    def advance_hw(self) -> None:
+        if self.role != "leader":
+            return
+        hw = self.log.log_end_offset
+        for r in self.state.isr:
+            if r != self.agent_id:
+                hw = min(hw, self.follower_leo.get(r, -1))
+        if hw > self.hw:
+            self.hw = hw
+            self.notify()
+
+    def isr_changes(self, now: float, lag_max_s: float) -> list[int] | None:
+        """The ISR this leader wants now (None: keep it): drop followers that have not been
+        caught up for ``lag_max_s``, take back followers that reached the high watermark."""
+        isr = [
+            r
+            for r in self.state.isr
+            if r == self.agent_id or now - self.caught_up_at.get(r, self.leader_since) <= lag_max_s
+        ]
+        epoch_start = (
+            self.log.end_offset_for_epoch(self.state.leader_epoch - 1)[1]
+            if self.state.leader_epoch
+            else 0
+        )
+        for r in self.state.replicas:
+            if (
+                r not in isr
+                and r in self.follower_leo
+                and self.follower_leo[r] >= max(self.hw, epoch_start)
+                and now - self.caught_up_at.get(r, 0) <= lag_max_s
+            ):
+                isr.append(r)
+        if self.agent_id not in isr:
+            isr.insert(0, self.agent_id)
+        return None if sorted(isr) == sorted(self.state.isr) else isr
 
 
 class PartitionManager:
@@ -126,13 +199,22 @@ class PartitionManager:
                 )
                 committer = GroupCommitLog(plog)
                 await committer.start()
-                current = Partition(topic, partition, config, state, plog, committer, role)
+                current = Partition(
+                    topic, partition, config, state, plog, committer, role, agent_id=self.agent_id
+                )
                 self.partitions[key] = current
                 log.info(
                     "hosting %s-%d as %s (epoch %d)", topic, partition, role, state.leader_epoch
                 )
+                if role == "leader":
+                    current.become_leader(time.monotonic())
             else:
-                if (current.role, current.state.leader_epoch) != (role, state.leader_epoch):
+                changed = (current.role, current.state.leader_epoch, current.state.leader) != (
+                    role,
+                    state.leader_epoch,
+                    state.leader,
+                )
+                if changed:
                     log.info(
                         "%s-%d: %s -> %s (epoch %d)",
                         topic,
@@ -143,6 +225,11 @@ class PartitionManager:
                     )
                 current.role = role
                 current.state = state
+                if changed and role == "leader":
+                    current.become_leader(time.monotonic())
+                elif changed:
+                    current.needs_epoch_check = True
+                current.advance_hw()
             current.notify()
 
     async def _close(self, p: Partition, *, delete: bool) -> None:

@@ -15,10 +15,11 @@ import asyncio
 import contextlib
 import logging
 import struct
+import time
 from typing import TYPE_CHECKING
 
 from storage.codec import iter_batches
-from storage.errors import OffsetOutOfRangeError, StrataError
+from storage.errors import MetadataError, OffsetOutOfRangeError, StrataError
 from storage.protocol import encode_request, parse_response, read_size
 from storage.protocol import messages as m
 
@@ -42,11 +43,16 @@ class ReplicaFetchers:
             if p.role == "follower" and p.state.leader >= 0
         }
         for leader in leaders - set(self.tasks):
-            self.tasks[leader] = asyncio.create_task(
-                self._follow(leader), name=f"replica-fetcher:{leader}"
-            )
+            task = asyncio.create_task(self._follow(leader), name=f"replica-fetcher:{leader}")
+            task.add_done_callback(self._finished)
+            self.tasks[leader] = task
         for leader in set(self.tasks) - leaders:
             self.tasks.pop(leader).cancel()
+
+    @staticmethod
+    def _finished(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("replica fetcher %s died", task.get_name(), exc_info=task.exception())
 
     async def stop(self) -> None:
         for t in self.tasks.values():
@@ -81,6 +87,11 @@ class ReplicaFetchers:
                     partitions = self._followed(leader)
                     if not partitions:
                         break
+                    unchecked = [p for p in partitions if p.needs_epoch_check]
+                    if unchecked:
+                        correlation += 1
+                        await self._truncate_by_epoch(reader, writer, correlation, unchecked)
+                        continue
                     correlation += 1
                     req = self._request(partitions)
                     writer.writelines(
@@ -112,6 +123,64 @@ class ReplicaFetchers:
                 writer.close()
                 with contextlib.suppress(Exception):
                     await writer.wait_closed()
+
+    async def _truncate_by_epoch(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        correlation: int,
+        partitions: list[Partition],
+    ) -> None:
+        """KIP-101: ask the leader where our latest epoch ended, and cut our log there.
+
+        Whatever this follower wrote in an epoch past the point where the leader's log left
+        that epoch was never committed (the leader does not have it): it goes. Repeats until
+        the latest epoch of our log is one the leader agrees with.
+        """
+        by_topic: dict[str, list[m.EpochQuery]] = {}
+        for p in partitions:
+            by_topic.setdefault(p.topic, []).append(m.EpochQuery(p.index, p.log.latest_epoch))
+        req = m.OffsetForLeaderEpochRequest(
+            self.agent.agent_id, [m.EpochQueryTopic(t, qs) for t, qs in by_topic.items()]
+        )
+        writer.writelines(
+            encode_request(
+                m.ApiKey.OFFSET_FOR_LEADER_EPOCH, correlation, f"agent-{self.agent.agent_id}", req
+            )
+        )
+        await writer.drain()
+        async with asyncio.timeout(10):
+            size = read_size(await reader.readexactly(4), 1 << 24)
+            frame = parse_response(await reader.readexactly(size))
+        err = frame.error()
+        if err is not None:
+            raise err
+        resp = m.OffsetForLeaderEpochResponse.decode(frame.body)
+        hosted = {(x.topic, x.index): x for x in partitions}
+        for topic in resp.topics:
+            for r in topic.partitions:
+                found = hosted.get((topic.name, r.partition))
+                if found is None or r.error_code:
+                    continue
+                p = found
+                asked = p.log.latest_epoch
+                if asked < 0 or r.end_offset < 0:
+                    p.needs_epoch_check = False
+                    continue
+                if r.end_offset < p.log.log_end_offset:
+                    log.info(
+                        "%s-%d: epoch %d ends at %d on the leader; truncating %d divergent records",
+                        p.topic,
+                        p.index,
+                        asked,
+                        r.end_offset,
+                        p.log.log_end_offset - r.end_offset,
+                    )
+                    p.log.truncate_to(max(r.end_offset, p.log.log_start_offset))
+                # done once the leader knows our latest epoch; otherwise ask again about the
+                # (older) epoch our log now ends with
+                if r.leader_epoch == asked or p.log.latest_epoch == asked or p.log.latest_epoch < 0:
+                    p.needs_epoch_check = False
 
     def _request(self, partitions: list[Partition]) -> m.FetchRequest:
         by_topic: dict[str, list[m.FetchPartition]] = {}
@@ -150,7 +219,10 @@ class ReplicaFetchers:
                         )
                         p.log.truncate_to(r.high_watermark)
                     continue
-                if r.error_code or r.records is None:
+                if r.error_code:
+                    continue
+                if r.records is None:
+                    p.hw = max(p.hw, min(r.high_watermark, p.log.log_end_offset))
                     continue
                 for h, pos in iter_batches(r.records):
                     end = p.log.log_end_offset
@@ -163,3 +235,50 @@ class ReplicaFetchers:
                     p.log.append(
                         r.records[pos : pos + h.size], leader_epoch=h.leader_epoch, deep_check=False
                     )
+                p.hw = max(p.hw, min(r.high_watermark, p.log.log_end_offset))
+
+
+class IsrMaintenance:
+    """The leader's side of the ISR: every half ``replica.lag.time.max.ms`` it drops followers
+    that have not been caught up for that long and takes back followers that have reached the
+    high watermark, writing the new ISR to ZooKeeper with compare-and-set (a controller that
+    changed the partition meanwhile wins; the watch brings its state). The high watermark
+    follows from the new ISR when the watch delivers it."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.changes = 0
+
+    async def run(self) -> None:
+        lag = self.agent.config.replica_lag_time_max_ms / 1000
+        while True:
+            await asyncio.sleep(lag / 2)
+            await self.check(lag)
+
+    async def check(self, lag: float) -> None:
+        pm = self.agent.partitions
+        if not pm.session_ok:
+            return
+        now = time.monotonic()
+        for p in list(pm.partitions.values()):
+            if p.role != "leader":
+                continue
+            isr = p.isr_changes(now, lag)
+            if isr is None:
+                continue
+            got = await self.agent.store.get_partition_state(p.topic, p.index)
+            if got is None:
+                continue
+            current, version = got
+            if (
+                current.leader != self.agent.agent_id
+                or current.leader_epoch != p.state.leader_epoch
+            ):
+                continue  # not ours any more: the watch will say so
+            new = current.model_copy(update={"isr": isr})
+            try:
+                await self.agent.store.cas_partition_state(p.topic, p.index, new, version)
+                self.changes += 1
+                log.info("%s-%d: ISR %s -> %s", p.topic, p.index, current.isr, isr)
+            except MetadataError as exc:
+                log.info("%s-%d: ISR change lost a race (%s)", p.topic, p.index, exc)

@@ -27,14 +27,30 @@ at one boundary per adapter and never leak out.
     ├── NotControllerError             retriable
     ├── RequestTimedOutError           retriable
     ├── NotEnoughReplicasError         retriable
+    ├── NotEnoughReplicasAfterAppendError  retriable: the ISR shrank while acks=all waited
     ├── NetworkError                   retriable: connection refused, reset or timed out
+    ├── GroupError                     consumer groups (Kafka's group error codes)
+    │   ├── CoordinatorNotAvailableError  retriable: no live coordinator / loading
+    │   ├── NotCoordinatorError        retriable: ask FindCoordinator again
+    │   ├── IllegalGenerationError     a member of an old generation (rejoin)
+    │   ├── InconsistentGroupProtocolError  no assignor every member supports
+    │   ├── UnknownMemberIdError       the coordinator does not know the member (rejoin)
+    │   ├── RebalanceInProgressError   the group is rebalancing (rejoin)
+    │   ├── GroupIdNotFoundError       no such group
+    │   ├── NonEmptyGroupError         the group has members (admin reset/delete refused)
+    │   ├── FencedInstanceIdError      another process took this group.instance.id
+    │   └── InvalidSessionTimeoutError session.timeout.ms outside the agent's bounds
     ├── MetadataError                  ZooKeeper said no
     │   ├── NodeNotFoundError
     │   ├── NodeExistsError
     │   ├── VersionConflictError       a compare-and-set lost a race; re-read and retry
     │   └── MetadataUnavailableError   retriable: connection lost, session expired, deadline passed
     ├── StorageError                   local disk trouble (I/O error, disk full); retriable
-    │   └── CorruptSegmentError        stored bytes failed verification; segment quarantined
+    │   ├── CorruptSegmentError        stored bytes failed verification; segment quarantined
+    │   ├── UploadBacklogError         retriable: too many bytes wait for the object tier
+    │   └── ObjectStoreError           retriable: S3 throttled, timed out, unreachable
+    │       ├── ObjectExistsError      a create-only put found the key taken (HTTP 412)
+    │       └── ObjectNotFoundError    no such key (HTTP 404)
     └── LogClosedError                 the log was closed under the caller; retriable
 
 Codes are Kafka's where Kafka has the same error, so people and tools recognise them;
@@ -174,9 +190,66 @@ class NotEnoughReplicasError(StrataError):
     retriable = True
 
 
+class NotEnoughReplicasAfterAppendError(StrataError):
+    code = 20
+    retriable = True
+
+
 class NetworkError(StrataError):
     code = 13
     retriable = True
+
+
+class GroupError(StrataError):
+    """Root of the consumer-group errors; ``code`` is Kafka's."""
+
+    code = 1009
+
+
+class CoordinatorNotAvailableError(GroupError):
+    code = 15
+    retriable = True
+
+
+class NotCoordinatorError(GroupError):
+    code = 16
+    retriable = True
+
+
+class IllegalGenerationError(GroupError):
+    """A request (a commit, a heartbeat, a sync) from a member of an older generation."""
+
+    code = 22
+
+
+class InconsistentGroupProtocolError(GroupError):
+    """The member's protocol type or assignors do not match the group's."""
+
+    code = 23
+
+
+class UnknownMemberIdError(GroupError):
+    code = 25
+
+
+class InvalidSessionTimeoutError(GroupError):
+    code = 26
+
+
+class RebalanceInProgressError(GroupError):
+    code = 27
+
+
+class NonEmptyGroupError(GroupError):
+    code = 68
+
+
+class GroupIdNotFoundError(GroupError):
+    code = 69
+
+
+class FencedInstanceIdError(GroupError):
+    code = 82
 
 
 class MetadataError(StrataError):
@@ -228,6 +301,32 @@ class CorruptSegmentError(StorageError):
         )
         self.path = path
         self.position = position
+
+
+class UploadBacklogError(StorageError):
+    """Backpressure: the bytes not yet in the object tier reached the agent's bound."""
+
+    code = 1020
+    retriable = True
+
+
+class ObjectStoreError(StorageError):
+    """The object store (S3) failed a call: throttled, timed out, reset, or refused it."""
+
+    code = 1021
+    retriable = True
+
+
+class ObjectExistsError(ObjectStoreError):
+    """A create-only put (``If-None-Match: *``) found the key already taken (HTTP 412)."""
+
+    code = 1022
+    retriable = False
+
+
+class ObjectNotFoundError(ObjectStoreError):
+    code = 1023
+    retriable = False
 
 
 class LogClosedError(StrataError):

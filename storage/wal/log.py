@@ -125,6 +125,12 @@ class PartitionLog:
         self._failed: StorageError | None = None
         self._dir_dirty = False
         self.flushed_offset = segments[-1].next_offset if segments else 0
+        #: (leader epoch, first offset written in it), ascending: the leader-epoch cache
+        self.epochs: list[tuple[int, int]] = []
+        for seg in segments:
+            for h, _ in seg.walk(0):
+                if not self.epochs or self.epochs[-1][0] != h.leader_epoch:
+                    self.epochs.append((h.leader_epoch, h.base_offset))
 
     # ---- opening -----------------------------------------------------------------------
     @classmethod
@@ -242,6 +248,8 @@ class PartitionLog:
         view = memoryview(batch)
         stamped = dataclasses.replace(h, base_offset=base, leader_epoch=leader_epoch)
         active.append([STAMP.pack(base, h.batch_length, leader_epoch), view[16:]], stamped, h.size)
+        if not self.epochs or self.epochs[-1][0] != leader_epoch:
+            self.epochs.append((leader_epoch, base))
         return AppendInfo(base, stamped.last_offset, h.max_timestamp, h.size)
 
     def roll(self) -> Segment:
@@ -351,6 +359,25 @@ class PartitionLog:
                     return h.base_offset + int(np.argmax(values >= timestamp))
         return None
 
+    # ---- leader epochs ------------------------------------------------------------------
+    @property
+    def latest_epoch(self) -> int:
+        """The leader epoch of the last batch in the log (-1: empty log)."""
+        return self.epochs[-1][0] if self.epochs else -1
+
+    def end_offset_for_epoch(self, epoch: int) -> tuple[int, int]:
+        """(largest epoch <= ``epoch`` in this log, the offset where it ended) — KIP-101.
+
+        The end of an epoch is where the next epoch starts, or the log end for the latest
+        epoch. An epoch older than everything here gives (-1, log start offset).
+        """
+        index = bisect.bisect_right(self.epochs, (epoch, 1 << 62)) - 1
+        if index < 0:
+            return -1, self.log_start_offset
+        found = self.epochs[index][0]
+        end = self.epochs[index + 1][1] if index + 1 < len(self.epochs) else self.log_end_offset
+        return found, end
+
     # ---- truncation and deletion --------------------------------------------------------
     def truncate_to(self, offset: int) -> int:
         """Remove every batch holding an offset >= ``offset``; returns the new log end.
@@ -375,6 +402,9 @@ class PartitionLog:
             seg.truncate(found[1])
         elif seg.sealed:
             seg.truncate(seg.size)  # cut at its end: it takes appends again, so unseal it
+        end = self.log_end_offset
+        while self.epochs and self.epochs[-1][1] >= end:
+            self.epochs.pop()
         self.flushed_offset = min(self.flushed_offset, self.log_end_offset)
         return self.log_end_offset
 
