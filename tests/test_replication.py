@@ -1,0 +1,257 @@
+"""Replication with real agents: acks=all through repeated leader kills, a zombie leader, ISR
+limits. Three agents, RF=3, min.insync.replicas=2, ZooKeeper session timeout 4 s."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from sdk import Consumer, Producer, TopicPartition
+from storage.codec import decode_batch, decode_batches, encode_batch, iter_batches
+from storage.errors import NotEnoughReplicasError, StrataError
+from storage.protocol import messages as m
+from tests.cluster import Cluster, WireClient, produce_request
+from tests.harness import ProcessGroup, ZooKeeperChroot
+
+TOPIC = "ledger"
+
+
+@pytest.fixture
+def cluster(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -> Cluster:
+    c = Cluster(processes, zk_chroot, tmp_path / "data")
+    c.start(3)
+    return c
+
+
+def _state(cluster: Cluster, partition: int = 0) -> m.PartitionMetadata:
+    md = cluster.metadata([TOPIC])
+    return next(p for p in md.topics[0].partitions if p.partition == partition)
+
+
+def _wait_isr(
+    cluster: Cluster, size: int, partition: int = 0, timeout: float = 30
+) -> m.PartitionMetadata:
+    deadline = time.monotonic() + timeout
+    while True:
+        st = _state(cluster, partition)
+        live = {a.agent_id for a in cluster.alive()}
+        if st.error_code == 0 and st.leader_id in live and len(st.isr) == size:
+            return st
+        assert time.monotonic() < deadline, f"ISR did not reach {size}: {st}"
+        time.sleep(0.05)
+
+
+def _log_values(directory: Path) -> list[bytes]:
+    """Values in an agent's log files, read-only (the agent owns them)."""
+    values: list[bytes] = []
+    for path in sorted(directory.glob("*.log")):
+        data = path.read_bytes()
+        try:
+            for _, pos in iter_batches(data):
+                values += decode_batch(data, pos).column("value").to_pylist()
+        except StrataError:
+            break
+    return values
+
+
+async def _consume_everything(bootstrap: str, partitions: int) -> dict[int, pa.Table]:
+    tables: dict[int, list[pa.Table]] = {p: [] for p in range(partitions)}
+    async with Consumer(
+        {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}
+    ) as consumer:
+        tps = [TopicPartition(TOPIC, p) for p in range(partitions)]
+        ends = await consumer.end_offsets(tps)
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        got = 0
+        async with asyncio.timeout(60):
+            while got < sum(ends.values()):
+                for tp, table in (await consumer.getmany_arrow(timeout_ms=500)).items():
+                    tables[tp.partition].append(table)
+                    got += table.num_rows
+    return {p: pa.concat_tables(ts) for p, ts in tables.items() if ts}
+
+
+def test_acks_all_survives_five_leader_kills(cluster: Cluster) -> None:
+    partitions = 2
+    cluster.create_topic(TOPIC, partitions, 3, {"min.insync.replicas": 2})
+    cluster.wait_for_leaders(TOPIC)
+    acked: dict[bytes, tuple[int, int]] = {}
+    kills = 0
+
+    async def run() -> None:
+        nonlocal kills
+        config = {
+            "bootstrap.servers": cluster.bootstrap,
+            "acks": "all",
+            "linger.ms": 1,
+            "retry.backoff.ms": 50,
+            "request.timeout.ms": 4000,
+            "delivery.timeout.ms": 120_000,
+        }
+        async with Producer(config) as producer:
+            stop = asyncio.Event()
+
+            async def produce() -> None:
+                seq = 0
+                pending: list[tuple[bytes, asyncio.Future[object]]] = []
+                while not stop.is_set():
+                    value = b"%08d" % seq
+                    pending.append(
+                        (value, await producer.send(TOPIC, value, key=b"k%d" % (seq % 8)))
+                    )
+                    seq += 1
+                    await asyncio.sleep(0.002)  # a steady rate across the kills
+                for value, fut in pending:
+                    meta = await fut
+                    acked[value] = (meta.partition, meta.offset)  # type: ignore[attr-defined]
+
+            task = asyncio.create_task(produce())
+            for _ in range(5):
+                await asyncio.to_thread(_wait_isr, cluster, 3)
+                victim = (await asyncio.to_thread(_state, cluster)).leader_id
+                cluster.kill(victim)
+                kills += 1
+                await asyncio.to_thread(cluster.wait_for_leaders, TOPIC, exclude={victim})
+                await asyncio.to_thread(cluster.start_agent, victim)
+            await asyncio.to_thread(_wait_isr, cluster, 3)
+            stop.set()
+            await task
+
+    asyncio.run(run())
+    assert kills == 5 and len(acked) > 500
+
+    tables = asyncio.run(_consume_everything(cluster.bootstrap, partitions))
+    consumed: dict[tuple[int, int], bytes] = {}
+    duplicates = 0
+    for p, table in tables.items():
+        offsets = table.column("offset").to_pylist()
+        values = table.column("value").to_pylist()
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets))), "gap in offsets"
+        seen: set[bytes] = set()
+        last = b""
+        for offset, value in zip(offsets, values, strict=True):
+            consumed[(p, offset)] = value
+            if value in seen:
+                duplicates += 1  # a producer retry after a lost acknowledgement
+                continue
+            seen.add(value)
+            # per-partition order: a value never comes after a larger one (retries may repeat)
+            assert value > last, (p, offset, value, last)
+            last = value
+    # every acknowledged message is there, at the offset its acknowledgement named
+    for value, where in acked.items():
+        assert consumed.get(where) == value, (value, where, consumed.get(where))
+    print(f"{len(acked)} acknowledged, {duplicates} duplicates from retries, {kills} leader kills")
+
+
+def test_a_zombie_leader_acknowledges_nothing_and_truncates_its_divergent_tail(
+    cluster: Cluster,
+) -> None:
+    cluster.create_topic(TOPIC, 1, 3, {"min.insync.replicas": 2})
+    cluster.wait_for_leaders(TOPIC)
+    _wait_isr(cluster, 3)
+    zombie = _state(cluster).leader_id
+    handle = cluster.agents[zombie]
+
+    async def produce_to(agent_id: int, values: list[bytes]) -> m.ProducePartitionResult:
+        a = cluster.agents[agent_id]
+        resp = await WireClient.call_once(
+            a.host,
+            a.port,
+            m.ApiKey.PRODUCE,
+            produce_request(TOPIC, 0, encode_batch(values), acks=-1),
+        )
+        result: m.ProducePartitionResult = resp.topics[0].partitions[0]
+        return result
+
+    assert asyncio.run(produce_to(zombie, [b"a1", b"a2"])).error_code == 0
+
+    async def scenario() -> m.ProducePartitionResult:
+        client = await WireClient.connect(handle.host, handle.port)
+        try:
+            cluster.kill(zombie, signal.SIGSTOP)
+            try:
+                # queued in the socket while the leader is frozen: it runs the moment it thaws,
+                # before the agent has noticed that it lost its session and its leadership
+                cid = await client.send(
+                    m.ApiKey.PRODUCE,
+                    produce_request(TOPIC, 0, encode_batch([b"zombie"]), acks=-1, timeout_ms=8000),
+                )
+                st = await asyncio.to_thread(
+                    cluster.wait_for_leaders, TOPIC, exclude={zombie}, timeout=30
+                )
+                new_leader = st[0].leader_id
+                assert (await produce_to(new_leader, [b"b1", b"b2"])).error_code == 0
+            finally:
+                cluster.kill(zombie, signal.SIGCONT)
+            frame = await client.receive(wait_s=30)
+            assert frame.correlation_id == cid
+            return m.ProduceResponse.decode(frame.body).topics[0].partitions[0]
+        finally:
+            await client.close()
+
+    result = asyncio.run(scenario())
+    assert result.error_code != 0, f"a zombie acknowledged a write: {result}"
+
+    # the zombie rejoins as a follower: its log converges on the new leader's, without "zombie"
+    new_leader = _state(cluster).leader_id
+    assert new_leader != zombie
+    deadline = time.monotonic() + 30
+    leader_dir = cluster.data_root / f"agent-{new_leader}" / f"{TOPIC}-0"
+    zombie_dir = cluster.data_root / f"agent-{zombie}" / f"{TOPIC}-0"
+    while True:
+        expected = _log_values(leader_dir)
+        if _log_values(zombie_dir) == expected:
+            break
+        assert time.monotonic() < deadline, (_log_values(zombie_dir), expected)
+        time.sleep(0.1)
+    assert expected == [b"a1", b"a2", b"b1", b"b2"]
+    _wait_isr(cluster, 3)
+
+
+def test_acks_all_needs_min_insync_replicas_while_acks_1_still_works(cluster: Cluster) -> None:
+    cluster.create_topic(TOPIC, 1, 3, {"min.insync.replicas": 2})
+    cluster.wait_for_leaders(TOPIC)
+    st = _wait_isr(cluster, 3)
+    leader = cluster.agents[st.leader_id]
+    for follower in st.replicas:
+        if follower != st.leader_id:
+            cluster.stop(follower)
+    _wait_isr(cluster, 1)
+
+    async def run() -> tuple[m.ProducePartitionResult, m.ProducePartitionResult]:
+        client = await WireClient.connect(leader.host, leader.port)
+        try:
+            all_ = await client.call(
+                m.ApiKey.PRODUCE, produce_request(TOPIC, 0, encode_batch([b"all"]), acks=-1)
+            )
+            one = await client.call(
+                m.ApiKey.PRODUCE, produce_request(TOPIC, 0, encode_batch([b"one"]), acks=1)
+            )
+            return all_.topics[0].partitions[0], one.topics[0].partitions[0]
+        finally:
+            await client.close()
+
+    all_result, one_result = asyncio.run(run())
+    assert all_result.error_code == NotEnoughReplicasError.code
+    assert one_result.error_code == 0
+
+    async def read() -> list[bytes]:
+        resp = await WireClient.call_once(
+            leader.host,
+            leader.port,
+            m.ApiKey.FETCH,
+            m.FetchRequest(
+                -1, 0, 1, 1 << 20, 0, [m.FetchTopic(TOPIC, [m.FetchPartition(0, 0, 1 << 20)])]
+            ),
+        )
+        records = resp.topics[0].partitions[0].records
+        return [] if records is None else decode_batches(records).column("value").to_pylist()
+
+    assert asyncio.run(read()) == [b"one"]  # with an ISR of one, the high watermark is the log end
