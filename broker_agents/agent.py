@@ -26,6 +26,7 @@ from broker_agents.controller import Controller
 from broker_agents.partitions import PartitionManager
 from broker_agents.replication import ReplicaFetchers
 from broker_agents.server import AgentServer
+from broker_agents.tiering import Tiering
 from storage.errors import MetadataError, NodeExistsError
 from storage.metadata import (
     AgentRegistration,
@@ -69,6 +70,9 @@ class Agent:
         )
         self.store = MetadataStore(self.zk)
         self.partitions = PartitionManager(config.agent_id, config.data_dir)
+        self.tiering = Tiering(self)
+        if self.tiering.enabled:
+            self.partitions.tier_start_offset = self.tiering.start_offset
         self.view = ClusterView()
         self.apis = Apis(self)
         self.server = AgentServer(
@@ -114,6 +118,7 @@ class Agent:
                 tg.create_task(self._reconcile_loop(), name="reconciler")
                 tg.create_task(self.controller.run(), name="controller")
                 tg.create_task(self._registration_loop(), name="registration")
+                tg.create_task(self.tiering.run(), name="tiering")
                 await self._stop.wait()
                 raise _Stop
         except* _Stop:

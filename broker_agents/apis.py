@@ -103,6 +103,7 @@ class Apis:
                 try:
                     p = self.pm.leader_for_write(topic.name, part.partition)
                     result.leader_id, result.leader_epoch = p.state.leader, p.state.leader_epoch
+                    self.agent.tiering.check_backlog(p)  # backpressure while S3 lags
                     if req.acks == -1 and len(p.state.isr) < p.config.min_insync_replicas:
                         raise NotEnoughReplicasError(
                             f"{topic.name}-{part.partition} has {len(p.state.isr)} in-sync replicas,"
@@ -187,16 +188,20 @@ class Apis:
     # ---- Fetch ------------------------------------------------------------------------------
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
         deadline = time.monotonic() + max(req.max_wait_ms, 0) / 1000
+        tiered = await self.agent.tiering.prefetch(req)  # offsets below the local log, from S3
         while True:
             waits: list[asyncio.Future[None]] = []
-            response, total, errors = self._collect(req, waits)
+            response, total, errors = self._collect(req, waits, tiered)
             remaining = deadline - time.monotonic()
             if total >= req.min_bytes or errors or remaining <= 0 or not waits:
                 return response
             await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
 
     def _collect(
-        self, req: m.FetchRequest, waits: list[asyncio.Future[None]]
+        self,
+        req: m.FetchRequest,
+        waits: list[asyncio.Future[None]],
+        tiered: dict[tuple[str, int], bytes | StrataError] | None = None,
     ) -> tuple[m.FetchResponse, int, bool]:
         budget = max(req.max_bytes, 0)
         total = 0
@@ -216,17 +221,25 @@ class Apis:
                                 f" {p.state.leader_epoch}"
                             )
                         p.follower_fetched(req.replica_id, fp.fetch_offset, time.monotonic())
-                    r.high_watermark, r.log_start_offset = p.high_watermark, p.log.log_start_offset
+                    r.high_watermark = p.high_watermark
+                    r.log_start_offset = self.agent.tiering.log_start(p)
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
                     limit = min(fp.partition_max_bytes, budget) if total else fp.partition_max_bytes
                     if limit > 0 or not total:
-                        chunk = p.log.read(
-                            fp.fetch_offset,
-                            max(limit, 1),
-                            max_offset=None if replica else p.high_watermark,
+                        pre = tiered.get((topic.name, fp.partition)) if tiered else None
+                        if isinstance(pre, StrataError):
+                            raise pre
+                        chunk = (
+                            pre
+                            if pre is not None
+                            else p.log.read(
+                                fp.fetch_offset,
+                                max(limit, 1),
+                                max_offset=None if replica else p.high_watermark,
+                            ).data
                         )
                         if len(chunk):
-                            r.records = chunk.data
+                            r.records = chunk
                             total += len(chunk)
                             budget -= len(chunk)
                     waits.append(p.data_arrived)
@@ -240,7 +253,7 @@ class Apis:
                         if p2 is not None:
                             r.high_watermark, r.log_start_offset = (
                                 p2.high_watermark,
-                                p2.log.log_start_offset,
+                                self.agent.tiering.log_start(p2),
                             )
                 results.append(r)
             topics.append(m.FetchTopicResult(topic.name, results))
@@ -288,11 +301,13 @@ class Apis:
                     p = self._readable(topic.name, lp.partition, m.CONSUMER_REPLICA_ID)
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
                     if lp.timestamp == m.EARLIEST_TIMESTAMP:
-                        r.offset = p.log.log_start_offset
+                        r.offset = self.agent.tiering.log_start(p)
                     elif lp.timestamp == m.LATEST_TIMESTAMP:
                         r.offset = p.high_watermark
                     else:
-                        found = p.log.offset_for_timestamp(lp.timestamp)
+                        found = await self.agent.tiering.offset_for_timestamp(p, lp.timestamp)
+                        if found is None:
+                            found = p.log.offset_for_timestamp(lp.timestamp)
                         r.offset = -1 if found is None or found >= p.high_watermark else found
                         r.timestamp = lp.timestamp if found is not None else -1
                 except StrataError as exc:

@@ -24,6 +24,28 @@ class AgentConfig(_Config):
     max_in_flight_per_connection: int = Field(64, alias="max.in.flight.per.connection", ge=1)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)
+    # ---- the object tier (off unless a bucket is given here or in STRATA_BUCKET) ----------
+    # endpoint, region and credentials: boto3's own (AWS_ENDPOINT_URL, AWS_REGION, AWS_*)
+    s3_bucket: str | None = Field(None, alias="s3.bucket")
+    s3_endpoint_url: str | None = Field(None, alias="s3.endpoint.url")
+    s3_region: str | None = Field(None, alias="s3.region")
+    s3_prefix: str = Field("", alias="s3.prefix")
+    s3_request_timeout_ms: int = Field(10000, alias="s3.request.timeout.ms", ge=100)
+    s3_max_attempts: int = Field(5, alias="s3.max.attempts", ge=1, le=100)
+    tier_upload_concurrency: int = Field(2, alias="tier.upload.concurrency", ge=1, le=64)
+    tier_max_pending_bytes: int = Field(4 << 30, alias="tier.max.pending.bytes", ge=1)
+    tier_multipart_part_bytes: int = Field(
+        64 << 20, alias="tier.multipart.part.bytes", ge=5 << 20, le=5 << 30
+    )
+    tier_cache_bytes: int = Field(256 << 20, alias="tier.cache.bytes", ge=0)
+    tier_read_block_bytes: int = Field(4 << 20, alias="tier.read.block.bytes", ge=4096)
+    tier_readahead_blocks: int = Field(4, alias="tier.readahead.blocks", ge=0, le=64)
+    tier_check_interval_ms: int = Field(250, alias="tier.check.interval.ms", ge=10)
+    tier_retention_check_interval_ms: int = Field(
+        30000, alias="tier.retention.check.interval.ms", ge=10
+    )
+    tier_orphan_check_interval_ms: int = Field(300000, alias="tier.orphan.check.interval.ms", ge=10)
+    tier_orphan_grace_ms: int = Field(600000, alias="tier.orphan.grace.ms", ge=0)
     replica_lag_time_max_ms: int = Field(10_000, alias="replica.lag.time.max.ms", ge=100)
     # consumer groups (docs/groups.md)
     group_min_session_timeout_ms: int = Field(1000, alias="group.min.session.timeout.ms", ge=1)

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import shutil
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,6 +135,8 @@ class PartitionManager:
         self.latest: dict[tuple[str, int], PartitionState] = {}
         self.session_ok = False
         self._lock = asyncio.Lock()
+        #: the object tier's hook: where a new leader's log must start (its manifest's end)
+        self.tier_start_offset: Callable[[str, int], Awaitable[int]] | None = None
 
     def directory(self, topic: str, partition: int) -> Path:
         return self.data_dir / f"{topic}-{partition}"
@@ -194,9 +197,7 @@ class PartitionManager:
                 return
             if current is None:
                 assert config is not None
-                plog = await asyncio.to_thread(
-                    PartitionLog.open, self.directory(topic, partition), config.log_config()
-                )
+                plog = await self._open_log(topic, partition, config, role)
                 committer = GroupCommitLog(plog)
                 await committer.start()
                 current = Partition(
@@ -231,6 +232,33 @@ class PartitionManager:
                     current.needs_epoch_check = True
                 current.advance_hw()
             current.notify()
+
+    async def _open_log(
+        self, topic: str, partition: int, config: TopicConfig, role: str
+    ) -> PartitionLog:
+        """Open the local log; a leader whose disk is behind the object tier starts at its end."""
+        directory = self.directory(topic, partition)
+        start = 0
+        if role == "leader" and self.tier_start_offset is not None:
+            start = await self.tier_start_offset(topic, partition)
+        plog = await asyncio.to_thread(
+            PartitionLog.open, directory, config.log_config(), start_offset=start
+        )
+        if plog.log_end_offset < start:
+            # everything on this disk is committed to the tier: serve history from there
+            log.info(
+                "%s-%d: local log ends at %d, tier at %d",
+                topic,
+                partition,
+                plog.log_end_offset,
+                start,
+            )
+            plog.close()
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            plog = await asyncio.to_thread(
+                PartitionLog.open, directory, config.log_config(), start_offset=start
+            )
+        return plog
 
     async def _close(self, p: Partition, *, delete: bool) -> None:
         self.partitions.pop((p.topic, p.index), None)

@@ -56,7 +56,13 @@ class Cluster:
         self.agents: dict[int, AgentHandle] = {}
 
     # ---- processes --------------------------------------------------------------------
-    def start_agent(self, agent_id: int, *configs: str, timeout: float = 30.0) -> AgentHandle:
+    def start_agent(
+        self,
+        agent_id: int,
+        *configs: str,
+        timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+    ) -> AgentHandle:
         argv = [
             sys.executable,
             "-m",
@@ -72,7 +78,7 @@ class Cluster:
         ]
         for c in configs:
             argv += ["--config", c]
-        proc = self.processes.start(argv, name=f"agent-{agent_id}", cwd=ROOT)
+        proc = self.processes.start(argv, name=f"agent-{agent_id}", cwd=ROOT, env=env)
         deadline = time.monotonic() + timeout
         while True:
             for line in proc.log_text().splitlines():

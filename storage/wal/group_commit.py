@@ -60,7 +60,13 @@ class GroupCommitLog:
             await asyncio.shield(task)
 
     async def flush(self) -> None:
+        """Fsync everything appended so far and write the index of every sealed segment."""
         await self.wait_durable(self.log.log_end_offset)
+        while self.log.has_unflushed_sealed_segment:
+            task = self._flushing
+            if task is None:
+                task = self._flushing = asyncio.create_task(self._flush(), name="fsync")
+            await asyncio.shield(task)
 
     async def _flush(self) -> None:
         try:

@@ -1,0 +1,251 @@
+"""The object-store adapter: the one boundary between Strata and boto3/botocore.
+
+Why boto3 in a thread pool and not aioboto3: no aioboto3 release pins an aiobotocore that
+accepts the botocore this project is locked to (1.44.x), and pinning an older botocore would
+drag boto3 and moto back with it. So each S3 call runs as a blocking boto3 call on a bounded
+``ThreadPoolExecutor`` and the event loop awaits it.
+
+Rules every call follows:
+
+* **Deadline.** Each attempt has ``request_timeout`` seconds (``asyncio.wait_for`` on the loop
+  side; botocore's ``connect_timeout``/``read_timeout`` on the thread side, so an abandoned
+  thread also gives up). botocore's own retries are off: this module owns the retry policy.
+* **Retries.** Throttling (503 SlowDown, 429, 500/502/504, ``RequestTimeout``), timeouts and
+  connection errors (refused, reset, closed, broken responses) are retried up to
+  ``max_attempts`` times with exponential backoff and full jitter (``Backoff``, injectable).
+* **Errors.** botocore's exceptions become ``ObjectStoreError`` (retriable),
+  ``ObjectExistsError`` (412 on a create-only put) or ``ObjectNotFoundError`` (404), here and
+  nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import boto3
+import botocore.exceptions
+from botocore.config import Config as BotoConfig
+
+from storage.errors import ObjectExistsError, ObjectNotFoundError, ObjectStoreError
+
+T = TypeVar("T")
+
+_RETRIABLE_STATUS = {429, 500, 502, 503, 504}
+_RETRIABLE_CODES = {
+    "SlowDown",
+    "Throttling",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ObjectStoreConfig:
+    bucket: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    prefix: str = ""
+    request_timeout: float = 10.0
+    connect_timeout: float = 2.0
+    max_attempts: int = 5
+    backoff_base: float = 0.1
+    backoff_max: float = 2.0
+    max_workers: int = 8
+    multipart_part_bytes: int = 64 << 20
+
+
+class Backoff:
+    """Full jitter: a random delay in ``[0, min(maximum, base * 2**attempt)]`` seconds."""
+
+    def __init__(self, base: float, maximum: float, rng: random.Random | None = None) -> None:
+        self.base = base
+        self.maximum = maximum
+        self._rng = rng or random.Random()
+
+    def __call__(self, attempt: int) -> float:
+        return float(self._rng.random() * min(self.maximum, self.base * (2 ** min(attempt, 30))))
+
+
+def _translate(exc: BaseException, what: str) -> ObjectStoreError:
+    if isinstance(exc, botocore.exceptions.ClientError):
+        err = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        code = str(err.get("Code", ""))
+        if status == 412 or code == "PreconditionFailed":
+            return ObjectExistsError(f"{what}: key already exists (412)")
+        if status == 404 or code in {"NoSuchKey", "NotFound", "404"}:
+            return ObjectNotFoundError(f"{what}: not found")
+        out = ObjectStoreError(f"{what}: {status} {code} {err.get('Message', '')}".strip())
+        out.retry = status in _RETRIABLE_STATUS or code in _RETRIABLE_CODES  # type: ignore[attr-defined]
+        return out
+    if isinstance(exc, TimeoutError):
+        out = ObjectStoreError(f"{what}: deadline passed")
+    else:
+        out = ObjectStoreError(f"{what}: {type(exc).__name__}: {exc}")
+    out.retry = isinstance(  # type: ignore[attr-defined]
+        exc,
+        TimeoutError
+        | botocore.exceptions.ConnectionError
+        | botocore.exceptions.HTTPClientError
+        | botocore.exceptions.ResponseStreamingError
+        | ConnectionError,
+    )
+    return out
+
+
+class ObjectStore:
+    """Async S3 operations with deadlines, retries and typed errors."""
+
+    def __init__(
+        self,
+        config: ObjectStoreConfig,
+        *,
+        backoff: Callable[[int], float] | None = None,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ) -> None:
+        self.config = config
+        self.bucket = config.bucket
+        self._backoff = backoff or Backoff(config.backoff_base, config.backoff_max)
+        self._sleep = sleep
+        self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="s3")
+        self._client: Any = boto3.session.Session().client(
+            "s3",
+            endpoint_url=config.endpoint_url,
+            region_name=config.region,
+            config=BotoConfig(
+                connect_timeout=config.connect_timeout,
+                read_timeout=config.request_timeout,
+                retries={"total_max_attempts": 1},
+                max_pool_connections=config.max_workers,
+                s3={"addressing_style": "path"},
+            ),
+        )
+        self.requests: dict[str, int] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    async def _call(self, what: str, fn: Callable[[], T], *, attempt_s: float | None = None) -> T:
+        loop = asyncio.get_running_loop()
+        deadline = attempt_s or self.config.request_timeout
+        attempt = 0
+        while True:
+            op = what.split(" ", 1)[0]
+            self.requests[op] = self.requests.get(op, 0) + 1
+            try:
+                return await asyncio.wait_for(loop.run_in_executor(self._pool, fn), deadline)
+            except (ObjectStoreError, asyncio.CancelledError):
+                raise
+            except Exception as exc:
+                err = _translate(exc, what)
+                if not getattr(err, "retry", False) or attempt + 1 >= self.config.max_attempts:
+                    raise err from None
+            await self._sleep(self._backoff(attempt))
+            attempt += 1
+
+    # ---- operations ---------------------------------------------------------------------------
+    async def put_if_absent(self, key: str, body: bytes) -> None:
+        """Create ``key`` with ``body``; ``ObjectExistsError`` if the key exists (HTTP 412)."""
+
+        def put() -> None:
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
+
+        await self._call(f"PUT {key}", put, attempt_s=self._timeout_for(len(body)))
+
+    async def put_multipart_if_absent(
+        self, key: str, size: int, read_part: Callable[[int, int], Awaitable[bytes]]
+    ) -> int:
+        """Upload ``size`` bytes in parts (``read_part(start, end)``), create-only. Returns parts.
+
+        One part is in memory at a time. A failed upload is aborted (best effort; an
+        unfinished multipart upload is invisible to readers and expires by bucket lifecycle).
+        """
+        part_bytes = self.config.multipart_part_bytes
+        created = await self._call(
+            f"POST {key} create-multipart",
+            lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=key),
+        )
+        upload_id = created["UploadId"]
+        parts = []
+        try:
+            for number, start in enumerate(range(0, size, part_bytes), start=1):
+                body = await read_part(start, min(size, start + part_bytes))
+
+                def upload(body: bytes = body, number: int = number) -> Any:
+                    return self._client.upload_part(
+                        Bucket=self.bucket,
+                        Key=key,
+                        UploadId=upload_id,
+                        PartNumber=number,
+                        Body=body,
+                    )
+
+                result = await self._call(
+                    f"PUT {key} part {number}", upload, attempt_s=self._timeout_for(len(body))
+                )
+                parts.append({"ETag": result["ETag"], "PartNumber": number})
+                del body
+            await self._call(
+                f"POST {key} complete-multipart",
+                lambda: self._client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                    IfNoneMatch="*",
+                ),
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._call(
+                    f"DELETE {key} abort-multipart",
+                    lambda: self._client.abort_multipart_upload(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id
+                    ),
+                )
+            raise
+        return len(parts)
+
+    async def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of ``key`` (``start < 0``: the last ``-start`` bytes)."""
+        rng = f"bytes={start}-" if start < 0 else f"bytes={start}-{end - 1}"
+
+        def get() -> bytes:
+            data: bytes = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)[
+                "Body"
+            ].read()
+            return data
+
+        size = end - start if start >= 0 else -start
+        return await self._call(f"GET {key} {rng}", get, attempt_s=self._timeout_for(size))
+
+    async def delete(self, key: str) -> None:
+        await self._call(
+            f"DELETE {key}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key)
+        )
+
+    async def list(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(key, size, last-modified epoch seconds) of every object under ``prefix``."""
+
+        def run() -> list[tuple[str, int, float]]:
+            out = []
+            for page in self._client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            ):
+                for o in page.get("Contents", []):
+                    out.append((o["Key"], int(o["Size"]), o["LastModified"].timestamp()))
+            return out
+
+        return await self._call(f"LIST {prefix}", run, attempt_s=self.config.request_timeout * 3)
+
+    def _timeout_for(self, size: int) -> float:
+        # a large transfer gets extra time at a pessimistic 8 MB/s, never less than the base
+        return self.config.request_timeout + size / (8 << 20)
