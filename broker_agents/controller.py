@@ -126,6 +126,8 @@ class Controller:
                 current = states.get(p)
                 if current is None:
                     await self._create(name, p, spec.replication_factor, live, start)
+                elif current[0].adding or current[0].removing:
+                    await self._advance_reassignment(name, p, current[0], current[1], live)
                 else:
                     await self._maybe_elect(
                         name,
@@ -153,6 +155,41 @@ class Controller:
             log.info("created %s-%d: leader %d, replicas %s", name, p, state.leader, replicas)
         except (NodeExistsError, NodeNotFoundError):
             pass  # a racing controller made it, or the topic was deleted meanwhile
+
+    async def _advance_reassignment(
+        self, name: str, p: int, state: PartitionState, version: int, live: list[int]
+    ) -> None:
+        """Finish a reassignment once every added replica is in the ISR."""
+        if state.leader not in live:
+            await self._maybe_elect(name, p, state, version, live, False)
+            return
+        if not all(r in state.isr for r in state.adding):
+            return  # still catching up
+        replicas = [r for r in state.replicas if r not in state.removing]
+        isr = [r for r in state.isr if r not in state.removing]
+        update: dict[str, object] = {
+            "replicas": replicas,
+            "isr": isr,
+            "adding": [],
+            "removing": [],
+            "controller_epoch": self.epoch or 0,
+        }
+        if state.leader in state.removing:
+            update["leader"] = next(r for r in replicas if r in isr)
+            update["leader_epoch"] = state.leader_epoch + 1
+        try:
+            await self.agent.store.cas_partition_state(
+                name, p, state.model_copy(update=update), version
+            )
+            log.info(
+                "%s-%d: reassigned to %s (leader %s)",
+                name,
+                p,
+                replicas,
+                update.get("leader", state.leader),
+            )
+        except MetadataError as exc:
+            log.info("%s-%d: reassignment step lost a race (%s)", name, p, exc)
 
     async def _maybe_elect(
         self,

@@ -193,7 +193,8 @@ class PartitionManager:
                 role = ""
             if not role:
                 if current is not None:
-                    await self._close(current, delete=False)
+                    # moved away (reassignment): the new replicas have everything
+                    await self._close(current, delete=True)
                 return
             if current is None:
                 assert config is not None
@@ -262,6 +263,7 @@ class PartitionManager:
 
     async def _close(self, p: Partition, *, delete: bool) -> None:
         self.partitions.pop((p.topic, p.index), None)
+        p.role = "closed"  # acks=all waiters see it and answer NOT_LEADER instead of timing out
         p.notify()
         await p.committer.close()
         if delete:

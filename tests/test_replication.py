@@ -4,6 +4,7 @@ limits. Three agents, RF=3, min.insync.replicas=2, ZooKeeper session timeout 4 s
 from __future__ import annotations
 
 import asyncio
+import itertools
 import signal
 import time
 from pathlib import Path
@@ -255,3 +256,82 @@ def test_acks_all_needs_min_insync_replicas_while_acks_1_still_works(cluster: Cl
         return [] if records is None else decode_batches(records).column("value").to_pylist()
 
     assert asyncio.run(read()) == [b"one"]  # with an ISR of one, the high watermark is the log end
+
+
+def _reassign(cluster: Cluster, partition: int, target: list[int]) -> None:
+    from storage.metadata import AsyncZooKeeper, MetadataStore
+
+    async def run() -> None:
+        zk = AsyncZooKeeper(cluster.zk.connect_string)
+        await zk.start()
+        try:
+            await MetadataStore(zk).request_reassignment(TOPIC, partition, target)
+        finally:
+            await zk.stop()
+
+    asyncio.run(run())
+
+
+def test_moving_a_partition_onto_a_new_agent_under_load_loses_nothing(cluster: Cluster) -> None:
+    cluster.create_topic(TOPIC, 1, 3, {"min.insync.replicas": 2})
+    cluster.wait_for_leaders(TOPIC)
+    before = _wait_isr(cluster, 3)
+    cluster.start_agent(4)
+    # replace the current leader by the new agent: leadership has to move too
+    target = [4] + [r for r in before.replicas if r != before.leader_id]
+    acked: list[tuple[float, bytes, int]] = []
+
+    async def run() -> None:
+        config = {
+            "bootstrap.servers": cluster.bootstrap,
+            "acks": "all",
+            "linger.ms": 1,
+            "retry.backoff.ms": 20,
+            "request.timeout.ms": 4000,
+        }
+        async with Producer(config) as producer:
+            stop = asyncio.Event()
+
+            async def produce() -> None:
+                seq = 0
+                while not stop.is_set():
+                    value = b"%08d" % seq
+                    fut = await producer.send(TOPIC, value, partition=0)
+                    fut.add_done_callback(
+                        lambda f, v=value: acked.append((time.monotonic(), v, f.result().offset))
+                    )
+                    seq += 1
+                    await asyncio.sleep(0.003)
+                await producer.flush()
+
+            task = asyncio.create_task(produce())
+            await asyncio.sleep(0.5)  # traffic before the move
+            await asyncio.to_thread(_reassign, cluster, 0, target)
+            deadline = time.monotonic() + 60
+            while True:
+                st = await asyncio.to_thread(_state, cluster)
+                if sorted(st.replicas) == sorted(target) and st.leader_id == 4 and len(st.isr) == 3:
+                    break
+                assert time.monotonic() < deadline, f"reassignment did not complete: {st}"
+                await asyncio.sleep(0.1)
+            await asyncio.sleep(0.5)  # traffic after the move
+            stop.set()
+            await task
+
+    asyncio.run(run())
+    # the removed agent dropped its copy; the new one has everything
+    assert not (cluster.data_root / f"agent-{before.leader_id}" / f"{TOPIC}-0").exists()
+    tables = asyncio.run(_consume_everything(cluster.bootstrap, 1))
+    consumed = dict(
+        zip(
+            tables[0].column("offset").to_pylist(),
+            tables[0].column("value").to_pylist(),
+            strict=True,
+        )
+    )
+    for _, value, offset in acked:
+        assert consumed[offset] == value
+    times = sorted(t for t, _, _ in acked)
+    gap = max(b - a for a, b in itertools.pairwise(times))
+    assert gap < 5.0, f"acknowledgements stopped for {gap:.1f} s"
+    print(f"{len(acked)} acknowledged across the move, longest gap {gap * 1000:.0f} ms")

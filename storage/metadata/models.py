@@ -83,13 +83,17 @@ class PartitionState(BaseModel):
     leader bumps ``leader_epoch``, the fencing token agents check before acting as leader.
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="ignore")  # newer agents may add fields
 
     leader: int  # -1: offline
     leader_epoch: int
     replicas: list[int]
     isr: list[int]
     controller_epoch: int
+    #: a reassignment in progress: replicas being added (catching up) and to be removed once
+    #: every added one is in the ISR (``replicas`` holds both meanwhile)
+    adding: list[int] = []
+    removing: list[int] = []
 
 
 class AgentRegistration(BaseModel):

@@ -22,6 +22,7 @@ from typing import Any
 from kazoo.protocol.states import ZnodeStat
 
 from storage.errors import (
+    InvalidReplicationFactorError,
     NodeExistsError,
     NodeNotFoundError,
     TopicAlreadyExistsError,
@@ -184,6 +185,40 @@ class MetadataStore:
     ) -> int:
         stat = await self.zk.set(state_path(name, partition), dump(state), version)
         return int(stat.version)
+
+    async def request_reassignment(
+        self, name: str, partition: int, target: list[int]
+    ) -> PartitionState:
+        """Start moving ``name-partition`` onto ``target`` (the controller completes it).
+
+        The replica set grows to ``target`` plus the current replicas; once every new replica
+        has caught up (is in the ISR) the controller drops the others — and moves leadership if
+        the leader is one of them. Nothing is lost: old replicas stay until new ones have it all.
+        """
+        if not target or len(set(target)) != len(target):
+            raise InvalidReplicationFactorError(f"bad target replica list {target}")
+        while True:
+            got = await self.get_partition_state(name, partition)
+            if got is None:
+                raise UnknownTopicOrPartitionError(f"unknown partition {name}-{partition}")
+            state, version = got
+            base = (
+                [r for r in state.replicas if r not in state.adding]
+                if state.adding
+                else state.replicas
+            )
+            new = state.model_copy(
+                update={
+                    "replicas": list(target) + [r for r in base if r not in target],
+                    "adding": [r for r in target if r not in base],
+                    "removing": [r for r in base if r not in target],
+                }
+            )
+            try:
+                await self.cas_partition_state(name, partition, new, version)
+                return new
+            except VersionConflictError:
+                continue
 
     async def partition_states(self, name: str) -> dict[int, tuple[PartitionState, int]]:
         out = {}
