@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench bench-storage bench-produce lint clean
+.PHONY: venv test demo bench bench-storage bench-produce bench-replication lint clean
 
 venv: $(STAMP)
 
@@ -32,7 +32,10 @@ bench-storage: venv
 bench-produce: venv
 	$(PY) -m bench.produce_bench --write-docs
 
-bench: bench-storage bench-produce
+bench-replication: venv
+	$(PY) -m bench.replication_bench --write-docs
+
+bench: bench-storage bench-produce bench-replication
 
 lint: venv
 	$(PY) -m ruff check .

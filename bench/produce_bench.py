@@ -56,11 +56,11 @@ async def _create_topic(zk_connect: str, partitions: int, fsync: str) -> None:
         await zk.stop()
 
 
-async def throughput(bootstrap: str, n: int, size: int) -> dict[str, float]:
+async def throughput(bootstrap: str, n: int, size: int, acks: int | str = 1) -> dict[str, float]:
     value = os.urandom(size)
     config = {
         "bootstrap.servers": bootstrap,
-        "acks": 1,
+        "acks": acks,
         "linger.ms": 5,
         "batch.size": 1 << 20,
         "buffer.memory": 256 << 20,
@@ -89,13 +89,13 @@ def _record_latency(latencies: list[float], sent: float, _: object) -> None:
 
 
 async def throughput_batched(
-    bootstrap: str, n: int, size: int, chunk: int = 1000
+    bootstrap: str, n: int, size: int, chunk: int = 1000, acks: int | str = 1
 ) -> dict[str, float]:
     """The same through ``Producer.send_batch`` (records handed over ``chunk`` at a time)."""
     values = [os.urandom(size)] * chunk
     config = {
         "bootstrap.servers": bootstrap,
-        "acks": 1,
+        "acks": acks,
         "linger.ms": 5,
         "batch.size": 1 << 20,
         "buffer.memory": 256 << 20,
@@ -120,9 +120,11 @@ async def throughput_batched(
     }
 
 
-async def latency(bootstrap: str, rate: int, seconds: float, size: int) -> dict[str, float]:
+async def latency(
+    bootstrap: str, rate: int, seconds: float, size: int, acks: int | str = 1
+) -> dict[str, float]:
     value = os.urandom(size)
-    config = {"bootstrap.servers": bootstrap, "acks": 1, "linger.ms": 0, "batch.size": 1 << 20}
+    config = {"bootstrap.servers": bootstrap, "acks": acks, "linger.ms": 0, "batch.size": 1 << 20}
     latencies: list[float] = []
     async with Producer(config) as producer:
         await producer.partitions_for(TOPIC)
