@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from broker_agents.apis import Apis
 from broker_agents.config import AgentConfig
 from broker_agents.controller import Controller
+from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
 from broker_agents.partitions import PartitionManager
 from broker_agents.replication import ReplicaFetchers
 from broker_agents.server import AgentServer
@@ -74,7 +75,17 @@ class Agent:
         if self.tiering.enabled:
             self.partitions.tier_start_offset = self.tiering.start_offset
         self.view = ClusterView()
+        self.groups = GroupCoordinator(
+            self,
+            CoordinatorSettings(
+                min_session_timeout_ms=config.group_min_session_timeout_ms,
+                max_session_timeout_ms=config.group_max_session_timeout_ms,
+                initial_rebalance_delay_ms=config.group_initial_rebalance_delay_ms,
+                commit_linger_ms=config.offsets_commit_linger_ms,
+            ),
+        )
         self.apis = Apis(self)
+        self.apis.handlers.update(self.groups.handlers())
         self.server = AgentServer(
             self.apis,
             max_frame_bytes=config.max_frame_bytes,
@@ -118,12 +129,14 @@ class Agent:
                 tg.create_task(self._reconcile_loop(), name="reconciler")
                 tg.create_task(self.controller.run(), name="controller")
                 tg.create_task(self._registration_loop(), name="registration")
+                tg.create_task(self.groups.run(), name="group-coordinator")
                 tg.create_task(self.tiering.run(), name="tiering")
                 await self._stop.wait()
                 raise _Stop
         except* _Stop:
             pass
         finally:
+            await self.groups.close()
             await self.fetchers.stop()
             await self.server.stop()
             await self.partitions.close()

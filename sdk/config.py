@@ -170,10 +170,18 @@ class ProducerConfig(ClientConfig):
 
 
 class ConsumerConfig(ClientConfig):
-    """A consumer's settings. Only manual assignment exists yet; ``group.id`` is accepted
-    for forward compatibility but ``subscribe`` (group membership) is not implemented."""
+    """A consumer's settings; the group ones are explained in ``sdk.group``."""
 
     group_id: str | None = Field(None, alias="group.id")
+    group_instance_id: str | None = Field(None, alias="group.instance.id", min_length=1)
+    enable_auto_commit: bool = Field(True, alias="enable.auto.commit")
+    auto_commit_interval_ms: int = Field(5000, alias="auto.commit.interval.ms", ge=1)
+    session_timeout_ms: int = Field(45_000, alias="session.timeout.ms", ge=1)
+    heartbeat_interval_ms: int = Field(3000, alias="heartbeat.interval.ms", ge=1)
+    max_poll_interval_ms: int = Field(300_000, alias="max.poll.interval.ms", ge=1)
+    partition_assignment_strategy: tuple[
+        Literal["range", "roundrobin", "cooperative-sticky"], ...
+    ] = Field(("range",), alias="partition.assignment.strategy", min_length=1)
     fetch_max_wait_ms: int = Field(500, alias="fetch.max.wait.ms", ge=0)
     fetch_min_bytes: int = Field(1, alias="fetch.min.bytes", ge=0)
     fetch_max_bytes: int = Field(50 * MiB, alias="fetch.max.bytes", ge=1, le=1 << 30)
@@ -186,6 +194,13 @@ class ConsumerConfig(ClientConfig):
         "read_uncommitted", alias="isolation.level"
     )
     check_crcs: bool = Field(True, alias="check.crcs")
+
+    @field_validator("partition_assignment_strategy", mode="before")
+    @classmethod
+    def _strategies(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [s.strip() for s in v.split(",") if s.strip()]
+        return v
 
     @field_validator("isolation_level", mode="before")
     @classmethod

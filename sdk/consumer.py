@@ -1,4 +1,4 @@
-"""The asynchronous consumer (manual assignment; consumer groups come later).
+"""The asynchronous consumer: manual assignment, or consumer groups (``subscribe``).
 
 Theory of operation
 -------------------
@@ -28,19 +28,25 @@ Errors: OFFSET_OUT_OF_RANGE resets the position by ``auto.offset.reset`` (``none
 errors and the like refresh metadata and retry the partition after ``retry.backoff.ms``; any
 other error is raised from the next ``getmany`` that covers the partition — after data already
 collected for other partitions has been returned.
+
+Groups: with ``group.id``, ``subscribe(topics, listener=...)`` hands the assignment to the
+group (``sdk.group.GroupClient``: join/sync/heartbeat loop, assignors, auto-commit), and
+``commit`` / ``commit_async`` / ``committed`` talk to the group's coordinator. A committed
+offset is the next offset to read.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 from types import TracebackType
-from typing import Any, NoReturn, Self
+from typing import Any, Self
 
 import pyarrow as pa
 
@@ -48,6 +54,7 @@ from sdk.backoff import ExponentialBackoff
 from sdk.cluster import STALE_METADATA_ERRORS, Cluster
 from sdk.config import ConsumerConfig
 from sdk.errors import IllegalStateError, NoOffsetForPartitionError
+from sdk.group import GroupClient, OffsetAndMetadata, RebalanceListener
 from sdk.records import ConsumerRecord, OffsetAndTimestamp, TopicPartition
 from storage.codec import SCHEMA, decode_batch, read_header
 from storage.errors import (
@@ -192,6 +199,9 @@ class Consumer:
         self._failure: BaseException | None = None
         self._started = False
         self._closed = False
+        self._group: GroupClient | None = None
+        self._group_task: asyncio.Task[None] | None = None
+        self._subscription: tuple[list[str], RebalanceListener | None] | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -214,6 +224,8 @@ class Consumer:
         )
         self._cluster.add_topics(tp.topic for tp in self._states)
         self._cluster.add_listener(self._wake.set)
+        if cfg.group_id is not None:
+            self._group = GroupClient(self, self._cluster, cfg)
         running: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._supervisor = asyncio.create_task(self._supervise(running), name="strata-consumer")
         await running
@@ -233,9 +245,13 @@ class Consumer:
                     tg.create_task(self._cluster.run(), name="strata-consumer-metadata"),
                     tg.create_task(self._fetch_loop(), name="strata-consumer-fetcher"),
                 ]
+                if self._subscription is not None:
+                    self._start_group()
                 await self._stop.wait()
                 for task in loops:
                     task.cancel()
+                if self._group_task is not None:
+                    self._group_task.cancel()
                 await self._cluster.close()
         except asyncio.CancelledError:
             raise
@@ -250,7 +266,17 @@ class Consumer:
             self._notify()
 
     async def close(self) -> None:
-        """Stop fetching and close the connections. Buffered records are dropped."""
+        """Stop fetching and close the connections. Buffered records are dropped.
+
+        A group member commits (with ``enable.auto.commit``), runs ``on_partitions_revoked``
+        and leaves the group first (a static member does not leave)."""
+        if self._group is not None and not self._closed and self._failure is None:
+            if self._group_task is not None:
+                self._group_task.cancel()
+                await asyncio.wait([self._group_task])
+            with contextlib.suppress(StrataError, TimeoutError):
+                async with asyncio.timeout(self.config.request_timeout_ms / 1000):
+                    await self._group.close()
         self._closed = True
         self._stop.set()
         if self._supervisor is not None:
@@ -292,18 +318,117 @@ class Consumer:
                 await changed.wait()
 
     # ---- assignment and positions ---------------------------------------------------------
-    def subscribe(self, *args: Any, **kwargs: Any) -> NoReturn:
-        raise NotImplementedError(
-            "consumer groups (subscribe) are not implemented yet: use assign([(topic, partition)])"
-            + (
-                f"; group.id {self.config.group_id!r} is accepted but not used"
-                if self.config.group_id
-                else ""
-            )
-        )
+    # ---- consumer groups (sdk/group.py) -----------------------------------------------------
+    def subscribe(self, topics: Iterable[str], listener: RebalanceListener | None = None) -> None:
+        """Join the group ``group.id`` and consume the partitions it assigns from ``topics``.
+
+        ``listener`` may define ``on_partitions_revoked(set)``, ``on_partitions_assigned(set)``
+        and ``on_partitions_lost(set)`` (plain or async); commit in ``on_partitions_revoked``
+        to keep what was processed before a partition moves."""
+        if self.config.group_id is None:
+            raise IllegalStateError("subscribe needs group.id in the consumer's config")
+        if self._subscription is not None:
+            raise IllegalStateError("already subscribed")
+        names = sorted(set(topics))
+        if not names or not all(isinstance(t, str) for t in names):
+            raise TypeError(f"subscribe needs topic names, got {names!r}")
+        self.assign([])
+        self._subscription = (names, listener)
+        if self._tg is not None:
+            self._start_group()
+
+    def _start_group(self) -> asyncio.Task[None]:
+        assert self._group is not None and self._subscription is not None
+        topics, listener = self._subscription
+        self._group.subscribe(topics, listener)
+        assert self._cluster is not None
+        self._cluster.add_topics(topics)
+        self._group_task = self._spawn(self._group.run(), "strata-consumer-group")
+        return self._group_task
+
+    def group_assignment(
+        self, partitions: set[TopicPartition], positions: Mapping[TopicPartition, int]
+    ) -> None:
+        """The group's assignment (called by ``GroupClient``): positions for new partitions
+        are the committed offsets; without one, ``auto.offset.reset`` decides."""
+        self._assign(partitions)
+        for tp, offset in positions.items():
+            st = self._states.get(tp)
+            if st is not None and st.position is None:
+                st.position, st.reset = offset, None
+        self._notify()
+
+    @property
+    def group_generation(self) -> int:
+        """The generation of the current group assignment (-1 outside a group)."""
+        return -1 if self._group is None else self._group.generation
+
+    @property
+    def member_id(self) -> str:
+        return "" if self._group is None else self._group.member_id
+
+    def positions_to_commit(self) -> dict[TopicPartition, int]:
+        return {tp: st.position for tp, st in self._states.items() if st.position is not None}
+
+    def _group_client(self) -> GroupClient:
+        self._check_running()
+        if self._group is None:
+            raise IllegalStateError("committed offsets need group.id in the consumer's config")
+        return self._group
+
+    async def commit(
+        self, offsets: Mapping[TopicPartition, int | OffsetAndMetadata] | None = None
+    ) -> None:
+        """Commit ``offsets`` (default: every assigned partition's position) and wait for the
+        coordinator's acknowledgement. A committed offset is the next offset to read. A
+        member of an old generation gets ``IllegalGenerationError`` (its partitions may
+        already be someone else's)."""
+        group = self._group_client()
+        if offsets is None:
+            values = {tp: OffsetAndMetadata(o) for tp, o in self.positions_to_commit().items()}
+        else:
+            values = {
+                _as_tp(tp): o if isinstance(o, OffsetAndMetadata) else OffsetAndMetadata(o)
+                for tp, o in offsets.items()
+            }
+        await group.commit(values)
+
+    def commit_async(
+        self,
+        offsets: Mapping[TopicPartition, int | OffsetAndMetadata] | None = None,
+        callback: Callable[[BaseException | None], Any] | None = None,
+    ) -> asyncio.Task[None]:
+        """Start a commit and return at once; ``callback(error or None)`` runs when done."""
+        self._group_client()
+        snapshot = None if offsets is None else dict(offsets)
+        if snapshot is None:
+            snapshot = dict(self.positions_to_commit())
+
+        async def run() -> None:
+            error: BaseException | None = None
+            try:
+                await self.commit(snapshot)
+            except StrataError as exc:
+                error = exc
+            if callback is not None:
+                callback(error)
+            elif error is not None:
+                log_commit_failure(error)
+
+        return self._spawn(run(), "strata-consumer-commit")
+
+    async def committed(self, tp: TopicPartition | tuple[str, int]) -> OffsetAndMetadata | None:
+        """The group's committed offset of ``tp`` (None if nothing is committed)."""
+        tp = _as_tp(tp)
+        return (await self._group_client().committed([tp])).get(tp)
 
     def assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
         """Consume exactly these partitions (replacing any earlier assignment)."""
+        if self._subscription is not None:
+            raise IllegalStateError("the consumer is subscribed: the group assigns partitions")
+        self._assign(partitions)
+
+    def _assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
         wanted = [_as_tp(tp) for tp in partitions]
         keep = set(wanted)
         for tp in list(self._states):
@@ -701,6 +826,8 @@ class Consumer:
         max_records: int | None,
     ) -> dict[TopicPartition, list[pa.RecordBatch]]:
         self._check_running()
+        if self._group is not None:
+            self._group.polled()
         limit = self.config.max_poll_records if max_records is None else max_records
         if limit < 1:
             raise ValueError(f"max_records must be at least 1, got {limit}")
@@ -800,6 +927,10 @@ class Consumer:
                 buf.current = None
             st.position = buf.current_base + skip + take
             return rb.slice(skip, take)
+
+
+def log_commit_failure(error: BaseException) -> None:
+    logging.getLogger(__name__).warning("async commit failed: %s", error)
 
 
 def _list_offsets_request(query: Mapping[TopicPartition, int]) -> ListOffsetsRequest:

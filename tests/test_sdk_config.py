@@ -204,7 +204,16 @@ def test_consumer_rejects_what_is_not_built_yet() -> None:
         ConsumerConfig.parse({**BOOT, "linger.ms": 5})  # a producer setting
 
 
-def test_subscribe_says_groups_are_not_built_yet() -> None:
+def test_subscribe_needs_a_group_id_and_excludes_assign() -> None:
+    from sdk.errors import IllegalStateError
+
+    with pytest.raises(IllegalStateError, match=r"group\.id"):
+        Consumer(BOOT).subscribe(["t"])
     consumer = Consumer({**BOOT, "group.id": "g"})
-    with pytest.raises(NotImplementedError, match=r"assign\(.*group\.id 'g'"):
-        consumer.subscribe(["t"])
+    consumer.subscribe(["t"])
+    with pytest.raises(IllegalStateError, match="subscribed"):
+        consumer.assign([("t", 0)])
+    c = ConsumerConfig.parse({**BOOT, "partition.assignment.strategy": "cooperative-sticky,range"})
+    assert c.partition_assignment_strategy == ("cooperative-sticky", "range")
+    with pytest.raises(InvalidConfigError, match=r"partition\.assignment\.strategy"):
+        ConsumerConfig.parse({**BOOT, "partition.assignment.strategy": "sticky"})

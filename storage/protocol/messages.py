@@ -35,6 +35,14 @@ class ApiKey(enum.IntEnum):
     PRODUCE = 2
     FETCH = 3
     LIST_OFFSETS = 4
+    # consumer groups: Kafka's key numbers (docs/groups.md)
+    OFFSET_COMMIT = 8
+    OFFSET_FETCH = 9
+    FIND_COORDINATOR = 10
+    JOIN_GROUP = 11
+    HEARTBEAT = 12
+    LEAVE_GROUP = 13
+    SYNC_GROUP = 14
     OFFSET_FOR_LEADER_EPOCH = 23
 
 
@@ -355,6 +363,238 @@ class OffsetForLeaderEpochResponse(Message):
     SCHEMA = (("topics", Array(struct_of(EpochEndOffsetTopic))),)
 
 
+# ---- Consumer groups (docs/groups.md) ---------------------------------------------------------
+# Generation -1 with member id "" marks a commit from outside the group protocol (a consumer
+# that uses ``assign``); the coordinator accepts it only while the group has no members.
+NO_GENERATION = -1
+CONSUMER_PROTOCOL_TYPE = "consumer"
+
+
+@dataclass(slots=True)
+class FindCoordinatorRequest(Message):
+    key: str  # the group id
+    SCHEMA = (("key", STRING),)
+
+
+@dataclass(slots=True)
+class FindCoordinatorResponse(Message):
+    error_code: int
+    agent_id: int
+    host: str
+    port: int
+    SCHEMA = (("error_code", INT16), ("agent_id", INT32), ("host", STRING), ("port", INT32))
+
+
+@dataclass(slots=True)
+class JoinGroupProtocol(Message):
+    name: str  # an assignor: "range", "roundrobin", "cooperative-sticky"
+    metadata: Any  # a ConsumerSubscription, encoded
+    SCHEMA = (("name", STRING), ("metadata", BYTES))
+
+
+@dataclass(slots=True)
+class JoinGroupRequest(Message):
+    group_id: str
+    session_timeout_ms: int
+    rebalance_timeout_ms: int
+    member_id: str  # "" on the first join: the coordinator gives one
+    group_instance_id: str | None  # static membership
+    protocol_type: str
+    protocols: list[JoinGroupProtocol]
+    SCHEMA = (
+        ("group_id", STRING),
+        ("session_timeout_ms", INT32),
+        ("rebalance_timeout_ms", INT32),
+        ("member_id", STRING),
+        ("group_instance_id", STRING),
+        ("protocol_type", STRING),
+        ("protocols", Array(struct_of(JoinGroupProtocol))),
+    )
+
+
+@dataclass(slots=True)
+class JoinGroupMember(Message):
+    member_id: str
+    group_instance_id: str | None
+    metadata: Any
+    SCHEMA = (("member_id", STRING), ("group_instance_id", STRING), ("metadata", BYTES))
+
+
+@dataclass(slots=True)
+class JoinGroupResponse(Message):
+    error_code: int
+    generation_id: int
+    protocol_name: str | None
+    leader: str
+    member_id: str
+    members: list[JoinGroupMember]  # the leader gets every member; the others an empty list
+    SCHEMA = (
+        ("error_code", INT16),
+        ("generation_id", INT32),
+        ("protocol_name", STRING),
+        ("leader", STRING),
+        ("member_id", STRING),
+        ("members", Array(struct_of(JoinGroupMember))),
+    )
+
+
+@dataclass(slots=True)
+class SyncGroupAssignment(Message):
+    member_id: str
+    assignment: Any  # a ConsumerAssignment, encoded
+    SCHEMA = (("member_id", STRING), ("assignment", BYTES))
+
+
+@dataclass(slots=True)
+class SyncGroupRequest(Message):
+    group_id: str
+    generation_id: int
+    member_id: str
+    group_instance_id: str | None
+    assignments: list[SyncGroupAssignment]  # from the leader only
+    SCHEMA = (
+        ("group_id", STRING),
+        ("generation_id", INT32),
+        ("member_id", STRING),
+        ("group_instance_id", STRING),
+        ("assignments", Array(struct_of(SyncGroupAssignment))),
+    )
+
+
+@dataclass(slots=True)
+class SyncGroupResponse(Message):
+    error_code: int
+    assignment: Any
+    SCHEMA = (("error_code", INT16), ("assignment", BYTES))
+
+
+@dataclass(slots=True)
+class HeartbeatRequest(Message):
+    group_id: str
+    generation_id: int
+    member_id: str
+    group_instance_id: str | None
+    SCHEMA = (
+        ("group_id", STRING),
+        ("generation_id", INT32),
+        ("member_id", STRING),
+        ("group_instance_id", STRING),
+    )
+
+
+@dataclass(slots=True)
+class HeartbeatResponse(Message):
+    error_code: int
+    SCHEMA = (("error_code", INT16),)
+
+
+@dataclass(slots=True)
+class LeaveGroupRequest(Message):
+    group_id: str
+    member_id: str
+    group_instance_id: str | None
+    SCHEMA = (("group_id", STRING), ("member_id", STRING), ("group_instance_id", STRING))
+
+
+@dataclass(slots=True)
+class LeaveGroupResponse(Message):
+    error_code: int
+    SCHEMA = (("error_code", INT16),)
+
+
+@dataclass(slots=True)
+class OffsetCommitPartition(Message):
+    partition: int
+    offset: int  # the next offset to read (Kafka's rule)
+    metadata: str | None
+    SCHEMA = (("partition", INT32), ("offset", INT64), ("metadata", STRING))
+
+
+@dataclass(slots=True)
+class OffsetCommitTopic(Message):
+    name: str
+    partitions: list[OffsetCommitPartition]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(OffsetCommitPartition))))
+
+
+@dataclass(slots=True)
+class OffsetCommitRequest(Message):
+    group_id: str
+    generation_id: int  # NO_GENERATION (-1) with member_id "": a commit from outside the group
+    member_id: str
+    group_instance_id: str | None
+    topics: list[OffsetCommitTopic]
+    SCHEMA = (
+        ("group_id", STRING),
+        ("generation_id", INT32),
+        ("member_id", STRING),
+        ("group_instance_id", STRING),
+        ("topics", Array(struct_of(OffsetCommitTopic))),
+    )
+
+
+@dataclass(slots=True)
+class OffsetCommitPartitionResult(Message):
+    partition: int
+    error_code: int
+    SCHEMA = (("partition", INT32), ("error_code", INT16))
+
+
+@dataclass(slots=True)
+class OffsetCommitTopicResult(Message):
+    name: str
+    partitions: list[OffsetCommitPartitionResult]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(OffsetCommitPartitionResult))))
+
+
+@dataclass(slots=True)
+class OffsetCommitResponse(Message):
+    topics: list[OffsetCommitTopicResult]
+    SCHEMA = (("topics", Array(struct_of(OffsetCommitTopicResult))),)
+
+
+@dataclass(slots=True)
+class OffsetFetchTopic(Message):
+    name: str
+    partitions: list[int]
+    SCHEMA = (("name", STRING), ("partitions", Array(INT32)))
+
+
+@dataclass(slots=True)
+class OffsetFetchRequest(Message):
+    group_id: str
+    topics: list[OffsetFetchTopic] | None  # None = every committed partition
+    SCHEMA = (("group_id", STRING), ("topics", Array(struct_of(OffsetFetchTopic))))
+
+
+@dataclass(slots=True)
+class OffsetFetchPartitionResult(Message):
+    partition: int
+    offset: int  # -1: nothing committed
+    metadata: str | None
+    error_code: int
+    SCHEMA = (
+        ("partition", INT32),
+        ("offset", INT64),
+        ("metadata", STRING),
+        ("error_code", INT16),
+    )
+
+
+@dataclass(slots=True)
+class OffsetFetchTopicResult(Message):
+    name: str
+    partitions: list[OffsetFetchPartitionResult]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(OffsetFetchPartitionResult))))
+
+
+@dataclass(slots=True)
+class OffsetFetchResponse(Message):
+    error_code: int
+    topics: list[OffsetFetchTopicResult]
+    SCHEMA = (("error_code", INT16), ("topics", Array(struct_of(OffsetFetchTopicResult))))
+
+
 @dataclass(frozen=True, slots=True)
 class Api:
     key: ApiKey
@@ -372,6 +612,13 @@ APIS: dict[int, Api] = {
         Api(ApiKey.PRODUCE, ProduceRequest, ProduceResponse),
         Api(ApiKey.FETCH, FetchRequest, FetchResponse),
         Api(ApiKey.LIST_OFFSETS, ListOffsetsRequest, ListOffsetsResponse),
+        Api(ApiKey.OFFSET_COMMIT, OffsetCommitRequest, OffsetCommitResponse),
+        Api(ApiKey.OFFSET_FETCH, OffsetFetchRequest, OffsetFetchResponse),
+        Api(ApiKey.FIND_COORDINATOR, FindCoordinatorRequest, FindCoordinatorResponse),
+        Api(ApiKey.JOIN_GROUP, JoinGroupRequest, JoinGroupResponse),
+        Api(ApiKey.HEARTBEAT, HeartbeatRequest, HeartbeatResponse),
+        Api(ApiKey.LEAVE_GROUP, LeaveGroupRequest, LeaveGroupResponse),
+        Api(ApiKey.SYNC_GROUP, SyncGroupRequest, SyncGroupResponse),
         Api(ApiKey.OFFSET_FOR_LEADER_EPOCH, OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse),
     )
 }

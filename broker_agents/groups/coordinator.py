@@ -1,0 +1,728 @@
+"""The group coordinator: JoinGroup / SyncGroup / Heartbeat / LeaveGroup, offset commits.
+
+Theory of operation (``docs/groups.md`` has the full text):
+
+* **Who coordinates.** The coordinator of a group is ``coordinator_for(group, live agents)``:
+  the live agent ids sorted, indexed by CRC32 of the group id. Every agent computes the same
+  answer from its ``/agents`` watch, and ``FindCoordinator`` returns it. An agent answers
+  ``NOT_COORDINATOR`` for groups that are not its own, and forgets (unloads) groups it no
+  longer coordinates, failing their waiting requests with ``NOT_COORDINATOR``; clients then
+  ask FindCoordinator again.
+* **State lives in ZooKeeper** (``storage.metadata.groups``): the coordinator loads a group on
+  its first request and writes the state (compare-and-set on the znode version) at every
+  generation bump and at every completed sync, *before* answering. A coordinator that takes
+  over after an agent death therefore knows the generation, the members and their
+  assignments; members keep heartbeating and consuming without a rebalance (their session
+  clock restarts at load).
+* **Rebalance** (eager or cooperative — the protocol is the clients' business, Kafka style):
+  a join moves the group to PREPARING_REBALANCE; heartbeats answer REBALANCE_IN_PROGRESS so
+  every member rejoins; once every member has rejoined (or the rebalance timeout passed, and
+  the laggards are dropped) the generation is bumped, the leader gets every member's
+  subscription and the others an empty list; the leader's SyncGroup carries the assignment
+  and moves the group to STABLE. A static member (``group.instance.id``) that rejoins with a
+  new member id while the group is stable takes its old place, fencing the previous process,
+  and gets its old assignment back without a rebalance.
+* **Sessions.** A member not heard from (join, sync, heartbeat, commit) for its
+  ``session.timeout.ms`` is removed and the group rebalances; a member that does not rejoin
+  within the rebalance timeout (the client's ``max.poll.interval.ms``) is removed too.
+* **Offset commits** are checked against the generation (``ILLEGAL_GENERATION`` for an old
+  one, ``UNKNOWN_MEMBER_ID``, ``REBALANCE_IN_PROGRESS`` while the new generation is waiting for
+  its assignment), then parked in memory. One flusher task writes every group's parked commits
+  in one ZooKeeper transaction per group (state version checked, one znode per topic) and only
+  then answers them. Commits that arrive while a write is in flight wait for the next one, so
+  the ZooKeeper write rate is bounded by the flush rate, not by the commit rate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from broker_agents.groups.state import Event, Phase, next_phase
+from storage.errors import (
+    CoordinatorNotAvailableError,
+    FencedInstanceIdError,
+    GroupError,
+    IllegalGenerationError,
+    InconsistentGroupProtocolError,
+    InvalidRequestError,
+    InvalidSessionTimeoutError,
+    MetadataError,
+    NotCoordinatorError,
+    RebalanceInProgressError,
+    StrataError,
+    UnknownMemberIdError,
+)
+from storage.metadata.groups import (
+    CommittedOffset,
+    GroupRecord,
+    GroupStore,
+    MemberRecord,
+    TopicOffsets,
+    b64,
+    unb64,
+    validate_group_id,
+)
+from storage.protocol import messages as m
+
+if TYPE_CHECKING:
+    from broker_agents.agent import Agent
+
+log = logging.getLogger(__name__)
+
+
+def coordinator_for(group_id: str, live_agents: Iterable[int]) -> int | None:
+    """The coordinating agent of ``group_id`` among ``live_agents`` (None if there is none)."""
+    live = sorted(live_agents)
+    if not live:
+        return None
+    return live[zlib.crc32(group_id.encode()) % len(live)]
+
+
+def _code(exc: BaseException) -> int:
+    return exc.code if isinstance(exc, StrataError) else StrataError.code
+
+
+@dataclass
+class Member:
+    member_id: str
+    group_instance_id: str | None
+    client_id: str
+    session_timeout_ms: int
+    rebalance_timeout_ms: int
+    protocols: list[tuple[str, bytes]]
+    assignment: bytes = b""
+    last_seen: float = 0.0
+    join: asyncio.Future[m.JoinGroupResponse] | None = None
+    sync: asyncio.Future[m.SyncGroupResponse] | None = None
+
+    def record(self) -> MemberRecord:
+        return MemberRecord(
+            member_id=self.member_id,
+            group_instance_id=self.group_instance_id,
+            client_id=self.client_id,
+            session_timeout_ms=self.session_timeout_ms,
+            rebalance_timeout_ms=self.rebalance_timeout_ms,
+            protocols=[(name, b64(meta)) for name, meta in self.protocols],
+            assignment=b64(self.assignment),
+        )
+
+
+@dataclass
+class PendingCommit:
+    offsets: dict[tuple[str, int], CommittedOffset]
+    done: asyncio.Future[None]
+
+
+@dataclass
+class Group:
+    group_id: str
+    phase: Phase = Phase.EMPTY
+    generation: int = 0
+    protocol_type: str | None = None
+    protocol: str | None = None
+    leader: str | None = None
+    members: dict[str, Member] = field(default_factory=dict)
+    version: int = -1  # the state znode's version (-1: not written yet)
+    offsets: dict[str, tuple[TopicOffsets, int]] = field(default_factory=dict)
+    pending: list[PendingCommit] = field(default_factory=list)
+    join_deadline: float = 0.0  # PREPARING_REBALANCE: when laggards are dropped
+    join_ready_at: float = 0.0  # PREPARING_REBALANCE: initial rebalance delay
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one ZooKeeper write at a time
+
+    def static(self, instance_id: str | None) -> Member | None:
+        if instance_id is None:
+            return None
+        for member in self.members.values():
+            if member.group_instance_id == instance_id:
+                return member
+        return None
+
+    def record(self) -> GroupRecord:
+        return GroupRecord(
+            group_id=self.group_id,
+            generation=self.generation,
+            phase=self.phase.value,
+            protocol_type=self.protocol_type,
+            protocol=self.protocol,
+            leader=self.leader,
+            members=[mb.record() for mb in self.members.values()],
+            updated_ms=int(time.time() * 1000),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CoordinatorSettings:
+    min_session_timeout_ms: int = 1000
+    max_session_timeout_ms: int = 300_000
+    initial_rebalance_delay_ms: int = 3000
+    commit_linger_ms: int = 5
+    tick_s: float = 0.05
+
+
+class GroupCoordinator:
+    def __init__(
+        self,
+        agent: Agent,
+        settings: CoordinatorSettings,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.agent = agent
+        self.settings = settings
+        self.store = GroupStore(agent.zk)
+        self.clock = clock
+        self.groups: dict[str, Group] = {}
+        self._loading: dict[str, asyncio.Future[Group]] = {}
+        self._flush_wanted = asyncio.Event()
+        self.commits_received = 0
+        self.zk_offset_writes = 0
+        self.zk_state_writes = 0
+
+    # ---- ownership --------------------------------------------------------------------------
+    def coordinator_id(self, group_id: str) -> int | None:
+        return coordinator_for(group_id, self.agent.view.agents)
+
+    def owns(self, group_id: str) -> bool:
+        return (
+            self.agent.partitions.session_ok
+            and self.coordinator_id(group_id) == self.agent.agent_id
+        )
+
+    async def _group(self, group_id: str) -> Group:
+        """This agent's live copy of the group (loaded from ZooKeeper on first use)."""
+        validate_group_id(group_id)
+        if not self.owns(group_id):
+            raise NotCoordinatorError(
+                f"agent {self.agent.agent_id} does not coordinate group {group_id!r}"
+            )
+        group = self.groups.get(group_id)
+        if group is not None:
+            return group
+        loading = self._loading.get(group_id)
+        if loading is None:
+            loading = asyncio.ensure_future(self._load(group_id))
+            self._loading[group_id] = loading
+            loading.add_done_callback(lambda _: self._loading.pop(group_id, None))
+        return await asyncio.shield(loading)
+
+    async def _load(self, group_id: str) -> Group:
+        try:
+            record, version = await self.store.get_state(group_id)
+        except MetadataError as exc:
+            raise CoordinatorNotAvailableError(f"cannot load group {group_id!r}: {exc}") from exc
+        group = Group(group_id, version=version)
+        now = self.clock()
+        if record is not None:
+            group.generation = record.generation
+            group.protocol_type = record.protocol_type
+            group.protocol = record.protocol
+            group.leader = record.leader
+            for mr in record.members:
+                group.members[mr.member_id] = Member(
+                    mr.member_id,
+                    mr.group_instance_id,
+                    mr.client_id,
+                    mr.session_timeout_ms,
+                    mr.rebalance_timeout_ms,
+                    [(name, unb64(meta)) for name, meta in mr.protocols],
+                    unb64(mr.assignment),
+                    last_seen=now,
+                )
+            phase = Phase(record.phase)
+            if not group.members:
+                phase = Phase.EMPTY
+            elif phase == Phase.PREPARING_REBALANCE:
+                phase = Phase.COMPLETING_REBALANCE  # persisted only at the generation bump
+            group.phase = phase
+        if not self.owns(group_id):
+            raise NotCoordinatorError(f"group {group_id!r} moved while loading")
+        existing = self.groups.get(group_id)
+        if existing is not None:
+            return existing
+        self.groups[group_id] = group
+        log.info(
+            "loaded group %s: generation %d, %s, %d members",
+            group_id,
+            group.generation,
+            group.phase.value,
+            len(group.members),
+        )
+        return group
+
+    def _unload(self, group: Group, why: StrataError) -> None:
+        self.groups.pop(group.group_id, None)
+        if group.phase != Phase.DEAD:
+            group.phase = next_phase(group.phase, Event.UNLOAD)
+        for member in group.members.values():
+            for fut in (member.join, member.sync):
+                if fut is not None and not fut.done():
+                    fut.set_exception(why)
+        for pending in group.pending:
+            if not pending.done.done():
+                pending.done.set_exception(why)
+        group.pending.clear()
+
+    # ---- loops ------------------------------------------------------------------------------
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._tick_loop(), name="group-sessions")
+            tg.create_task(self._flush_loop(), name="group-offsets-flusher")
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.tick_s)
+            for group in list(self.groups.values()):
+                try:
+                    await self._tick(group)
+                except Exception:
+                    log.exception("group %s: tick failed", group.group_id)
+
+    async def _tick(self, group: Group) -> None:
+        if not self.owns(group.group_id):
+            self._unload(group, NotCoordinatorError(f"group {group.group_id!r} moved"))
+            return
+        now = self.clock()
+        expired = [
+            mb
+            for mb in group.members.values()
+            if mb.join is None and now - mb.last_seen > mb.session_timeout_ms / 1000
+        ]
+        for mb in expired:
+            log.info("group %s: member %s expired", group.group_id, mb.member_id)
+            await self._remove(group, mb, UnknownMemberIdError("session expired"))
+        if group.phase == Phase.PREPARING_REBALANCE:
+            await self._maybe_complete_join(group)
+
+    # ---- membership -------------------------------------------------------------------------
+    async def find_coordinator(self, req: m.FindCoordinatorRequest) -> m.FindCoordinatorResponse:
+        try:
+            validate_group_id(req.key)
+        except InvalidRequestError as exc:
+            return m.FindCoordinatorResponse(exc.code, -1, "", 0)
+        agent_id = self.coordinator_id(req.key)
+        reg = None if agent_id is None else self.agent.view.agents.get(agent_id)
+        if reg is None:
+            return m.FindCoordinatorResponse(CoordinatorNotAvailableError.code, -1, "", 0)
+        return m.FindCoordinatorResponse(0, reg.agent_id, reg.host, reg.port)
+
+    async def join_group(self, req: m.JoinGroupRequest) -> m.JoinGroupResponse:
+        try:
+            return await self._join(req)
+        except StrataError as exc:
+            return m.JoinGroupResponse(exc.code, -1, None, "", req.member_id, [])
+
+    async def _join(self, req: m.JoinGroupRequest) -> m.JoinGroupResponse:
+        s = self.settings
+        if not s.min_session_timeout_ms <= req.session_timeout_ms <= s.max_session_timeout_ms:
+            raise InvalidSessionTimeoutError(
+                f"session.timeout.ms {req.session_timeout_ms} is outside "
+                f"[{s.min_session_timeout_ms}, {s.max_session_timeout_ms}]"
+            )
+        if not req.protocols:
+            raise InconsistentGroupProtocolError("a join needs at least one protocol")
+        group = await self._group(req.group_id)
+        if group.members and (
+            req.protocol_type != group.protocol_type
+            or not self._common_protocols(group, {p.name for p in req.protocols})
+        ):
+            raise InconsistentGroupProtocolError(
+                f"group {group.group_id!r} uses {group.protocol_type}/{group.protocol}"
+            )
+        now = self.clock()
+        protocols = [(p.name, bytes(p.metadata or b"")) for p in req.protocols]
+        member = group.members.get(req.member_id) if req.member_id else None
+        static = group.static(req.group_instance_id)
+        if req.member_id and member is None:
+            if static is None:
+                raise UnknownMemberIdError(f"member {req.member_id!r} is not in the group")
+            raise FencedInstanceIdError(
+                f"group.instance.id {req.group_instance_id!r} belongs to another member now"
+            )
+        if member is None and static is not None:
+            # a static member back under a new member id: it takes the old one's place
+            old_id = static.member_id
+            new_id = f"{req.group_instance_id}-{uuid.uuid4().hex[:12]}"
+            for fut in (static.join, static.sync):
+                if fut is not None and not fut.done():
+                    fut.set_exception(FencedInstanceIdError("replaced by a newer instance"))
+            del group.members[old_id]
+            static.member_id, static.join, static.sync = new_id, None, None
+            static.last_seen = now
+            static.session_timeout_ms = req.session_timeout_ms
+            static.rebalance_timeout_ms = req.rebalance_timeout_ms
+            group.members[new_id] = static
+            if group.leader == old_id:
+                group.leader = new_id
+            if group.phase == Phase.STABLE and static.protocols == protocols:
+                await self._persist(group)
+                return m.JoinGroupResponse(
+                    0, group.generation, group.protocol, group.leader or "", new_id, []
+                )
+            member = static
+        if member is None:
+            member = Member(
+                f"{req.group_instance_id or 'member'}-{uuid.uuid4().hex[:12]}",
+                req.group_instance_id,
+                "",
+                req.session_timeout_ms,
+                req.rebalance_timeout_ms,
+                protocols,
+            )
+            group.members[member.member_id] = member
+            group.protocol_type = req.protocol_type
+        member.protocols = protocols
+        member.session_timeout_ms = req.session_timeout_ms
+        member.rebalance_timeout_ms = req.rebalance_timeout_ms
+        member.last_seen = now
+        if member.join is not None and not member.join.done():
+            member.join.set_exception(RebalanceInProgressError("superseded by a newer join"))
+        member.join = asyncio.get_running_loop().create_future()
+        waiter = member.join
+        self._start_rebalance(group)
+        await self._maybe_complete_join(group)
+        return await waiter
+
+    def _common_protocols(self, group: Group, extra: set[str] | None = None) -> list[str]:
+        members = list(group.members.values())
+        if not members:
+            return sorted(extra or ())
+        first = [name for name, _ in members[0].protocols]
+        common = [n for n in first if all(n in dict(mb.protocols) for mb in members[1:])]
+        return [n for n in common if extra is None or n in extra]
+
+    def _start_rebalance(self, group: Group) -> None:
+        if group.phase == Phase.PREPARING_REBALANCE:
+            return
+        was_empty = group.phase == Phase.EMPTY
+        group.phase = next_phase(group.phase, Event.JOIN)
+        now = self.clock()
+        timeout = max((mb.rebalance_timeout_ms for mb in group.members.values()), default=0)
+        group.join_deadline = now + timeout / 1000
+        delay = self.settings.initial_rebalance_delay_ms / 1000 if was_empty else 0.0
+        group.join_ready_at = now + delay
+        for mb in group.members.values():
+            if mb.sync is not None and not mb.sync.done():
+                mb.sync.set_exception(RebalanceInProgressError("the group is rebalancing"))
+            mb.sync = None
+
+    async def _maybe_complete_join(self, group: Group) -> None:
+        if group.phase != Phase.PREPARING_REBALANCE:
+            return
+        now = self.clock()
+        waiting = [mb for mb in group.members.values() if mb.join is None]
+        if waiting and now < group.join_deadline:
+            return
+        if now < group.join_ready_at and now < group.join_deadline:
+            return
+        for mb in waiting:
+            log.info("group %s: member %s did not rejoin in time", group.group_id, mb.member_id)
+            del group.members[mb.member_id]
+        if not group.members:
+            group.phase = next_phase(group.phase, Event.LAST_MEMBER_GONE)
+            group.leader = None
+            await self._persist(group)
+            return
+        group.phase = next_phase(group.phase, Event.ALL_JOINED)
+        group.generation += 1
+        common = self._common_protocols(group)
+        if group.leader not in group.members:
+            group.leader = next(iter(group.members))
+        group.protocol = common[0] if common else None
+        for mb in group.members.values():
+            mb.assignment = b""
+        joins = {mb.member_id: mb.join for mb in group.members.values()}
+        for mb in group.members.values():
+            mb.join = None
+        try:
+            await self._persist(group)
+        except StrataError as exc:
+            for fut in joins.values():
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+            return
+        everyone = [
+            m.JoinGroupMember(
+                mb.member_id, mb.group_instance_id, dict(mb.protocols)[group.protocol]
+            )
+            for mb in group.members.values()
+            if group.protocol is not None
+        ]
+        for member_id, fut in joins.items():
+            if fut is not None and not fut.done():
+                fut.set_result(
+                    m.JoinGroupResponse(
+                        0,
+                        group.generation,
+                        group.protocol,
+                        group.leader,
+                        member_id,
+                        everyone if member_id == group.leader else [],
+                    )
+                )
+        log.info(
+            "group %s: generation %d, %d members, leader %s, protocol %s",
+            group.group_id,
+            group.generation,
+            len(group.members),
+            group.leader,
+            group.protocol,
+        )
+
+    async def _persist(self, group: Group) -> None:
+        """Write the group's state (CAS); losing the race means another agent has it now."""
+        async with group.lock:
+            try:
+                group.version = await self.store.write_state(group.record(), group.version)
+                self.zk_state_writes += 1
+            except MetadataError as exc:
+                err = NotCoordinatorError(f"group {group.group_id!r} changed under us: {exc}")
+                self._unload(group, err)
+                raise err from exc
+
+    async def _remove(self, group: Group, member: Member, why: StrataError) -> None:
+        group.members.pop(member.member_id, None)
+        for fut in (member.join, member.sync):
+            if fut is not None and not fut.done():
+                fut.set_exception(why)
+        if not group.members:
+            group.leader = None
+            if group.phase != Phase.EMPTY:
+                group.phase = next_phase(group.phase, Event.LAST_MEMBER_GONE)
+            await self._persist(group)
+            return
+        if group.phase == Phase.PREPARING_REBALANCE:
+            await self._maybe_complete_join(group)
+            return
+        group.phase = next_phase(group.phase, Event.LEAVE)
+        self._start_rebalance_after_leave(group)
+        await self._persist(group)
+
+    def _start_rebalance_after_leave(self, group: Group) -> None:
+        now = self.clock()
+        timeout = max((mb.rebalance_timeout_ms for mb in group.members.values()), default=0)
+        group.join_deadline = now + timeout / 1000
+        group.join_ready_at = now
+        for mb in group.members.values():
+            if mb.sync is not None and not mb.sync.done():
+                mb.sync.set_exception(RebalanceInProgressError("the group is rebalancing"))
+            mb.sync = None
+
+    def _member(
+        self, group: Group, member_id: str, instance_id: str | None, generation: int | None
+    ) -> Member:
+        member = group.members.get(member_id)
+        if member is None:
+            if group.static(instance_id) is not None:
+                raise FencedInstanceIdError(
+                    f"group.instance.id {instance_id!r} belongs to another member now"
+                )
+            raise UnknownMemberIdError(f"member {member_id!r} is not in group {group.group_id!r}")
+        if instance_id is not None and member.group_instance_id != instance_id:
+            raise FencedInstanceIdError(f"member {member_id!r} is not instance {instance_id!r}")
+        member.last_seen = self.clock()
+        if generation is not None and generation != group.generation:
+            if group.phase == Phase.PREPARING_REBALANCE:
+                raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            raise IllegalGenerationError(
+                f"generation {generation} of group {group.group_id!r} is over "
+                f"(current: {group.generation})"
+            )
+        return member
+
+    async def sync_group(self, req: m.SyncGroupRequest) -> m.SyncGroupResponse:
+        try:
+            group = await self._group(req.group_id)
+            member = self._member(group, req.member_id, req.group_instance_id, req.generation_id)
+            if group.phase == Phase.PREPARING_REBALANCE:
+                raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            if group.phase == Phase.STABLE:
+                return m.SyncGroupResponse(0, member.assignment)
+            if member.sync is not None and not member.sync.done():
+                member.sync.set_exception(RebalanceInProgressError("superseded by a newer sync"))
+            member.sync = asyncio.get_running_loop().create_future()
+            waiter = member.sync
+            if req.member_id == group.leader:
+                given = {a.member_id: bytes(a.assignment or b"") for a in req.assignments}
+                for mb in group.members.values():
+                    mb.assignment = given.get(mb.member_id, b"")
+                group.phase = next_phase(group.phase, Event.LEADER_SYNCED)
+                await self._persist(group)
+                for mb in group.members.values():
+                    if mb.sync is not None and not mb.sync.done():
+                        mb.sync.set_result(m.SyncGroupResponse(0, mb.assignment))
+                    mb.sync = None
+            return await waiter
+        except StrataError as exc:
+            return m.SyncGroupResponse(exc.code, None)
+
+    async def heartbeat(self, req: m.HeartbeatRequest) -> m.HeartbeatResponse:
+        try:
+            group = await self._group(req.group_id)
+            self._member(group, req.member_id, req.group_instance_id, None)
+            if group.phase == Phase.PREPARING_REBALANCE:
+                raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            self._member(group, req.member_id, req.group_instance_id, req.generation_id)
+            return m.HeartbeatResponse(0)
+        except StrataError as exc:
+            return m.HeartbeatResponse(exc.code)
+
+    async def leave_group(self, req: m.LeaveGroupRequest) -> m.LeaveGroupResponse:
+        try:
+            group = await self._group(req.group_id)
+            member = group.members.get(req.member_id) or group.static(req.group_instance_id)
+            if member is None:
+                raise UnknownMemberIdError(f"member {req.member_id!r} is not in the group")
+            log.info("group %s: member %s leaves", group.group_id, member.member_id)
+            await self._remove(group, member, UnknownMemberIdError("left the group"))
+            return m.LeaveGroupResponse(0)
+        except StrataError as exc:
+            return m.LeaveGroupResponse(exc.code)
+
+    # ---- offsets ----------------------------------------------------------------------------
+    async def offset_commit(self, req: m.OffsetCommitRequest) -> m.OffsetCommitResponse:
+        error = 0
+        try:
+            group = await self._group(req.group_id)
+            if req.generation_id < 0 and not req.member_id:
+                if group.members:
+                    raise IllegalGenerationError(
+                        f"group {group.group_id!r} has members: commit with a generation"
+                    )
+            else:
+                self._member(group, req.member_id, req.group_instance_id, req.generation_id)
+                if group.phase == Phase.COMPLETING_REBALANCE:
+                    raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            now_ms = int(time.time() * 1000)
+            offsets = {
+                (t.name, p.partition): CommittedOffset(p.offset, p.metadata, now_ms)
+                for t in req.topics
+                for p in t.partitions
+            }
+            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            group.pending.append(PendingCommit(offsets, done))
+            self.commits_received += len(offsets)
+            self._flush_wanted.set()
+            await asyncio.shield(done)
+        except StrataError as exc:
+            error = exc.code
+        return m.OffsetCommitResponse(
+            [
+                m.OffsetCommitTopicResult(
+                    t.name,
+                    [m.OffsetCommitPartitionResult(p.partition, error) for p in t.partitions],
+                )
+                for t in req.topics
+            ]
+        )
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await self._flush_wanted.wait()
+            if self.settings.commit_linger_ms:
+                await asyncio.sleep(self.settings.commit_linger_ms / 1000)
+            self._flush_wanted.clear()
+            dirty = [g for g in self.groups.values() if g.pending]
+            if dirty:
+                await asyncio.gather(*(self._flush(g) for g in dirty))
+
+    async def _flush(self, group: Group) -> None:
+        batch, group.pending = group.pending, []
+        async with group.lock:
+            error: StrataError | None = None
+            for attempt in range(3):
+                try:
+                    await self._write_offsets(group, batch)
+                    error = None
+                    break
+                except MetadataError as exc:
+                    error = exc
+                    group.offsets.clear()  # re-read: an admin reset or another coordinator
+                    if group.version >= 0:
+                        _, version = await self.store.get_state(group.group_id)
+                        if version != group.version:
+                            error = NotCoordinatorError(f"group {group.group_id!r} moved")
+                            break
+                    await asyncio.sleep(0.01 * (attempt + 1))
+        for pending in batch:
+            if pending.done.done():
+                continue
+            if error is None:
+                pending.done.set_result(None)
+            else:
+                pending.done.set_exception(
+                    error
+                    if isinstance(error, GroupError)
+                    else CoordinatorNotAvailableError(f"offsets not written: {error}")
+                )
+        if isinstance(error, NotCoordinatorError):
+            self._unload(group, error)
+
+    async def _write_offsets(self, group: Group, batch: list[PendingCommit]) -> None:
+        by_topic: dict[str, dict[int, CommittedOffset]] = {}
+        for pending in batch:
+            for (topic, partition), committed in pending.offsets.items():
+                by_topic.setdefault(topic, {})[partition] = committed
+        writes: dict[str, tuple[TopicOffsets, int]] = {}
+        for topic, changes in by_topic.items():
+            cached = group.offsets.get(topic)
+            if cached is None:
+                cached = await self.store.get_offsets(group.group_id, topic)
+            writes[topic] = ({**cached[0], **changes}, cached[1])
+        versions = await self.store.write_offsets(
+            group.group_id, writes, state_version=group.version
+        )
+        self.zk_offset_writes += 1
+        for topic, (offsets, _) in writes.items():
+            group.offsets[topic] = (offsets, versions[topic])
+
+    async def offset_fetch(self, req: m.OffsetFetchRequest) -> m.OffsetFetchResponse:
+        try:
+            group = await self._group(req.group_id)
+            async with group.lock:  # wait for a flush in flight: fetches see every commit
+                pass
+            wanted: dict[str, list[int] | None]
+            if req.topics is None:
+                wanted = {t: None for t in await self.store.topics(group.group_id)}
+            else:
+                wanted = {t.name: t.partitions for t in req.topics}
+            topics = []
+            for topic, partitions in wanted.items():
+                offsets, _ = await self.store.get_offsets(group.group_id, topic)
+                parts = sorted(offsets) if partitions is None else partitions
+                results = []
+                for p in parts:
+                    c = offsets.get(p)
+                    results.append(
+                        m.OffsetFetchPartitionResult(p, -1, None, 0)
+                        if c is None
+                        else m.OffsetFetchPartitionResult(p, c.offset, c.metadata, 0)
+                    )
+                topics.append(m.OffsetFetchTopicResult(topic, results))
+            return m.OffsetFetchResponse(0, topics)
+        except StrataError as exc:
+            return m.OffsetFetchResponse(_code(exc), [])
+        except Exception as exc:  # pragma: no cover - translated like every handler bug
+            log.exception("offset fetch failed")
+            return m.OffsetFetchResponse(_code(exc), [])
+
+    def handlers(self) -> dict[int, Any]:
+        return {
+            m.ApiKey.FIND_COORDINATOR: self.find_coordinator,
+            m.ApiKey.JOIN_GROUP: self.join_group,
+            m.ApiKey.SYNC_GROUP: self.sync_group,
+            m.ApiKey.HEARTBEAT: self.heartbeat,
+            m.ApiKey.LEAVE_GROUP: self.leave_group,
+            m.ApiKey.OFFSET_COMMIT: self.offset_commit,
+            m.ApiKey.OFFSET_FETCH: self.offset_fetch,
+        }
+
+    async def close(self) -> None:
+        for group in list(self.groups.values()):
+            self._unload(group, NotCoordinatorError("the agent is stopping"))

@@ -1,0 +1,224 @@
+"""Consumer groups in ZooKeeper: membership, generation and committed offsets.
+
+Layout (under the cluster's chroot; see ``docs/groups.md``)::
+
+    /groups/<group>/state             GroupRecord (JSON): generation, phase, protocol, leader,
+                                      members with their subscription and assignment
+    /groups/<group>/offsets/<topic>   {"<partition>": [offset, metadata, commit_ms], ...}
+
+Only the group's coordinator writes ``state`` (compare-and-set on the znode version, so a
+coordinator that lost the group to another agent cannot overwrite it) and ``offsets``: one
+``multi`` transaction per flush that checks the ``state`` version and rewrites every topic
+znode that has new commits. Coalescing many commits into one transaction is what keeps the
+write rate ZooKeeper sees far below the commit rate (``docs/benchmarks.md``). The admin API
+writes here only for groups without members (reset offsets, delete).
+
+Offsets are plain JSON arrays rather than pydantic models: a 1,000-partition topic is one
+~40 KB znode, rewritten on every flush that touches it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from storage.errors import GroupIdNotFoundError, InvalidRequestError, NodeNotFoundError
+from storage.metadata.models import dump, load
+from storage.metadata.zk import AsyncZooKeeper
+
+GROUPS = "/groups"
+MAX_GROUP_ID = 249
+
+
+def validate_group_id(group_id: Any) -> str:
+    """A group id is 1-249 characters with no ``/`` (it is a znode name)."""
+    if (
+        not isinstance(group_id, str)
+        or not 0 < len(group_id) <= MAX_GROUP_ID
+        or "/" in group_id
+        or group_id in {".", ".."}
+        or not group_id.isprintable()
+    ):
+        raise InvalidRequestError(
+            f"invalid group id {group_id!r}: 1-{MAX_GROUP_ID} printable characters, no '/'"
+        )
+    return group_id
+
+
+def group_path(group_id: str) -> str:
+    return f"{GROUPS}/{group_id}"
+
+
+def state_path(group_id: str) -> str:
+    return f"{GROUPS}/{group_id}/state"
+
+
+def offsets_root(group_id: str) -> str:
+    return f"{GROUPS}/{group_id}/offsets"
+
+
+def offsets_path(group_id: str, topic: str) -> str:
+    return f"{GROUPS}/{group_id}/offsets/{topic}"
+
+
+class MemberRecord(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    member_id: str
+    group_instance_id: str | None = None
+    client_id: str = ""
+    session_timeout_ms: int = Field(ge=1)
+    rebalance_timeout_ms: int = Field(ge=1)
+    protocols: list[tuple[str, str]] = Field(default_factory=list)
+    """(assignor name, base64 subscription) in the member's order of preference."""
+    assignment: str = ""
+    """Base64 of the ConsumerAssignment the leader gave it ("" before the sync)."""
+
+
+class GroupRecord(BaseModel):
+    """``/groups/<group>/state``: what a new coordinator needs to take the group over."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    group_id: str
+    generation: int = 0
+    phase: str = "empty"
+    protocol_type: str | None = None
+    protocol: str | None = None
+    leader: str | None = None
+    members: list[MemberRecord] = Field(default_factory=list)
+    updated_ms: int = 0
+
+
+def b64(data: bytes | memoryview | None) -> str:
+    return "" if data is None else base64.b64encode(bytes(data)).decode()
+
+
+def unb64(text: str) -> bytes:
+    return base64.b64decode(text) if text else b""
+
+
+@dataclass(frozen=True, slots=True)
+class CommittedOffset:
+    offset: int
+    metadata: str | None
+    commit_ms: int
+
+
+TopicOffsets = dict[int, CommittedOffset]
+
+
+def encode_offsets(offsets: TopicOffsets) -> bytes:
+    return json.dumps(
+        {str(p): [c.offset, c.metadata, c.commit_ms] for p, c in sorted(offsets.items())},
+        separators=(",", ":"),
+    ).encode()
+
+
+def decode_offsets(data: bytes) -> TopicOffsets:
+    try:
+        raw = json.loads(data) if data else {}
+        return {int(p): CommittedOffset(int(v[0]), v[1], int(v[2])) for p, v in raw.items()}
+    except (ValueError, TypeError, IndexError, AttributeError) as exc:
+        raise InvalidRequestError(f"stored offsets do not parse: {exc}") from None
+
+
+class GroupStore:
+    """Typed reads and writes of ``/groups`` (used by coordinators and by the admin API)."""
+
+    def __init__(self, zk: AsyncZooKeeper) -> None:
+        self.zk = zk
+
+    async def list_groups(self) -> list[str]:
+        try:
+            return sorted(await self.zk.get_children(GROUPS))
+        except NodeNotFoundError:
+            return []
+
+    async def exists(self, group_id: str) -> bool:
+        return await self.zk.exists(group_path(group_id)) is not None
+
+    async def get_state(self, group_id: str) -> tuple[GroupRecord | None, int]:
+        """The state and its znode version (``None, -1`` when never written)."""
+        try:
+            data, stat = await self.zk.get(state_path(group_id))
+        except NodeNotFoundError:
+            return None, -1
+        record: GroupRecord = load(GroupRecord, data)
+        return record, int(stat.version)
+
+    async def write_state(self, record: GroupRecord, version: int) -> int:
+        """Compare-and-set (``version`` -1: create the group); returns the new version."""
+        if version < 0:
+            gid = record.group_id
+
+            def build(tx: Any) -> None:
+                tx.create(group_path(gid), b"")
+                tx.create(state_path(gid), dump(record))
+                tx.create(offsets_root(gid), b"")
+
+            try:
+                await self.zk.transaction(build)
+            except Exception:
+                # the group node may exist without a state (offsets committed from outside)
+                await self.zk.ensure_path(offsets_root(gid))
+                await self.zk.create(state_path(gid), dump(record))
+            return 0
+        stat = await self.zk.set(state_path(record.group_id), dump(record), version)
+        return int(stat.version)
+
+    async def get_offsets(self, group_id: str, topic: str) -> tuple[TopicOffsets, int]:
+        try:
+            data, stat = await self.zk.get(offsets_path(group_id, topic))
+        except NodeNotFoundError:
+            return {}, -1
+        return decode_offsets(data), int(stat.version)
+
+    async def topics(self, group_id: str) -> list[str]:
+        try:
+            return sorted(await self.zk.get_children(offsets_root(group_id)))
+        except NodeNotFoundError:
+            return []
+
+    async def all_offsets(self, group_id: str) -> dict[str, TopicOffsets]:
+        out = {}
+        for topic in await self.topics(group_id):
+            offsets, _ = await self.get_offsets(group_id, topic)
+            out[topic] = offsets
+        return out
+
+    async def write_offsets(
+        self,
+        group_id: str,
+        writes: dict[str, tuple[TopicOffsets, int]],
+        *,
+        state_version: int | None = None,
+    ) -> dict[str, int]:
+        """One transaction: check the state version (unless None), then create or
+        compare-and-set every topic's offsets znode. Returns the new versions."""
+        if state_version is not None and state_version < 0:
+            state_version = None
+        if await self.zk.exists(offsets_root(group_id)) is None:
+            await self.zk.ensure_path(offsets_root(group_id))
+
+        def build(tx: Any) -> None:
+            if state_version is not None:
+                tx.check(state_path(group_id), state_version)
+            for topic, (offsets, version) in writes.items():
+                data = encode_offsets(offsets)
+                if version < 0:
+                    tx.create(offsets_path(group_id, topic), data)
+                else:
+                    tx.set_data(offsets_path(group_id, topic), data, version)
+
+        await self.zk.transaction(build)
+        return {topic: version + 1 for topic, (_, version) in writes.items()}
+
+    async def delete_group(self, group_id: str) -> None:
+        if not await self.exists(group_id):
+            raise GroupIdNotFoundError(f"no group {group_id!r}")
+        await self.zk.delete(group_path(group_id), recursive=True)

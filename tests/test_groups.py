@@ -1,0 +1,154 @@
+"""Consumer groups against real agent processes and a real ZooKeeper (SDK in the test process).
+
+The acceptance test with consumer *processes* is ``tests/test_groups_acceptance.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import pytest
+
+from sdk import Consumer, Producer, TopicPartition
+from sdk.group import OffsetAndMetadata
+from storage.errors import IllegalGenerationError, UnknownMemberIdError
+from storage.protocol import messages as m
+from tests.cluster import Cluster, WireClient
+from tests.harness import ProcessGroup, ZooKeeperChroot
+
+GROUP_CONFIGS = ("group.initial.rebalance.delay.ms=0", "group.min.session.timeout.ms=500")
+
+
+@pytest.fixture
+def cluster(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -> Cluster:
+    c = Cluster(processes, zk_chroot, tmp_path / "data")
+    for agent_id in (1, 2):
+        c.start_agent(agent_id, *GROUP_CONFIGS)
+    return c
+
+
+def consumer_config(cluster: Cluster, group: str, **extra: object) -> dict[str, object]:
+    return {
+        "bootstrap.servers": cluster.bootstrap,
+        "group.id": group,
+        "auto.offset.reset": "earliest",
+        "enable.auto.commit": False,
+        "session.timeout.ms": 3000,
+        "heartbeat.interval.ms": 200,
+        **extra,
+    }
+
+
+async def until(check: Callable[[], Awaitable[bool] | bool], what: str, within: float = 20) -> None:
+    async with asyncio.timeout(within):
+        while True:
+            result = check()
+            if not isinstance(result, bool):
+                result = await result
+            if result:
+                return
+            await asyncio.sleep(0.05)
+    raise AssertionError(what)  # pragma: no cover
+
+
+async def produce(cluster: Cluster, topic: str, n: int, partitions: int) -> None:
+    async with Producer({"bootstrap.servers": cluster.bootstrap, "acks": 1}) as producer:
+        for p in range(partitions):
+            await producer.send_batch(topic, [b"%d-%d" % (p, i) for i in range(n)], partition=p)
+        await producer.flush()
+
+
+def test_two_members_split_partitions_commit_and_fetch(cluster: Cluster) -> None:
+    cluster.create_topic("t", 6)
+    cluster.wait_for_leaders("t")
+
+    async def run() -> None:
+        await produce(cluster, "t", 10, 6)
+        a = Consumer(consumer_config(cluster, "g"))
+        b = Consumer(consumer_config(cluster, "g"))
+        await a.start()
+        await b.start()
+        try:
+            a.subscribe(["t"])
+            await until(lambda: len(a.assignment()) == 6, "a gets every partition")
+            b.subscribe(["t"])
+            await until(
+                lambda: (
+                    len(a.assignment()) == 3
+                    and len(b.assignment()) == 3
+                    and a.group_generation == b.group_generation
+                ),
+                "the partitions are split",
+            )
+            assert not (a.assignment() & b.assignment())
+            got = 0
+            async with asyncio.timeout(20):
+                while got < 60:
+                    for c in (a, b):
+                        got += sum(len(r) for r in (await c.getmany(timeout_ms=100)).values())
+            await a.commit()
+            tp = sorted(a.assignment())[0]
+            committed = await a.committed(tp)
+            assert committed == OffsetAndMetadata(10, None)
+            await a.commit({tp: OffsetAndMetadata(7, "meta")})
+            assert await b.committed(tp) == OffsetAndMetadata(7, "meta")
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(run())
+
+
+def test_commit_from_an_old_generation_is_rejected_with_a_typed_error(cluster: Cluster) -> None:
+    cluster.create_topic("t", 4)
+    cluster.wait_for_leaders("t")
+
+    async def run() -> None:
+        a = Consumer(consumer_config(cluster, "g"))
+        await a.start()
+        try:
+            a.subscribe(["t"])
+            await until(lambda: len(a.assignment()) == 4, "a joined")
+            old_generation, member = a.group_generation, a.member_id
+            b = Consumer(consumer_config(cluster, "g"))
+            await b.start()
+            b.subscribe(["t"])
+            await until(
+                lambda: a.group_generation > old_generation and len(b.assignment()) == 2,
+                "a second generation",
+            )
+            # the first generation's member id and generation, sent straight to the coordinator
+            coordinator = a._group.coordinator if a._group else None
+            assert coordinator is not None
+            host, port = (cluster.agents[coordinator].host, cluster.agents[coordinator].port)
+            client = await WireClient.connect(host, port)
+            try:
+                resp = await client.call(
+                    m.ApiKey.OFFSET_COMMIT,
+                    m.OffsetCommitRequest(
+                        "g",
+                        old_generation,
+                        member,
+                        None,
+                        [m.OffsetCommitTopic("t", [m.OffsetCommitPartition(0, 5, None)])],
+                    ),
+                )
+            finally:
+                await client.close()
+            assert resp.topics[0].partitions[0].error_code == IllegalGenerationError.code
+            # through the SDK: a member whose generation is over gets the typed error
+            assert a._group is not None
+            a._group.generation = old_generation
+            with pytest.raises(IllegalGenerationError):
+                await a.commit({TopicPartition("t", 0): 5})
+            # a member id the coordinator never gave
+            a._group.member_id = "nobody"
+            with pytest.raises(UnknownMemberIdError):
+                await a.commit({TopicPartition("t", 0): 5})
+            await b.close()
+        finally:
+            await a.close()
+
+    asyncio.run(run())
