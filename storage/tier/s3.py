@@ -216,7 +216,8 @@ class ObjectStore:
 
     async def get_range(self, key: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of ``key`` (``start < 0``: the last ``-start`` bytes)."""
-        rng = f"bytes={start}-" if start < 0 else f"bytes={start}-{end - 1}"
+        # a suffix range is "bytes=-N"; "bytes=-N-" is malformed and S3 answers the whole object
+        rng = f"bytes={start}" if start < 0 else f"bytes={start}-{end - 1}"
 
         def get() -> bytes:
             data: bytes = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)[
