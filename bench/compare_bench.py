@@ -1,0 +1,1149 @@
+"""Strata against the physical limits and against the systems users would pick instead.
+
+Run with ``make bench-compare`` (``python -m bench.compare_bench [--write-docs]``; part of
+``make bench``). Everything is measured in this run, on loopback, with the same message sizes:
+
+* **limits**: the disk's sequential write rate with ``fdatasync`` (``dd``, best of 3), 4 KiB
+  write+``fdatasync`` per second, loopback TCP bandwidth (one connection, 1 MiB writes);
+* **Strata**: produce 100 B / 1 KiB / 10 KiB, tuned for throughput (linger 5 ms, 1 MiB batches;
+  per-message ``send`` and bulk ``send_batch``) with acks=1 on one agent and acks=all, RF=3 on
+  three agents; latency tuned (linger 0) at a fixed moderate rate: produce→ack and
+  produce→consume p50/p99/p99.9; consume from the agent's disk and from the object tier
+  (moto S3); agent peak RSS under overload;
+* **peers** (``bench/peers.py``): NATS JetStream (file storage), Redis Streams (AOF everysec),
+  RabbitMQ streams — same sizes, their usual Python clients, pipelined for throughput and one
+  awaited publish at a time for latency.
+
+Results: ``bench/results/compare.json``, plots under ``docs/img/``, and with ``--write-docs``
+the generated section of ``docs/benchmarks.md``. Each scenario is bounded in time
+(``--seconds`` per throughput run) and every child process stops with the benchmark.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.peers import (
+    Peer,
+    PeerUnavailable,
+    ensure_installed,
+    start_nats,
+    start_rabbitmq,
+    start_redis,
+)
+from bench.storage_bench import disk_rates, fsyncs_per_second
+from infra.agents import AgentProcess, start_agent
+from infra.zookeeper import start_zookeeper
+from sdk import Consumer, Producer, TopicPartition
+from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = (100, 1024, 10240)
+STAMP = struct.Struct(">d")
+MiB = 1 << 20
+
+
+def _count(size: int, scale: float) -> int:
+    """Messages per throughput run: ~100 MB of 1 KiB, capped for small/large messages."""
+    return int({100: 200_000, 1024: 100_000, 10240: 20_000}[size] * scale)
+
+
+def _pcts(samples_s: list[float]) -> dict[str, float]:
+    if not samples_s:
+        return {"count": 0}
+    ms = np.array(samples_s) * 1000
+    return {
+        "count": len(ms),
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "p999_ms": float(np.percentile(ms, 99.9)),
+        "max_ms": float(ms.max()),
+    }
+
+
+def _rate(n: int, size: int, seconds: float) -> dict[str, float]:
+    return {
+        "messages": n,
+        "seconds": seconds,
+        "msgs_per_s": n / seconds,
+        "mb_per_s": n * size / 1e6 / seconds,
+    }
+
+
+def _payload(size: int) -> bytes:
+    return STAMP.pack(time.perf_counter()) + os.urandom(max(0, size - STAMP.size))
+
+
+# ------------------------------------------------------------------ physical limits
+
+
+def loopback_mb_per_s(seconds: float = 2.0) -> float:
+    """One TCP connection on 127.0.0.1, 1 MiB ``sendall`` calls, receiver in another thread."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    received = [0]
+
+    def sink() -> None:
+        conn, _ = server.accept()
+        buf = bytearray(MiB)
+        with conn:
+            while n := conn.recv_into(buf):
+                received[0] += n
+
+    thread = threading.Thread(target=sink, daemon=True)
+    thread.start()
+    chunk = b"\0" * MiB
+    with socket.create_connection(("127.0.0.1", port)) as client:
+        start = time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            client.sendall(chunk)
+        client.shutdown(socket.SHUT_WR)
+        thread.join(10)
+        elapsed = time.perf_counter() - start
+    server.close()
+    return received[0] / 1e6 / elapsed
+
+
+def limits(directory: Path) -> dict[str, Any]:
+    rates = disk_rates(directory, 512)
+    return {
+        "disk_fdatasync_mb_per_s": max(rates),
+        "disk_runs_mb_per_s": rates,
+        "fsyncs_per_s": fsyncs_per_second(directory, 1.0),
+        "loopback_mb_per_s": loopback_mb_per_s(),
+    }
+
+
+# ------------------------------------------------------------------ Strata
+
+
+async def _create_topic(
+    zk_connect: str, name: str, partitions: int, rf: int, config: dict[str, Any]
+) -> None:
+    zk = AsyncZooKeeper(zk_connect)
+    await zk.start()
+    try:
+        spec = TopicSpec.build(
+            name=name,
+            partitions=partitions,
+            replication_factor=rf,
+            config=config,
+            topic_id=uuid.uuid4().hex,
+            created_ms=int(time.time() * 1000),
+        )
+        await MetadataStore(zk).create_topic(spec)
+    finally:
+        await zk.stop()
+
+
+def _throughput_config(bootstrap: str, acks: int | str) -> dict[str, Any]:
+    return {
+        "bootstrap.servers": bootstrap,
+        "acks": acks,
+        "linger.ms": 5,
+        "batch.size": MiB,
+        "buffer.memory": 256 * MiB,
+        "max.in.flight.requests.per.connection": 5,
+    }
+
+
+async def _warm(bootstrap: str, topic: str, partitions: int, acks: int | str) -> None:
+    async with Producer({"bootstrap.servers": bootstrap, "acks": acks}) as producer:
+        await producer.partitions_for(topic)
+        for p in range(partitions):
+            await (await producer.send(topic, b"warm-up", partition=p))
+
+
+async def strata_send(
+    bootstrap: str, topic: str, n: int, size: int, acks: int | str, deadline: float
+) -> dict[str, float]:
+    value = os.urandom(size)
+    async with Producer(_throughput_config(bootstrap, acks)) as producer:
+        await producer.partitions_for(topic)
+        await (await producer.send(topic, value))
+        start = time.perf_counter()
+        end = start + deadline
+        futures = []
+        for i in range(n):
+            futures.append(await producer.send(topic, value))
+            if i & 1023 == 0 and time.perf_counter() > end:
+                break
+        await producer.flush()
+        elapsed = time.perf_counter() - start
+        if any(not f.done() or f.exception() is not None for f in futures):
+            raise RuntimeError("a Strata send failed")
+    return _rate(len(futures), size, elapsed)
+
+
+async def strata_send_batch(
+    bootstrap: str, topic: str, n: int, size: int, acks: int | str, deadline: float
+) -> dict[str, float]:
+    chunk = max(100, min(1000, MiB // size))
+    values = [os.urandom(size)] * chunk
+    async with Producer(_throughput_config(bootstrap, acks)) as producer:
+        await producer.partitions_for(topic)
+        await (await producer.send_batch(topic, values[:1]))
+        start = time.perf_counter()
+        end = start + deadline
+        futures = []
+        for _ in range(n // chunk):
+            futures.append(await producer.send_batch(topic, values))
+            if time.perf_counter() > end:
+                break
+        await producer.flush()
+        elapsed = time.perf_counter() - start
+        stored = sum(r.record_count for f in futures for r in f.result())
+    return _rate(stored, size, elapsed)
+
+
+async def _paced(
+    rate: int, seconds: float, size: int, send: Callable[[bytes], Awaitable[Awaitable[Any]]]
+) -> tuple[list[float], float]:
+    """Sends at ``rate``/s for ``seconds``; ``send`` returns an awaitable acknowledgement."""
+    acks: list[float] = []
+    total = int(rate * seconds)
+    pending = []
+
+    async def track(ack: Awaitable[Any], sent: float) -> None:
+        await ack
+        acks.append(time.perf_counter() - sent)
+
+    start = time.perf_counter()
+    for i in range(total):
+        delay = start + i / rate - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        sent = time.perf_counter()
+        ack = await send(STAMP.pack(sent) + os.urandom(size - STAMP.size))
+        pending.append(asyncio.ensure_future(track(ack, sent)))
+    await asyncio.gather(*pending)
+    return acks, total / (time.perf_counter() - start)
+
+
+def _e2e(received: list[float], value: bytes) -> None:
+    received.append(time.perf_counter() - STAMP.unpack_from(value)[0])
+
+
+async def strata_latency(
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    rate: int,
+    seconds: float,
+    size: int,
+    acks: int | str,
+) -> dict[str, Any]:
+    received: list[float] = []
+    consumer_config = {
+        "bootstrap.servers": bootstrap,
+        "auto.offset.reset": "latest",
+        "fetch.max.wait.ms": 100,
+    }
+    async with (
+        Consumer(consumer_config) as consumer,
+        Producer(
+            {"bootstrap.servers": bootstrap, "acks": acks, "linger.ms": 0, "batch.size": MiB}
+        ) as producer,
+    ):
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_end(*tps)
+        for tp in tps:
+            await consumer.position(tp)
+        await producer.partitions_for(topic)
+        stop = asyncio.Event()
+
+        async def consume() -> None:
+            while not stop.is_set():
+                for table in (await consumer.getmany_arrow(timeout_ms=100)).values():
+                    now = time.perf_counter()
+                    for v in table.column("value").to_pylist():
+                        received.append(now - STAMP.unpack_from(v)[0])
+
+        task = asyncio.create_task(consume())
+        acked, achieved = await _paced(rate, seconds, size, lambda v: producer.send(topic, v))
+        async with asyncio.timeout(10):
+            while len(received) < len(acked):  # noqa: ASYNC110 - counters bumped by client callbacks
+                await asyncio.sleep(0.05)
+        stop.set()
+        await task
+    return {
+        "rate": rate,
+        "achieved_rate": achieved,
+        "ack": _pcts(acked),
+        "e2e": _pcts(received),
+        "_ack": acked,
+        "_e2e": received,
+    }
+
+
+async def strata_consume(
+    bootstrap: str, topic: str, partitions: int, size: int, limit_s: float = 60.0
+) -> dict[str, float]:
+    config = {
+        "bootstrap.servers": bootstrap,
+        "auto.offset.reset": "earliest",
+        "max.partition.fetch.bytes": 8 * MiB,
+    }
+    async with Consumer(config) as consumer:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        ends = await consumer.end_offsets(tps)
+        expected = sum(ends.values())
+        got = 0
+        start = time.perf_counter()
+        async with asyncio.timeout(limit_s):
+            while got < expected:
+                for table in (await consumer.getmany_arrow(timeout_ms=500)).values():
+                    got += table.num_rows
+        elapsed = time.perf_counter() - start
+    return _rate(got, size, elapsed)
+
+
+def _strata_produce_all(
+    bootstrap: str, zk: str, rf: int, acks: int | str, args: argparse.Namespace, tag: str
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for size in SIZES:
+        topic = f"{tag}-{size}"
+        asyncio.run(
+            _create_topic(
+                zk, topic, args.partitions, rf, {"min.insync.replicas": 2} if rf == 3 else {}
+            )
+        )
+        asyncio.run(_warm(bootstrap, topic, args.partitions, acks))
+        n = _count(size, args.scale)
+        out[str(size)] = {
+            "send": asyncio.run(strata_send(bootstrap, topic, n, size, acks, args.seconds)),
+            "send_batch": asyncio.run(
+                strata_send_batch(bootstrap, topic, n, size, acks, args.seconds)
+            ),
+        }
+        print(f"strata {tag} {size} B: {out[str(size)]}", flush=True)
+    return out
+
+
+def _rss_kib(pid: int, field: str = "VmRSS") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def overload_producer(bootstrap: str, topic: str, seconds: float, size: int) -> None:
+    """Child process of the overload scenario: acks=0 ``send_batch`` as fast as it goes."""
+
+    async def run() -> None:
+        values = [os.urandom(size)] * 1000
+        sent = 0
+        config = _throughput_config(bootstrap, 0) | {"buffer.memory": 512 * MiB}
+        async with Producer(config) as producer:
+            await producer.partitions_for(topic)
+            start = time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                await producer.send_batch(topic, values)
+                sent += len(values)
+            elapsed = time.perf_counter() - start
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(10):
+                    await producer.flush()
+        print(json.dumps({"sent": sent, "seconds": elapsed}), flush=True)
+
+    asyncio.run(run())
+
+
+def overload(
+    agent: AgentProcess, bootstrap: str, zk: str, args: argparse.Namespace, sustained: float
+) -> dict[str, Any]:
+    topic = "overload"
+    asyncio.run(_create_topic(zk, topic, args.partitions, 1, {}))
+    asyncio.run(_warm(bootstrap, topic, args.partitions, 1))
+    before = _rss_kib(agent.pid)
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "bench.compare_bench",
+                "--overload-producer",
+                bootstrap,
+                topic,
+                str(args.overload_seconds),
+            ],
+            stdout=subprocess.PIPE,
+            cwd=ROOT,
+        )
+        for _ in range(args.overload_producers)
+    ]
+    samples = []
+    start = time.perf_counter()
+    while (
+        any(p.poll() is None for p in procs)
+        and time.perf_counter() - start < args.overload_seconds + 30
+    ):
+        samples.append((time.perf_counter() - start, _rss_kib(agent.pid)))
+        time.sleep(0.1)
+    sent = 0
+    for p in procs:
+        try:
+            stdout, _ = p.communicate(timeout=30)
+            sent += json.loads(stdout.decode().strip().splitlines()[-1])["sent"]
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            p.kill()
+    offered = sent / args.overload_seconds
+    return {
+        "producers": args.overload_producers,
+        "seconds": args.overload_seconds,
+        "offered_msgs_per_s": offered,
+        "sustained_msgs_per_s": sustained,
+        "overload_factor": offered / sustained if sustained else 0.0,
+        "rss_before_mib": before / 1024,
+        "rss_peak_mib": max([s[1] for s in samples] + [_rss_kib(agent.pid, "VmHWM")]) / 1024,
+        "_samples": samples,
+    }
+
+
+def _s3_setup(work: Path) -> tuple[Any, str]:
+    from infra.moto_s3 import start_moto
+
+    moto = start_moto(work / "moto")
+    import boto3
+
+    bucket = "strata-bench"
+    os.environ.update(
+        AWS_ENDPOINT_URL=moto.endpoint_url,
+        AWS_ACCESS_KEY_ID="testing",
+        AWS_SECRET_ACCESS_KEY="testing",
+        AWS_DEFAULT_REGION="us-east-1",
+        AWS_REGION="us-east-1",
+    )
+    boto3.client("s3", endpoint_url=moto.endpoint_url).create_bucket(Bucket=bucket)
+    return moto, bucket
+
+
+def tier_consume(work: Path, zk_server: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One agent with the object tier: produce, wait until every segment is committed to S3
+    (local copies dropped), then consume from the beginning — served from S3 (moto)."""
+    from kazoo.client import KazooClient
+
+    from storage.tier import Manifest
+
+    moto, bucket = _s3_setup(work)
+    chroot = f"{zk_server}/bench-tier"
+    agent = None
+    try:
+        agent = start_agent(
+            9,
+            chroot,
+            work / "agent-tier",
+            configs={
+                "s3.bucket": bucket,
+                "s3.endpoint.url": moto.endpoint_url,
+                "tier.check.interval.ms": 100,
+            },
+        )
+        topic, size = "tiered", 1024
+        n = _count(size, args.scale)
+        asyncio.run(
+            _create_topic(
+                chroot,
+                topic,
+                1,
+                1,
+                {"segment.bytes": 8 * MiB, "segment.ms": 1000, "local.retention.ms": 0},
+            )
+        )
+        asyncio.run(_warm(agent.address, topic, 1, 1))
+        asyncio.run(strata_send_batch(agent.address, topic, n, size, 1, args.seconds * 4))
+        zk = KazooClient(hosts=chroot, timeout=10)
+        zk.start(timeout=10)
+        try:
+            end_offset = asyncio.run(_end_offset(agent.address, topic))
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    manifest = Manifest.decode(zk.get(f"/topics/{topic}/partitions/0/segments")[0])
+                except Exception:
+                    manifest = Manifest()
+                if manifest.end >= end_offset or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+        finally:
+            zk.stop()
+            zk.close()
+        result = asyncio.run(strata_consume(agent.address, topic, 1, size, limit_s=180))
+        result["tiered_offsets"] = manifest.end
+        result["end_offset"] = end_offset
+        return result
+    finally:
+        if agent is not None:
+            agent.stop()
+        moto.stop()
+
+
+async def _end_offset(bootstrap: str, topic: str) -> int:
+    async with Consumer({"bootstrap.servers": bootstrap}) as consumer:
+        tp = TopicPartition(topic, 0)
+        return (await consumer.end_offsets([tp]))[tp]
+
+
+# ------------------------------------------------------------------ peers
+
+
+class NatsPeer:
+    name = "NATS JetStream"
+
+    def __init__(self, peer: Peer) -> None:
+        self.url = f"nats://127.0.0.1:{peer.port}"
+
+    async def __aenter__(self) -> NatsPeer:
+        import nats
+        from nats.js.api import StorageType
+
+        self.nc = await nats.connect(self.url, max_reconnect_attempts=1)
+        self.js = self.nc.jetstream(publish_async_max_pending=4000)
+        for size in SIZES:
+            await self.js.add_stream(
+                name=f"B{size}", subjects=[f"bench.{size}"], storage=StorageType.FILE
+            )
+        await self.js.add_stream(name="LAT", subjects=["lat"], storage=StorageType.FILE)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.nc.close()
+
+    async def produce(self, n: int, size: int, deadline: float) -> dict[str, float]:
+        value, subject = os.urandom(size), f"bench.{size}"
+        start = time.perf_counter()
+        sent = 0
+        while sent < n and time.perf_counter() - start < deadline:
+            futures = [await self.js.publish_async(subject, value) for _ in range(1000)]
+            sent += len(futures)
+        await self.js.publish_async_completed()
+        return _rate(sent, size, time.perf_counter() - start)
+
+    async def consume(self, size: int) -> dict[str, float]:
+        from nats.js.api import AckPolicy, ConsumerConfig
+
+        info = await self.js.stream_info(f"B{size}")
+        expected = info.state.messages
+        sub = await self.js.pull_subscribe(
+            f"bench.{size}", durable="reader", config=ConsumerConfig(ack_policy=AckPolicy.NONE)
+        )
+        got = 0
+        start = time.perf_counter()
+        async with asyncio.timeout(60):
+            while got < expected:
+                got += len(await sub.fetch(1000, timeout=5))
+        return _rate(got, size, time.perf_counter() - start)
+
+    async def latency(self, rate: int, seconds: float, size: int) -> dict[str, Any]:
+        from nats.js.api import DeliverPolicy
+
+        received: list[float] = []
+
+        async def on_msg(msg: Any) -> None:
+            _e2e(received, msg.data)
+
+        sub = await self.js.subscribe(
+            "lat", cb=on_msg, ordered_consumer=True, deliver_policy=DeliverPolicy.NEW
+        )
+
+        async def send(v: bytes) -> Awaitable[Any]:
+            return self.js.publish("lat", v)
+
+        acked, achieved = await _paced(rate, seconds, size, send)
+        await _drain(received, len(acked))
+        await sub.unsubscribe()
+        return {
+            "rate": rate,
+            "achieved_rate": achieved,
+            "ack": _pcts(acked),
+            "e2e": _pcts(received),
+            "_ack": acked,
+            "_e2e": received,
+        }
+
+
+async def _drain(received: list[float], expected: int) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(10):
+            while len(received) < expected:  # noqa: ASYNC110 - counters bumped by client callbacks
+                await asyncio.sleep(0.05)
+
+
+class RedisPeer:
+    name = "Redis Streams"
+
+    def __init__(self, peer: Peer) -> None:
+        self.port = peer.port
+
+    async def __aenter__(self) -> RedisPeer:
+        import redis.asyncio as aioredis
+
+        self.r = aioredis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
+        self.r2 = aioredis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.r.aclose()
+        await self.r2.aclose()
+
+    async def produce(self, n: int, size: int, deadline: float) -> dict[str, float]:
+        value, key = os.urandom(size), f"bench-{size}"
+        start = time.perf_counter()
+        sent = 0
+        while sent < n and time.perf_counter() - start < deadline:
+            pipe = self.r.pipeline(transaction=False)
+            for _ in range(1000):
+                pipe.xadd(key, {"v": value})
+            sent += len(await pipe.execute())
+        return _rate(sent, size, time.perf_counter() - start)
+
+    async def consume(self, size: int) -> dict[str, float]:
+        key = f"bench-{size}"
+        expected = await self.r.xlen(key)
+        got, last = 0, "0-0"
+        start = time.perf_counter()
+        async with asyncio.timeout(60):
+            while got < expected:
+                reply: Any = await self.r.xread({key: last}, count=1000)
+                entries = reply[0][1]
+                got += len(entries)
+                last = entries[-1][0]
+        return _rate(got, size, time.perf_counter() - start)
+
+    async def latency(self, rate: int, seconds: float, size: int) -> dict[str, Any]:
+        received: list[float] = []
+        stop = asyncio.Event()
+
+        async def consume() -> None:
+            last = "$"
+            while not stop.is_set():
+                reply: Any = await self.r2.xread({"lat": last}, count=1000, block=100)
+                for _, entries in reply:
+                    for entry_id, fields in entries:
+                        _e2e(received, fields[b"v"])
+                        last = entry_id
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.2)
+
+        async def send(v: bytes) -> Awaitable[Any]:
+            return self.r.xadd("lat", {"v": v})
+
+        acked, achieved = await _paced(rate, seconds, size, send)
+        await _drain(received, len(acked))
+        stop.set()
+        await task
+        return {
+            "rate": rate,
+            "achieved_rate": achieved,
+            "ack": _pcts(acked),
+            "e2e": _pcts(received),
+            "_ack": acked,
+            "_e2e": received,
+        }
+
+
+class RabbitPeer:
+    name = "RabbitMQ streams"
+
+    def __init__(self, peer: Peer) -> None:
+        self.port = peer.port
+        self.produced: dict[int, int] = {}
+
+    async def __aenter__(self) -> RabbitPeer:
+        import rstream
+
+        self.producer = rstream.Producer("127.0.0.1", self.port, username="guest", password="guest")
+        await self.producer.start()
+        for size in SIZES:
+            await self.producer.create_stream(f"bench-{size}", exists_ok=True)
+        await self.producer.create_stream("lat", exists_ok=True)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.producer.close()
+
+    async def produce(self, n: int, size: int, deadline: float) -> dict[str, float]:
+        stream = f"bench-{size}"
+        chunk = max(1, min(1000, (MiB // 2) // size))
+        batch = [os.urandom(size)] * chunk
+        confirmed = [0]
+
+        def on_confirm(status: Any) -> None:
+            confirmed[0] += 1
+
+        start = time.perf_counter()
+        sent = 0
+        while sent < n and time.perf_counter() - start < deadline:
+            await self.producer.send_batch(stream, batch, on_publish_confirm=on_confirm)
+            sent += chunk
+            while sent - confirmed[0] > 20_000:  # bounded in flight  # noqa: ASYNC110 - counters bumped by client callbacks
+                await asyncio.sleep(0.001)
+        async with asyncio.timeout(60):
+            while confirmed[0] < sent:  # noqa: ASYNC110 - counters bumped by client callbacks
+                await asyncio.sleep(0.001)
+        return _rate(sent, size, time.perf_counter() - start)
+
+    async def consume(self, size: int) -> dict[str, float]:
+        import rstream
+
+        stream = f"bench-{size}"
+        expected = self.produced.get(size, 0)
+        got = [0]
+        done = asyncio.Event()
+
+        def on_message(msg: Any, ctx: Any) -> None:
+            got[0] += 1
+            if got[0] >= expected:
+                done.set()
+
+        consumer = rstream.Consumer("127.0.0.1", self.port, username="guest", password="guest")
+        await consumer.start()
+        start = time.perf_counter()
+        await consumer.subscribe(
+            stream,
+            on_message,
+            offset_specification=rstream.ConsumerOffsetSpecification(
+                rstream.OffsetType.FIRST, None
+            ),
+            initial_credit=50,
+        )
+        try:
+            async with asyncio.timeout(60):
+                await done.wait()
+        finally:
+            elapsed = time.perf_counter() - start
+            await consumer.close()
+        return _rate(got[0], size, elapsed)
+
+    async def latency(self, rate: int, seconds: float, size: int) -> dict[str, Any]:
+        import rstream
+
+        received: list[float] = []
+        consumer = rstream.Consumer("127.0.0.1", self.port, username="guest", password="guest")
+        await consumer.start()
+        await consumer.subscribe(
+            "lat",
+            lambda msg, ctx: _e2e(received, bytes(msg)),
+            offset_specification=rstream.ConsumerOffsetSpecification(rstream.OffsetType.NEXT, None),
+        )
+        await asyncio.sleep(0.2)
+
+        async def send(v: bytes) -> Awaitable[Any]:
+            return self.producer.send_wait("lat", v)
+
+        acked, achieved = await _paced(rate, seconds, size, send)
+        await _drain(received, len(acked))
+        await consumer.close()
+        return {
+            "rate": rate,
+            "achieved_rate": achieved,
+            "ack": _pcts(acked),
+            "e2e": _pcts(received),
+            "_ack": acked,
+            "_e2e": received,
+        }
+
+
+async def run_peer(client: Any, args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"produce": {}}
+    async with client:
+        for size in SIZES:
+            r = await client.produce(_count(size, args.scale), size, args.seconds)
+            if isinstance(client, RabbitPeer):
+                client.produced[size] = r["messages"]
+            out["produce"][str(size)] = r
+            print(f"{client.name} {size} B: {r}", flush=True)
+        out["consume"] = await client.consume(1024)
+        out["latency"] = await client.latency(args.rate, args.latency_seconds, 1024)
+    return out
+
+
+# ------------------------------------------------------------------ report
+
+
+def _strip(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _strip(v) for k, v in obj.items() if not k.startswith("_")}
+    return obj
+
+
+def plots(r: dict[str, Any], img: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    series = {
+        "Strata acks=1 send_batch": [
+            r["strata_acks1"][str(s)]["send_batch"]["mb_per_s"] for s in SIZES
+        ],
+        "Strata acks=1 send": [r["strata_acks1"][str(s)]["send"]["mb_per_s"] for s in SIZES],
+        "Strata acks=all RF=3 send_batch": [
+            r["strata_acksall"][str(s)]["send_batch"]["mb_per_s"] for s in SIZES
+        ],
+    }
+    for name, peer in r["peers"].items():
+        if "produce" in peer:
+            series[name] = [peer["produce"][str(s)]["mb_per_s"] for s in SIZES]
+    for name, ys in series.items():
+        ax.plot(SIZES, ys, marker="o", label=name)
+    ax.axhline(
+        r["limits"]["disk_fdatasync_mb_per_s"], color="k", ls="--", label="disk fdatasync (dd)"
+    )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xticks(SIZES, ["100 B", "1 KiB", "10 KiB"])
+    ax.set_xlabel("message size")
+    ax.set_ylabel("produce throughput, MB/s (log)")
+    ax.set_title("Produce throughput by message size (one producer process)")
+    ax.legend(fontsize=7)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(img / "bench-throughput.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2), sharey=True)
+    lat = {
+        "Strata acks=1": r["_lat"]["strata_acks1"],
+        "Strata acks=all RF=3": r["_lat"]["strata_acksall"],
+    }
+    lat |= {name: peer["_latency"] for name, peer in r["_peers_raw"].items()}
+    for ax, kind, title in (
+        (axes[0], "_ack", "produce → ack"),
+        (axes[1], "_e2e", "produce → consume"),
+    ):
+        for name, data in lat.items():
+            xs = np.sort(np.array(data[kind]) * 1000)
+            if len(xs):
+                ax.plot(xs, np.arange(1, len(xs) + 1) / len(xs), label=name)
+        ax.set_xscale("log")
+        ax.set_xlabel("latency, ms (log)")
+        ax.set_title(f"{title}, 1 KiB at {r['rate']:,} msgs/s")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("fraction of messages")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(img / "bench-latency-cdf.png", dpi=110)
+    plt.close(fig)
+    return ["img/bench-throughput.png", "img/bench-latency-cdf.png"]
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "n/a"
+
+
+def render(r: dict[str, Any]) -> str:
+    lim = r["limits"]
+    disk = lim["disk_fdatasync_mb_per_s"]
+    s1, sa = r["strata_acks1"], r["strata_acksall"]
+    peers = {k: v for k, v in r["peers"].items() if "produce" in v}
+    lines = [
+        "<!-- compare-bench:begin (generated by `make bench-compare`; do not edit by hand) -->",
+        f"Measured {r['date']} on {r['machine']} with `{r['command']}` (about {r['elapsed_s'] / 60:.0f} min)."
+        + (
+            " **Shared machine**: other engineers' test suites ran at the same time, so absolute figures are low and noisy; the ratios within one run are what to read."
+            if r.get("shared")
+            else ""
+        ),
+        "",
+        f"**Physical limits** (same run): disk sequential write with fdatasync **{disk:,.0f} MB/s** "
+        f"(dd 512 MiB, best of {', '.join(f'{x:,.0f}' for x in lim['disk_runs_mb_per_s'])}); "
+        f"**{lim['fsyncs_per_s']:,.0f}** 4 KiB write+fdatasync per second; loopback TCP **{lim['loopback_mb_per_s']:,.0f} MB/s** (one connection).",
+        "",
+        "**Produce throughput** (one producer process; Strata topics have "
+        f"{r['partitions']} partitions, `fsync.policy=always`; linger 5 ms, 1 MiB batches):",
+        "",
+        "| system | 100 B msgs/s | 100 B MB/s | 1 KiB msgs/s | 1 KiB MB/s | 10 KiB msgs/s | 10 KiB MB/s | 1 KiB ÷ disk |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def row(name: str, cells: dict[str, Any]) -> str:
+        parts = [f"| {name} "]
+        for s in SIZES:
+            c = cells[str(s)]
+            parts.append(f"| {c['msgs_per_s']:,.0f} | {c['mb_per_s']:,.1f} ")
+        parts.append(f"| {cells['1024']['mb_per_s'] / disk:.3f} |")
+        return "".join(parts)
+
+    lines.append(row("Strata acks=1, `send_batch`", {k: v["send_batch"] for k, v in s1.items()}))
+    lines.append(row("Strata acks=1, per-message `send`", {k: v["send"] for k, v in s1.items()}))
+    lines.append(
+        row(
+            "Strata acks=all RF=3 (3 agents), `send_batch`",
+            {k: v["send_batch"] for k, v in sa.items()},
+        )
+    )
+    lines.append(
+        row("Strata acks=all RF=3 (3 agents), `send`", {k: v["send"] for k, v in sa.items()})
+    )
+    for name, p in peers.items():
+        lines.append(row(name, p["produce"]))
+    for name, p in r["peers"].items():
+        if "error" in p:
+            lines.append(f"| {name} | not measured: {p['error']} |||||||")
+    best1k = s1["1024"]["send_batch"]["mb_per_s"]
+    send1k = s1["1024"]["send"]["mb_per_s"]
+    lines += [
+        "",
+        "**Ratios at 1 KiB, acks=1** (Strata `send_batch` / per-message `send`):",
+        "",
+        f"* Strata ÷ disk fdatasync rate: **{best1k / disk:.3f}** / {send1k / disk:.3f} (target ≥ 0.5: {'met' if best1k / disk >= 0.5 else '**missed**'})",
+    ]
+    for name, p in peers.items():
+        peer1k = p["produce"]["1024"]["mb_per_s"]
+        ok = "met" if best1k / peer1k >= 2 else "**missed**"
+        lines.append(
+            f"* Strata ÷ {name}: **{_ratio(best1k, peer1k)}** / {_ratio(send1k, peer1k)} (target ≥ 2x: {ok} with `send_batch`)"
+        )
+    lat_rows = [
+        ("Strata acks=1 (1 agent)", r["lat_strata_acks1"]),
+        ("Strata acks=all, RF=3 (3 agents)", r["lat_strata_acksall"]),
+    ]
+    lat_rows += [(name, p["latency"]) for name, p in peers.items()]
+    lines += [
+        "",
+        f"**Latency** at a fixed {r['rate']:,} msgs/s of 1 KiB for {r['latency_seconds']:g} s, tuned for latency (Strata linger 0; peers: one awaited publish per message), ms:",
+        "",
+        "| system | ack p50 | ack p99 | ack p99.9 | consume p50 | consume p99 | consume p99.9 | achieved msgs/s |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, lt in lat_rows:
+        a, e = lt["ack"], lt["e2e"]
+        lines.append(
+            f"| {name} | {a['p50_ms']:.2f} | {a['p99_ms']:.2f} | {a['p999_ms']:.2f} | "
+            f"{e.get('p50_ms', float('nan')):.2f} | {e.get('p99_ms', float('nan')):.2f} | {e.get('p999_ms', float('nan')):.2f} | {lt['achieved_rate']:,.0f} |"
+        )
+    p1, pa = r["lat_strata_acks1"]["ack"]["p99_ms"], r["lat_strata_acksall"]["ack"]["p99_ms"]
+    lines += [
+        "",
+        f"Targets: p99 produce→ack ≤ 5 ms with acks=1: {'met' if p1 <= 5 else '**missed**'} ({p1:.2f} ms); "
+        f"≤ 15 ms with acks=all, RF=3: {'met' if pa <= 15 else '**missed**'} ({pa:.2f} ms).",
+        "",
+        "**Consume** (1 KiB messages, from the beginning, one consumer):",
+        "",
+        "| source | msgs/s | MB/s | ÷ Strata from disk |",
+        "|---|---:|---:|---:|",
+    ]
+    disk_c = r["consume_disk"]
+    rows_c = [("Strata, agent's disk", disk_c)]
+    if "msgs_per_s" in r.get("consume_tier", {}):
+        rows_c.append(
+            (
+                f"Strata, object tier (moto S3; {r['consume_tier']['tiered_offsets']:,} of {r['consume_tier']['end_offset']:,} offsets tiered, local copies dropped)",
+                r["consume_tier"],
+            )
+        )
+    rows_c += [(name, p["consume"]) for name, p in peers.items()]
+    for name, c in rows_c:
+        lines.append(
+            f"| {name} | {c['msgs_per_s']:,.0f} | {c['mb_per_s']:,.1f} | {c['msgs_per_s'] / disk_c['msgs_per_s']:.2f} |"
+        )
+    if "error" in r.get("consume_tier", {}):
+        lines.append(f"| Strata, object tier | not measured: {r['consume_tier']['error']} |||")
+    ov = r["overload"]
+    ok = "met" if ov["rss_peak_mib"] <= 1024 else "**missed**"
+    lines += [
+        "",
+        f"**Overload**: {ov['producers']} producer processes, acks=0, `send_batch` of 1 KiB as fast as they go for {ov['seconds']:g} s "
+        f"against one agent: offered {ov['offered_msgs_per_s']:,.0f} msgs/s = **{ov['overload_factor']:.1f}x** the acks=1 rate the agent sustained "
+        f"({ov['sustained_msgs_per_s']:,.0f} msgs/s); agent RSS {ov['rss_before_mib']:,.0f} MiB before, peak **{ov['rss_peak_mib']:,.0f} MiB** "
+        f"(target ≤ 1 GiB: {ok}).",
+        "",
+        "![produce throughput by message size](img/bench-throughput.png)",
+        "",
+        "![latency CDFs](img/bench-latency-cdf.png)",
+        "<!-- compare-bench:end -->",
+    ]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------ main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Strata vs physical limits and peers")
+    parser.add_argument("--scale", type=float, default=1.0, help="multiplies message counts")
+    parser.add_argument("--seconds", type=float, default=8.0, help="cap per throughput run")
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--latency-seconds", type=float, default=4.0)
+    parser.add_argument("--overload-producers", type=int, default=4)
+    parser.add_argument("--overload-seconds", type=float, default=10.0)
+    parser.add_argument("--peers", default="nats,redis,rabbitmq")
+    parser.add_argument(
+        "--shared", action="store_true", help="say in the docs that the machine was shared"
+    )
+    parser.add_argument("--dir", type=Path, default=ROOT / "var" / "bench")
+    parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--overload-producer",
+        nargs=3,
+        metavar=("BOOTSTRAP", "TOPIC", "SECONDS"),
+        help=argparse.SUPPRESS,
+    )
+    args = parser.parse_args(argv)
+    if args.overload_producer:
+        bootstrap, topic, seconds = args.overload_producer
+        overload_producer(bootstrap, topic, float(seconds), 1024)
+        return 0
+
+    began = time.perf_counter()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=args.dir, prefix="compare-"))
+    result: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
+        "command": "make bench",
+        "partitions": args.partitions,
+        "rate": args.rate,
+        "latency_seconds": args.latency_seconds,
+        "shared": args.shared,
+        "peers": {},
+        "_lat": {},
+        "_peers_raw": {},
+    }
+    try:
+        result["limits"] = limits(work)
+        print("limits:", result["limits"], flush=True)
+        zk = start_zookeeper(work / "zookeeper")
+        agents: list[AgentProcess] = []
+        try:
+            # ---- acks=1, one agent
+            connect = f"{zk.connect_string}/bench-one"
+            agents.append(start_agent(1, connect, work / "agent-1"))
+            boot = agents[0].address
+            result["strata_acks1"] = _strata_produce_all(boot, connect, 1, 1, args, "a1")
+            asyncio.run(_create_topic(connect, "lat", args.partitions, 1, {}))
+            asyncio.run(_warm(boot, "lat", args.partitions, 1))
+            lat = asyncio.run(
+                strata_latency(
+                    boot, "lat", args.partitions, args.rate, args.latency_seconds, 1024, 1
+                )
+            )
+            result["_lat"]["strata_acks1"] = lat
+            result["lat_strata_acks1"] = _strip(lat)
+            result["consume_disk"] = asyncio.run(
+                strata_consume(boot, "a1-1024", args.partitions, 1024)
+            )
+            print(
+                "strata latency acks=1:",
+                result["lat_strata_acks1"],
+                "consume:",
+                result["consume_disk"],
+                flush=True,
+            )
+            sustained = result["strata_acks1"]["1024"]["send_batch"]["msgs_per_s"]
+            ov = overload(agents[0], boot, connect, args, sustained)
+            result["overload"] = _strip(ov)
+            print("overload:", result["overload"], flush=True)
+            agents[0].stop()
+            agents.clear()
+            # ---- acks=all, RF=3, three agents
+            connect = f"{zk.connect_string}/bench-three"
+            agents = [start_agent(i, connect, work / f"agent3-{i}") for i in (1, 2, 3)]
+            boot = ",".join(a.address for a in agents)
+            result["strata_acksall"] = _strata_produce_all(boot, connect, 3, "all", args, "aa")
+            asyncio.run(
+                _create_topic(connect, "lat", args.partitions, 3, {"min.insync.replicas": 2})
+            )
+            asyncio.run(_warm(boot, "lat", args.partitions, "all"))
+            lat = asyncio.run(
+                strata_latency(
+                    boot, "lat", args.partitions, args.rate, args.latency_seconds, 1024, "all"
+                )
+            )
+            result["_lat"]["strata_acksall"] = lat
+            result["lat_strata_acksall"] = _strip(lat)
+            print("strata latency acks=all:", result["lat_strata_acksall"], flush=True)
+            for a in agents:
+                a.stop()
+            agents.clear()
+            # ---- object tier
+            try:
+                result["consume_tier"] = tier_consume(work, zk.connect_string, args)
+            except Exception as exc:  # reported, not fatal: the rest of the run still counts
+                result["consume_tier"] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print("tier consume:", result["consume_tier"], flush=True)
+        finally:
+            for a in agents:
+                a.stop()
+            zk.stop()
+        # ---- peers
+        problems = ensure_installed()
+        starters: dict[str, tuple[str, Callable[[Path], Peer], Any]] = {
+            "nats": ("NATS JetStream", start_nats, NatsPeer),
+            "redis": ("Redis Streams", start_redis, RedisPeer),
+            "rabbitmq": ("RabbitMQ streams", start_rabbitmq, RabbitPeer),
+        }
+        for key in args.peers.split(","):
+            name, start, client = starters[key]
+            pkg = {"nats": "nats-server", "redis": "redis-server", "rabbitmq": "rabbitmq-server"}[
+                key
+            ]
+            if pkg in problems:
+                result["peers"][name] = {"error": problems[pkg]}
+                continue
+            try:
+                peer = start(work / key)
+            except PeerUnavailable as exc:
+                result["peers"][name] = {"error": str(exc).splitlines()[0][:300]}
+                continue
+            try:
+                raw = asyncio.run(asyncio.wait_for(run_peer(client(peer), args), timeout=300))
+                result["_peers_raw"][name] = {"_latency": raw["latency"]}
+                result["peers"][name] = _strip(raw)
+            except Exception as exc:
+                result["peers"][name] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            finally:
+                peer.stop()
+            print(name, result["peers"][name], flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["elapsed_s"] = time.perf_counter() - began
+    plots(result, ROOT / "docs" / "img")
+    table = render(result)
+    print(table)
+    out = ROOT / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    clean = {k: _strip(v) for k, v in result.items() if not k.startswith("_")}
+    (out / "compare.json").write_text(json.dumps(clean, indent=2))
+    if args.write_docs:
+        doc = ROOT / "docs" / "benchmarks.md"
+        text = doc.read_text()
+        pattern = re.compile(r"<!-- compare-bench:begin.*?<!-- compare-bench:end -->", re.S)
+        if not pattern.search(text):
+            raise SystemExit("docs/benchmarks.md has no compare-bench markers")
+        doc.write_text(pattern.sub(lambda _: table, text))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
