@@ -7,6 +7,7 @@
     DELETE /topics/{name}             -> 204
     POST   /topics/{name}/partitions  {"count": N}       -> 200 TopicDescription
     PATCH  /topics/{name}/configs     {"configs": {...}} -> 200 TopicDescription
+    /groups...                        consumer groups: see ``handlers.groups``
 
 The admin writes topic specs only (``/topics/<name>`` in ZooKeeper); the controller notices
 and creates the partition states (leader, replicas, ISR). Until it has, a describe shows
@@ -32,6 +33,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from handlers.groups import ROUTES as GROUP_ROUTES
 from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
 from handlers.runtime import Invocation
 from sdk.admin import PartitionInfo, PartitionStatus, TopicDescription
@@ -314,6 +316,7 @@ ROUTER = Router(
         Route("DELETE", "/topics/{name}", _delete_topic),
         Route("POST", "/topics/{name}/partitions", _create_partitions),
         Route("PATCH", "/topics/{name}/configs", _alter_configs),
+        *GROUP_ROUTES,
     ],
     invocation=Invocation,
 )

@@ -35,7 +35,9 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from storage.errors import (
+    GroupIdNotFoundError,
     InvalidRequestError,
+    NonEmptyGroupError,
     RequestTimedOutError,
     StrataError,
     TopicAlreadyExistsError,
@@ -89,6 +91,8 @@ _STATUS: dict[type[StrataError], int] = {
     PayloadTooLargeError: 413,
     UnknownTopicOrPartitionError: 404,
     RequestTimedOutError: 504,
+    GroupIdNotFoundError: 404,
+    NonEmptyGroupError: 409,
 }
 
 

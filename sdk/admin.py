@@ -201,6 +201,10 @@ def _topic(name: str) -> str:
     return "/topics/" + urllib.parse.quote(name, safe="")
 
 
+def _group(group: str) -> str:
+    return "/groups/" + urllib.parse.quote(group, safe="")
+
+
 class SyncAdmin:
     """The blocking admin client (one HTTP request per call, ``timeout`` s each)."""
 
@@ -244,6 +248,32 @@ class SyncAdmin:
         """Change some configs (dotted names); a value of ``None`` restores the default."""
         answer = self._http.request("PATCH", _topic(name) + "/configs", {"configs": dict(configs)})
         return TopicDescription.from_json(answer)
+
+    # ---- consumer groups (handlers/groups.py describes the shapes) ----------------------
+    def list_groups(self) -> list[dict[str, Any]]:
+        return list(self._http.request("GET", "/groups")["groups"])
+
+    def describe_group(self, group: str) -> dict[str, Any]:
+        """Members, assignment, committed offsets and lag (messages, seconds) per partition."""
+        return dict(self._http.request("GET", _group(group)))
+
+    def reset_offsets(
+        self,
+        group: str,
+        topic: str,
+        to: str | Mapping[str, int],
+        partitions: list[int] | None = None,
+    ) -> dict[int, int]:
+        """Reset an inactive group's offsets: ``to`` is "earliest", "latest",
+        ``{"timestamp": ms}`` or ``{"offset": n}``."""
+        body: dict[str, Any] = {"topic": topic, "to": to if isinstance(to, str) else dict(to)}
+        if partitions is not None:
+            body["partitions"] = list(partitions)
+        answer = self._http.request("POST", _group(group) + "/offsets", body)
+        return {int(p): int(o) for p, o in answer["offsets"].items()}
+
+    def delete_group(self, group: str) -> None:
+        self._http.request("DELETE", _group(group))
 
     def close(self) -> None:
         """Nothing to release (a connection per request); for symmetry with ``Admin``."""
@@ -311,6 +341,29 @@ class Admin:
         """Change some configs (dotted names); a value of ``None`` restores the default."""
         result: TopicDescription = await self._call(self._sync.alter_configs, name, configs)
         return result
+
+    async def list_groups(self) -> list[dict[str, Any]]:
+        result: list[dict[str, Any]] = await self._call(self._sync.list_groups)
+        return result
+
+    async def describe_group(self, group: str) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(self._sync.describe_group, group)
+        return result
+
+    async def reset_offsets(
+        self,
+        group: str,
+        topic: str,
+        to: str | Mapping[str, int],
+        partitions: list[int] | None = None,
+    ) -> dict[int, int]:
+        result: dict[int, int] = await self._call(
+            self._sync.reset_offsets, group, topic, to, partitions
+        )
+        return result
+
+    async def delete_group(self, group: str) -> None:
+        await self._call(self._sync.delete_group, group)
 
     async def close(self) -> None:
         self._sync.close()

@@ -152,3 +152,56 @@ def test_commit_from_an_old_generation_is_rejected_with_a_typed_error(cluster: C
             await a.close()
 
     asyncio.run(run())
+
+
+def test_admin_lists_describes_resets_and_deletes_an_inactive_group(cluster: Cluster) -> None:
+    from handlers.groups import GroupAdmin
+    from storage.errors import GroupIdNotFoundError, NonEmptyGroupError
+    from storage.metadata import AsyncZooKeeper, MetadataStore
+
+    cluster.create_topic("t", 2)
+    cluster.wait_for_leaders("t")
+
+    async def run() -> None:
+        await produce(cluster, "t", 10, 2)
+        zk = AsyncZooKeeper(cluster.zk.connect_string)
+        await zk.start()
+        admin = GroupAdmin(MetadataStore(zk))
+        try:
+            a = Consumer(consumer_config(cluster, "g"))
+            await a.start()
+            a.subscribe(["t"])
+            await until(lambda: len(a.assignment()) == 2, "a joined")
+            await a.commit({TopicPartition("t", 0): 4, TopicPartition("t", 1): 10})
+            described = await admin.describe("g")
+            assert described["phase"] == "stable" and len(described["members"]) == 1
+            assert sorted(map(tuple, described["members"][0]["assignment"])) == [("t", 0), ("t", 1)]
+            lag = {o["partition"]: o for o in described["offsets"]}
+            assert (lag[0]["committed"], lag[0]["log_end_offset"], lag[0]["lag"]) == (4, 10, 6)
+            assert lag[0]["lag_seconds"] is not None and lag[0]["lag_seconds"] >= 0
+            assert (lag[1]["lag"], lag[1]["lag_seconds"]) == (0, 0.0)
+            with pytest.raises(NonEmptyGroupError):
+                await admin.reset_offsets("g", "t", "earliest", None)
+            await a.close()
+            assert [g["group_id"] for g in await admin.list_groups()] == ["g"]
+            assert await admin.reset_offsets("g", "t", "earliest", None) == {0: 0, 1: 0}
+            assert await admin.reset_offsets("g", "t", {"offset": 3}, [1]) == {1: 3}
+            assert await admin.reset_offsets("g", "t", "latest", [0]) == {0: 10}
+            b = Consumer(consumer_config(cluster, "g"))
+            await b.start()
+            try:
+                assert await b.committed(("t", 1)) == OffsetAndMetadata(3, "reset by admin")
+                b.subscribe(["t"])
+                await until(lambda: len(b.assignment()) == 2, "b joined")
+                got = await b.getmany(timeout_ms=5000)
+                assert [r.offset for r in got.get(TopicPartition("t", 1), [])][:1] == [3]
+            finally:
+                await b.close()
+            await admin.delete("g")
+            assert await admin.list_groups() == []
+            with pytest.raises(GroupIdNotFoundError):
+                await admin.describe("g")
+        finally:
+            await zk.stop()
+
+    asyncio.run(run())
