@@ -333,7 +333,7 @@ def test_malformed_requests_get_typed_errors_never_500(
         case "not an event":
             e = ["GET", "/topics"]
         case "unknown path":
-            e = event("GET", "/groups")
+            e = event("GET", "/no-such-thing")
         case "wrong method":
             e = event("PUT", "/topics/orders")
         case "unknown field":

@@ -1,0 +1,1 @@
+"""Runnable examples of the SDK's delivery semantics (docs/groups.md)."""
