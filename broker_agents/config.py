@@ -20,6 +20,9 @@ class AgentConfig(_Config):
     data_dir: Path = Field(alias="data.dir")
     session_timeout_ms: int = Field(6000, alias="zookeeper.session.timeout.ms", ge=1000)
     request_timeout_ms: int = Field(10000, alias="zookeeper.request.timeout.ms", ge=100)
+    # Prometheus endpoint (GET /metrics); port 0: any free port, printed in the listening line
+    metrics_host: str = Field("127.0.0.1", alias="metrics.host")
+    metrics_port: int = Field(0, alias="metrics.port", ge=0, le=65535)
     max_frame_bytes: int = Field(DEFAULT_MAX_FRAME, alias="socket.request.max.bytes", ge=1024)
     max_in_flight_per_connection: int = Field(64, alias="max.in.flight.per.connection", ge=1)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)

@@ -1,8 +1,10 @@
 """``python -m broker_agents.main``: run one agent process.
 
 Prints one JSON line on stdout when it is registered and serving
-(``{"event": "listening", "agent_id": 1, "host": "127.0.0.1", "port": 40123}``), logs to
-stderr, and stops cleanly on SIGTERM or SIGINT.
+(``{"event": "listening", "agent_id": 1, "host": "127.0.0.1", "port": 40123, "metrics_url":
+"http://127.0.0.1:40124/metrics"}``), logs to stderr (one JSON object a line), serves
+Prometheus metrics (``broker_agents.metrics``; ``metrics.port``, 0 = any free port), and
+stops cleanly on SIGTERM or SIGINT.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from pathlib import Path
 
 from broker_agents.agent import Agent
 from broker_agents.config import AgentConfig
+from broker_agents.metrics import AgentMetrics
+from storage.wal.group_commit import set_fsync_observer
 
 
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
@@ -48,6 +52,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
 
 async def _main(config: AgentConfig) -> None:
     agent = Agent(config)
+    metrics = AgentMetrics(agent)
+    agent.server.observer = metrics
+    agent.tiering.on_upload = metrics.observe_upload
+    set_fsync_observer(metrics.observe_fsync)
+    metrics_port = await metrics.start(config.metrics_host, config.metrics_port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, agent.stop)
@@ -55,12 +64,22 @@ async def _main(config: AgentConfig) -> None:
     def ready(host: str, port: int) -> None:
         print(
             json.dumps(
-                {"event": "listening", "agent_id": config.agent_id, "host": host, "port": port}
+                {
+                    "event": "listening",
+                    "agent_id": config.agent_id,
+                    "host": host,
+                    "port": port,
+                    "metrics_url": f"http://{config.metrics_host}:{metrics_port}/metrics",
+                }
             ),
             flush=True,
         )
 
-    await agent.run(ready)
+    try:
+        await agent.run(ready)
+    finally:
+        await metrics.stop()
+        set_fsync_observer(None)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any
+import time
+from typing import Any, Protocol
 
 from storage.errors import MalformedFrameError, StrataError, UnsupportedVersionError
 from storage.protocol import (
@@ -32,6 +33,14 @@ from storage.protocol.messages import ApiKey
 log = logging.getLogger(__name__)
 
 _NO_RESPONSE = object()
+
+
+class ServerObserver(Protocol):
+    """What the server reports (``broker_agents.metrics`` implements it)."""
+
+    def request_done(self, api_key: int, seconds: float, failed: bool) -> None: ...
+    def bytes_in(self, n: int) -> None: ...
+    def bytes_out(self, n: int) -> None: ...
 
 
 class AgentServer:
@@ -49,6 +58,7 @@ class AgentServer:
         self.idle_timeout = idle_timeout
         self.server: asyncio.Server | None = None
         self.connections: set[asyncio.Task[None]] = set()
+        self.observer: ServerObserver | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         self.server = await asyncio.start_server(self._on_connection, host, port, limit=1 << 20)
@@ -98,10 +108,24 @@ class AgentServer:
             size = read_size(prefix, self.max_frame_bytes)
             async with asyncio.timeout(self.idle_timeout):
                 frame = await reader.readexactly(size)
+            if self.observer is not None:
+                self.observer.bytes_in(4 + size)
             request = parse_request(frame)
             await queue.put(asyncio.ensure_future(self._handle(request)))
 
     async def _handle(self, request: Any) -> Any:
+        if self.observer is None:
+            return await self._dispatch(request)
+        started = time.perf_counter()
+        failed = True
+        try:
+            result = await self._dispatch(request)
+            failed = False
+            return result
+        finally:
+            self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
+
+    async def _dispatch(self, request: Any) -> Any:
         try:
             body = decode_request_body(request)
         except StrataError as exc:
@@ -134,4 +158,6 @@ class AgentServer:
             if parts is _NO_RESPONSE:
                 continue
             writer.writelines(parts)
+            if self.observer is not None:
+                self.observer.bytes_out(sum(len(part) for part in parts))
             await writer.drain()

@@ -120,6 +120,8 @@ class Tiering:
         self.pending_total = 0
         self.uploading: set[str] = set()
         self.uploads = 0
+        #: called with (seconds, bytes) after each segment upload (metrics)
+        self.on_upload: Callable[[float, int], None] | None = None
         self._wake = asyncio.Event()
 
     # ---- hooks called by partitions.py and apis.py ----------------------------------------
@@ -328,6 +330,7 @@ class Tiering:
         )
         key = self._key(p, entry)
         self.uploading.add(key)
+        started = time.perf_counter()
         try:
             if data is not None:
                 await self.store.put_if_absent(key, data + footer)
@@ -346,6 +349,8 @@ class Tiering:
 
                 await self.store.put_multipart_if_absent(key, size + len(footer), read_part)
             self.uploads += 1
+            if self.on_upload is not None:
+                self.on_upload(time.perf_counter() - started, size + len(footer))
         except ObjectExistsError:
             theirs = await self.store.get_range(key, -TRAILER_SIZE, 0)
             if theirs != footer[-TRAILER_SIZE:]:

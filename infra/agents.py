@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -21,6 +22,7 @@ class AgentProcess:
     port: int
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False, compare=False)
+    metrics_url: str = ""
 
     @property
     def address(self) -> str:
@@ -41,10 +43,82 @@ def start_agent(
     *,
     log_path: Path | None = None,
     configs: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
     startup_timeout: float = 30.0,
     die_with_parent: bool = True,
 ) -> AgentProcess:
-    """Start one agent and return once it has printed its "listening" line."""
+    """Start one agent and return once it has printed its "listening" line.
+
+    ``env``: variables added to this process's environment for the child (S3 settings).
+    """
+    pending = spawn_agent(
+        agent_id,
+        zookeeper,
+        data_dir,
+        log_path=log_path,
+        configs=configs,
+        env=env,
+        die_with_parent=die_with_parent,
+    )
+    return pending.wait(startup_timeout)
+
+
+@dataclass(frozen=True)
+class PendingAgent:
+    """An agent process started but not yet known to serve (see :meth:`wait`)."""
+
+    agent_id: int
+    log_path: Path
+    offset: int
+    process: subprocess.Popen[bytes] = field(repr=False, compare=False)
+
+    def listening(self) -> dict[str, object] | None:
+        with open(self.log_path, "rb") as f:
+            f.seek(self.offset)
+            for line in f.read().decode(errors="replace").splitlines():
+                if line.startswith('{"event": "listening"'):
+                    info: dict[str, object] = json.loads(line)
+                    return info
+        return None
+
+    def wait(self, timeout: float = 30.0) -> AgentProcess:
+        """Return once the agent serves; stop it and raise ``LocalStackError`` if it does not."""
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.listening()
+            if info is not None:
+                return AgentProcess(
+                    self.agent_id,
+                    str(info["host"]),
+                    int(str(info["port"])),
+                    self.log_path,
+                    self.process,
+                    metrics_url=str(info.get("metrics_url", "")),
+                )
+            if self.process.poll() is not None:
+                raise LocalStackError(
+                    f"agent {self.agent_id} exited while starting:\n{log_tail(self.log_path)}"
+                )
+            if time.monotonic() > deadline:
+                terminate(self.process)
+                raise LocalStackError(
+                    f"agent {self.agent_id} not serving after {timeout:g} s:\n"
+                    f"{log_tail(self.log_path)}"
+                )
+            time.sleep(0.02)
+
+
+def spawn_agent(
+    agent_id: int,
+    zookeeper: str,
+    data_dir: Path,
+    *,
+    log_path: Path | None = None,
+    configs: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
+    die_with_parent: bool = True,
+) -> PendingAgent:
+    """Start one agent process without waiting for it (start several, then wait for each)."""
     log_path = log_path or data_dir.parent / f"agent-{agent_id}.log"
     argv = [
         sys.executable,
@@ -60,20 +134,11 @@ def start_agent(
     for key, value in (configs or {}).items():
         argv += ["--config", f"{key}={value}"]
     offset = log_path.stat().st_size if log_path.exists() else 0
-    process = spawn(argv, log_path=log_path, cwd=ROOT, die_with_parent=die_with_parent)
-    deadline = time.monotonic() + startup_timeout
-    while True:
-        with open(log_path, "rb") as f:
-            f.seek(offset)
-            for line in f.read().decode(errors="replace").splitlines():
-                if line.startswith('{"event": "listening"'):
-                    info = json.loads(line)
-                    return AgentProcess(agent_id, info["host"], info["port"], log_path, process)
-        if process.poll() is not None:
-            raise LocalStackError(f"agent {agent_id} exited while starting:\n{log_tail(log_path)}")
-        if time.monotonic() > deadline:
-            terminate(process)
-            raise LocalStackError(
-                f"agent {agent_id} not serving after {startup_timeout:g} s:\n{log_tail(log_path)}"
-            )
-        time.sleep(0.02)
+    process = spawn(
+        argv,
+        log_path=log_path,
+        cwd=ROOT,
+        env=None if env is None else {**os.environ, **env},
+        die_with_parent=die_with_parent,
+    )
+    return PendingAgent(agent_id, log_path, offset, process)

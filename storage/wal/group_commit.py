@@ -19,11 +19,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Callable
 from typing import Any
 
 from storage.config import FsyncPolicy
 from storage.errors import StorageError
 from storage.wal.log import AppendInfo, PartitionLog
+
+_fsync_observer: Callable[[float], None] | None = None
+
+
+def set_fsync_observer(observer: Callable[[float], None] | None) -> None:
+    """Call ``observer(seconds)`` after every fsync of every log in this process (metrics)."""
+    global _fsync_observer
+    _fsync_observer = observer
 
 
 class GroupCommitLog:
@@ -74,10 +84,13 @@ class GroupCommitLog:
             if job is None:
                 return
             error: BaseException | None = None
+            started = time.perf_counter()
             try:
                 await asyncio.to_thread(job.run)
             except BaseException as exc:
                 error = exc
+            if _fsync_observer is not None:
+                _fsync_observer(time.perf_counter() - started)
             self.fsyncs += 1
             self.log.complete_flush(job, error)
         finally:

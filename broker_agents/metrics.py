@@ -1,0 +1,284 @@
+"""Prometheus metrics of one agent, served over HTTP (``GET /metrics``) on loopback.
+
+Two kinds of metric, kept apart:
+
+* **events** (counters and histograms) are recorded by small hooks where things happen: the
+  TCP server reports each request's API and duration and the bytes it read and wrote
+  (``AgentServer.observer``), group commit reports each fsync's duration
+  (``storage.wal.group_commit.set_fsync_observer``), the uploader each segment upload
+  (``Tiering.on_upload``);
+* **state** (gauges: ISR sizes, under-replicated partitions, un-uploaded bytes, offsets,
+  consumer-group lag) is read from the agent's own structures at scrape time by
+  :class:`_StateCollector`, so nothing has to keep a gauge up to date.
+
+Everything runs on the agent's event loop: the HTTP endpoint is an ``asyncio`` server and the
+scrape renders the registry there, so no thread reads the agent's dictionaries while the loop
+changes them. Each agent has its own :class:`CollectorRegistry` (no process globals), which
+also lets tests build several.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from storage.codec.header import HEADER_SIZE, read_header
+from storage.errors import StrataError
+from storage.protocol import messages as m
+
+if TYPE_CHECKING:
+    from broker_agents.agent import Agent
+    from broker_agents.partitions import Partition
+
+log = logging.getLogger(__name__)
+
+LATENCY_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+UPLOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+MAX_REQUEST_HEAD = 8192
+"""A scrape request whose head (request line + headers) is longer is refused."""
+REQUEST_TIMEOUT = 5.0
+
+
+def _api_name(api_key: int) -> str:
+    try:
+        return m.ApiKey(api_key).name.lower()
+    except ValueError:
+        return str(api_key)
+
+
+class AgentMetrics:
+    """The agent's registry, its event hooks, and its HTTP endpoint."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("strata_requests", "Requests handled, by API", ["api"], registry=r)
+        self.request_seconds = Histogram(
+            "strata_request_duration_seconds",
+            "Time from a request's arrival to its response being ready, by API",
+            ["api"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.bytes_in_total = Counter(
+            "strata_network_in_bytes", "Bytes of request frames read", registry=r
+        )
+        self.bytes_out_total = Counter(
+            "strata_network_out_bytes", "Bytes of response frames written", registry=r
+        )
+        self.fsync_seconds = Histogram(
+            "strata_fsync_duration_seconds",
+            "Duration of each group-commit fsync",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.upload_seconds = Histogram(
+            "strata_tier_upload_duration_seconds",
+            "Duration of each sealed-segment upload to object storage",
+            buckets=UPLOAD_BUCKETS,
+            registry=r,
+        )
+        self.uploaded_bytes = Counter(
+            "strata_tier_uploaded_bytes", "Bytes of segment objects uploaded", registry=r
+        )
+        r.register(_StateCollector(agent))
+        self._server: asyncio.Server | None = None
+
+    # ---- hooks (ServerObserver, fsync observer, Tiering.on_upload) --------------------------
+    def request_done(self, api_key: int, seconds: float, failed: bool) -> None:
+        api = _api_name(api_key)
+        self.requests.labels(api).inc()
+        self.request_seconds.labels(api).observe(seconds)
+
+    def bytes_in(self, n: int) -> None:
+        self.bytes_in_total.inc(n)
+
+    def bytes_out(self, n: int) -> None:
+        self.bytes_out_total.inc(n)
+
+    def observe_fsync(self, seconds: float) -> None:
+        self.fsync_seconds.observe(seconds)
+
+    def observe_upload(self, seconds: float, nbytes: int) -> None:
+        self.upload_seconds.observe(seconds)
+        self.uploaded_bytes.inc(nbytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- the endpoint -----------------------------------------------------------------------
+    async def start(self, host: str, port: int) -> int:
+        """Serve ``GET /metrics`` on ``host:port`` (0: any free port); return the port."""
+        self._server = await asyncio.start_server(self._serve, host, port)
+        bound: int = self._server.sockets[0].getsockname()[1]
+        return bound
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                head = await reader.readuntil(b"\r\n\r\n")
+            if len(head) > MAX_REQUEST_HEAD:
+                raise ValueError("request head too long")
+            method, target, *_ = head.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+            path = target.split("?", 1)[0]
+            if method not in ("GET", "HEAD"):
+                status, ctype, body = "405 Method Not Allowed", "text/plain", b"GET only\n"
+            elif path in ("/metrics", "/"):
+                status, ctype, body = "200 OK", CONTENT_TYPE_LATEST, self.render()
+            elif path == "/health":
+                ok = self.agent.partitions.session_ok
+                status = "200 OK" if ok else "503 Service Unavailable"
+                ctype, body = "text/plain", b"ok\n" if ok else b"no ZooKeeper session\n"
+            else:
+                status, ctype, body = "404 Not Found", "text/plain", b"try /metrics\n"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode()
+                + (body if method != "HEAD" else b"")
+            )
+            async with asyncio.timeout(REQUEST_TIMEOUT):
+                await writer.drain()
+        except (TimeoutError, ValueError, ConnectionError, asyncio.LimitOverrunError):
+            pass
+        except asyncio.IncompleteReadError:
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+
+class _StateCollector(Collector):
+    """Gauges computed from the agent's state at each scrape."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+
+    def describe(self) -> list[Metric]:
+        return []  # computed at scrape time; no fixed description
+
+    def collect(self) -> Iterator[Metric]:
+        agent = self.agent
+        labels = ["topic", "partition"]
+        led = GaugeMetricFamily("strata_partitions_leader", "Partitions this agent leads")
+        hosted = GaugeMetricFamily("strata_partitions_hosted", "Partitions this agent hosts")
+        isr = GaugeMetricFamily(
+            "strata_partition_isr_size",
+            "In-sync replicas of each partition led here",
+            labels=labels,
+        )
+        replicas = GaugeMetricFamily(
+            "strata_partition_replicas",
+            "Assigned replicas of each partition led here",
+            labels=labels,
+        )
+        under = GaugeMetricFamily(
+            "strata_under_replicated_partitions",
+            "Partitions led here whose ISR is smaller than their replica set",
+        )
+        hw = GaugeMetricFamily(
+            "strata_partition_high_watermark", "High watermark (leaders)", labels=labels
+        )
+        leo = GaugeMetricFamily(
+            "strata_partition_log_end_offset", "Local log end offset", labels=labels
+        )
+        unuploaded = GaugeMetricFamily(
+            "strata_tier_unuploaded_bytes",
+            "Bytes of local segments not yet committed to object storage (partitions led here)",
+        )
+        n_led = n_under = 0
+        parts = list(agent.partitions.partitions.values())
+        for p in parts:
+            key = [p.topic, str(p.index)]
+            leo.add_metric(key, p.log.log_end_offset)
+            if p.role != "leader":
+                continue
+            n_led += 1
+            isr.add_metric(key, len(p.state.isr))
+            replicas.add_metric(key, len(p.state.replicas))
+            hw.add_metric(key, p.high_watermark)
+            if len(p.state.isr) < len(p.state.replicas):
+                n_under += 1
+        led.add_metric([], n_led)
+        hosted.add_metric([], len(parts))
+        under.add_metric([], n_under)
+        unuploaded.add_metric([], sum(agent.tiering.pending.values()))
+        up = GaugeMetricFamily("strata_agent_session_ok", "1 while the ZooKeeper session is good")
+        up.add_metric([], 1 if agent.partitions.session_ok else 0)
+        yield from (led, hosted, isr, replicas, under, hw, leo, unuploaded, up)
+        yield from _group_lag(agent)
+
+
+def _group_lag(agent: Agent) -> Iterator[Metric]:
+    """Lag of the consumer groups coordinated here, on the partitions led here."""
+    labels = ["group", "topic", "partition"]
+    messages = GaugeMetricFamily(
+        "strata_group_lag_messages",
+        "Messages between a group's committed offset and the high watermark",
+        labels=labels,
+    )
+    seconds = GaugeMetricFamily(
+        "strata_group_lag_seconds",
+        "Age of the oldest message a group has not committed past (0 when caught up)",
+        labels=labels,
+    )
+    for group, topic, partition, committed in _committed_offsets(agent):
+        p = agent.partitions.partitions.get((topic, partition))
+        if p is None or p.role != "leader":
+            continue
+        end = p.high_watermark
+        lag = max(0, end - committed)
+        key = [group, topic, str(partition)]
+        messages.add_metric(key, lag)
+        age = 0.0
+        if lag:
+            ts = _timestamp_at(p, committed)
+            if ts is not None:
+                age = max(0.0, time.time() - ts / 1000)
+        seconds.add_metric(key, age)
+    yield messages
+    yield seconds
+
+
+def _committed_offsets(agent: Agent) -> Iterator[tuple[str, str, int, int]]:
+    """(group, topic, partition, committed offset) held by this agent's group coordinator.
+
+    The coordinator keeps, per group, ``offsets[topic] = ({partition: CommittedOffset}, zk
+    version)`` (``broker_agents.groups``); an agent without one reports no lag.
+    """
+    coordinator: Any = getattr(agent, "groups", None)
+    groups: dict[str, Any] = getattr(coordinator, "groups", {})
+    for group_id, group in list(groups.items()):
+        for topic, (offsets, _version) in list(group.offsets.items()):
+            for partition, committed in list(offsets.items()):
+                yield group_id, topic, int(partition), int(committed.offset)
+
+
+def _timestamp_at(p: Partition, offset: int) -> int | None:
+    """First timestamp (ms) of the local batch holding ``offset`` (None: not on local disk)."""
+    plog = p.log
+    if offset < plog.log_start_offset or offset >= plog.log_end_offset:
+        return None
+    try:
+        chunk = plog.read(offset, HEADER_SIZE)
+        return read_header(chunk.data).first_timestamp
+    except StrataError:
+        return None

@@ -1,0 +1,597 @@
+"""The local stack: moto (S3), ZooKeeper, N agents and the admin runtime, all on loopback.
+
+One **supervisor** process owns the stack. It starts, in order, moto in server mode (and
+creates the bucket), a standalone ZooKeeper, the agents (tiering to the bucket, Prometheus
+endpoints on free ports) and the local handler runtime (the admin API over HTTP); it writes
+what it started to ``<state_dir>/stack.json``; then it watches its children until SIGTERM or
+SIGINT, and stops them in reverse order (agents before ZooKeeper, so that they leave
+cleanly). Every child dies with the supervisor (``PR_SET_PDEATHSIG``), so even a supervisor
+killed with SIGKILL leaves no server behind.
+
+``strata local up`` runs the supervisor in the foreground; ``up --detach`` starts it as a
+background process in its own session and returns once ``stack.json`` says *healthy*;
+``down`` sends the supervisor SIGTERM, waits for it, then makes sure that no process it
+recorded survives; ``status`` probes every component.
+
+Everything lives under one directory (``var/local`` by default): ``stack.json``,
+``stack.log`` (the supervisor), ``moto/``, ``zookeeper/``, ``agent-<id>/`` (WAL) and
+``agent-<id>.log``, ``admin.log``. ``up`` starts from an empty directory: moto keeps its
+objects in memory only, so metadata kept from a previous run would point at objects that are
+gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import boto3
+from botocore.config import Config as BotoConfig
+
+from infra.agents import AgentProcess, spawn_agent
+from infra.local_runtime import LocalRuntimeProcess, start_local_runtime
+from infra.moto_s3 import MotoServer, start_moto
+from infra.processes import LocalStackError, spawn, terminate
+from infra.zookeeper import ZooKeeperServer, four_letter_word, start_zookeeper
+
+log = logging.getLogger("infra.local")
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_STATE_DIR = ROOT / "var" / "local"
+STATE_FILE = "stack.json"
+BUCKET = "strata-local"
+CHROOT = "/strata"
+REGION = "us-east-1"
+HEALTHY_TIMEOUT = 60.0
+"""``up --detach`` gives up (and stops what started) after this many seconds."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackConfig:
+    state_dir: Path = DEFAULT_STATE_DIR
+    agents: int = 3
+    bucket: str = BUCKET
+    agent_configs: tuple[str, ...] = ()
+    """Extra ``key=value`` agent configs (``AgentConfig`` names)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.agents <= 32:
+            raise LocalStackError(f"agents must be between 1 and 32, not {self.agents}")
+
+
+def s3_env(endpoint_url: str, bucket: str) -> dict[str, str]:
+    """What points a process's boto3 (and the agents' tier) at the local S3."""
+    return {
+        "AWS_ENDPOINT_URL": endpoint_url,
+        "AWS_ACCESS_KEY_ID": "local",
+        "AWS_SECRET_ACCESS_KEY": "local",
+        "AWS_DEFAULT_REGION": REGION,
+        "AWS_REGION": REGION,
+        "STRATA_BUCKET": bucket,
+    }
+
+
+def s3_client(endpoint_url: str) -> Any:
+    return boto3.session.Session(
+        aws_access_key_id="local", aws_secret_access_key="local", region_name=REGION
+    ).client(
+        "s3",
+        endpoint_url=endpoint_url,
+        config=BotoConfig(
+            connect_timeout=2,
+            read_timeout=10,
+            retries={"max_attempts": 3, "mode": "standard"},
+            s3={"addressing_style": "path"},
+        ),
+    )
+
+
+# ---------------------------------------------------------------- the state file
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AgentInfo:
+    agent_id: int
+    address: str
+    metrics_url: str
+    pid: int
+    log: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StackState:
+    """What ``stack.json`` holds: enough for ``status``, ``down`` and the CLI's defaults."""
+
+    status: str  # "starting" | "healthy" | "degraded" | "stopping"
+    supervisor_pid: int
+    state_dir: str
+    started_at: float
+    healthy_after_s: float | None = None
+    s3_endpoint: str = ""
+    s3_pid: int = 0
+    bucket: str = ""
+    zookeeper: str = ""
+    zookeeper_pid: int = 0
+    chroot: str = CHROOT
+    agents: list[AgentInfo] = field(default_factory=list)
+    admin_url: str = ""
+    admin_pid: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(a.address for a in self.agents)
+
+    @property
+    def zookeeper_connect(self) -> str:
+        return f"{self.zookeeper}{self.chroot}"
+
+    def pids(self) -> list[int]:
+        return [p for p in (self.admin_pid, *(a.pid for a in self.agents)) if p] + [
+            p for p in (self.zookeeper_pid, self.s3_pid) if p
+        ]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["bootstrap"] = self.bootstrap
+        data["zookeeper_connect"] = self.zookeeper_connect
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StackState:
+        values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        values["agents"] = [AgentInfo(**a) for a in data.get("agents", [])]
+        return cls(**values)
+
+
+def write_state(state: StackState) -> None:
+    path = Path(state.state_dir) / STATE_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state.to_json(), indent=2))
+    os.replace(tmp, path)
+
+
+def read_state(state_dir: Path = DEFAULT_STATE_DIR) -> StackState | None:
+    """The recorded stack (None: no stack.json, or its supervisor is gone)."""
+    try:
+        data = json.loads((state_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return None
+    state = StackState.from_json(data)
+    return state if _alive(state.supervisor_pid) else None
+
+
+def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # a zombie child of ours counts as gone
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+class Stack:
+    """The running components (the supervisor's view)."""
+
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self.state_dir = config.state_dir.resolve()
+        self.moto: MotoServer | None = None
+        self.zookeeper: ZooKeeperServer | None = None
+        self.agents: list[AgentProcess] = []
+        self.admin: LocalRuntimeProcess | None = None
+        self.started_at = time.time()
+        self.state = StackState(
+            status="starting",
+            supervisor_pid=os.getpid(),
+            state_dir=str(self.state_dir),
+            started_at=self.started_at,
+        )
+
+    def start(self) -> StackState:
+        """Start every component in order; on any failure stop what started and raise."""
+        t0 = time.monotonic()
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        write_state(self.state)
+        try:
+            self.moto = start_moto(self.state_dir / "moto")
+            s3_client(self.moto.endpoint_url).create_bucket(Bucket=self.config.bucket)
+            log.info("moto (S3) at %s, bucket %s", self.moto.endpoint_url, self.config.bucket)
+            self.zookeeper = start_zookeeper(self.state_dir / "zookeeper")
+            log.info("ZooKeeper at %s", self.zookeeper.connect_string)
+            zk = self.zookeeper.connect_string + CHROOT
+            env = s3_env(self.moto.endpoint_url, self.config.bucket)
+            configs: dict[str, object] = {
+                "s3.bucket": self.config.bucket,
+                "s3.endpoint.url": self.moto.endpoint_url,
+                "s3.region": REGION,
+                # one developer's consumers join at once: do not wait 3 s for more members
+                "group.initial.rebalance.delay.ms": 300,
+            }
+            for item in self.config.agent_configs:
+                key, _, value = item.partition("=")
+                configs[key] = value
+            self.agents = start_agents(
+                self.config.agents, zk, self.state_dir, configs=configs, env=env
+            )
+            self.admin = start_local_runtime(zk, log_path=self.state_dir / "admin.log")
+            log.info("admin API at %s", self.admin.url)
+        except BaseException:
+            self.stop()
+            raise
+        self.state = StackState(
+            status="healthy",
+            supervisor_pid=os.getpid(),
+            state_dir=str(self.state_dir),
+            started_at=self.started_at,
+            healthy_after_s=round(time.monotonic() - t0, 2),
+            s3_endpoint=self.moto.endpoint_url,
+            s3_pid=self.moto.pid,
+            bucket=self.config.bucket,
+            zookeeper=self.zookeeper.connect_string,
+            zookeeper_pid=self.zookeeper.pid,
+            agents=[
+                AgentInfo(
+                    agent_id=a.agent_id,
+                    address=a.address,
+                    metrics_url=a.metrics_url,
+                    pid=a.pid,
+                    log=str(a.log_path),
+                )
+                for a in self.agents
+            ],
+            admin_url=self.admin.url,
+            admin_pid=self.admin.pid,
+        )
+        write_state(self.state)
+        log.info("healthy after %.2f s", self.state.healthy_after_s or 0)
+        return self.state
+
+    def problems(self) -> list[str]:
+        """Components whose process has exited."""
+        out = []
+        if self.moto is not None and not self.moto.running:
+            out.append("moto (S3) exited")
+        if self.zookeeper is not None and not self.zookeeper.running:
+            out.append("ZooKeeper exited")
+        for a in self.agents:
+            if a.process.poll() is not None:
+                out.append(f"agent {a.agent_id} exited (see {a.log_path})")
+        if self.admin is not None and not self.admin.running:
+            out.append(f"admin runtime exited (see {self.admin.log_path})")
+        return out
+
+    def watch(self, stop: threading.Event, interval: float = 0.5) -> None:
+        """Until ``stop`` is set: record components that died in stack.json (degraded)."""
+        known: list[str] = []
+        while not stop.wait(interval):
+            problems = self.problems()
+            if problems != known:
+                known = problems
+                for problem in problems:
+                    log.error("%s", problem)
+                status = "degraded" if problems else "healthy"
+                self.state = _replace(self.state, status=status, problems=problems)
+                write_state(self.state)
+
+    def stop(self) -> None:
+        """Stop everything that started: admin, agents (in parallel), ZooKeeper, moto."""
+        if self.state.status != "starting":
+            self.state = _replace(self.state, status="stopping")
+            with contextlib.suppress(OSError):
+                write_state(self.state)
+        if self.admin is not None:
+            self.admin.stop()
+        threads = [threading.Thread(target=a.stop) for a in self.agents]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if self.zookeeper is not None:
+            self.zookeeper.stop()
+        if self.moto is not None:
+            self.moto.stop()
+        with contextlib.suppress(FileNotFoundError):
+            (self.state_dir / STATE_FILE).unlink()
+        log.info("stopped")
+
+
+def _replace(state: StackState, **changes: Any) -> StackState:
+    values = {f: getattr(state, f) for f in state.__dataclass_fields__}
+    values.update(changes)
+    return StackState(**values)
+
+
+def start_agents(
+    n: int,
+    zookeeper: str,
+    state_dir: Path,
+    *,
+    configs: dict[str, object],
+    env: dict[str, str],
+    timeout: float = 30.0,
+) -> list[AgentProcess]:
+    """Start agents 1..n at once, then wait for each (they start in parallel)."""
+    pending = [
+        spawn_agent(
+            agent_id,
+            zookeeper,
+            state_dir / f"agent-{agent_id}",
+            log_path=state_dir / f"agent-{agent_id}.log",
+            configs=configs,
+            env=env,
+        )
+        for agent_id in range(1, n + 1)
+    ]
+    started: list[AgentProcess] = []
+    try:
+        for p in pending:
+            started.append(p.wait(timeout))
+    except BaseException:
+        for p in pending:
+            terminate(p.process)
+        raise
+    return started
+
+
+def _refuse_if_running(state_dir: Path) -> None:
+    existing = read_state(state_dir)
+    if existing is not None:
+        raise LocalStackError(
+            f"a local stack is already running in {state_dir} (supervisor pid "
+            f"{existing.supervisor_pid}); stop it with `strata local down`"
+        )
+
+
+def _fresh(state_dir: Path) -> None:
+    """Empty ``state_dir`` (after checking that no stack runs there)."""
+    _refuse_if_running(state_dir)
+    shutil.rmtree(state_dir, ignore_errors=True)
+    state_dir.mkdir(parents=True)
+
+
+def supervise(
+    config: StackConfig,
+    *,
+    on_ready: Callable[[StackState], None] | None = None,
+    clean: bool = True,
+) -> int:
+    """Run the stack in this process until SIGTERM or SIGINT (the foreground ``up``).
+
+    ``clean``: start from an empty state directory (``up --detach`` has emptied it already).
+    """
+    state_dir = config.state_dir.resolve()
+    if clean:
+        _fresh(state_dir)
+    else:
+        _refuse_if_running(state_dir)
+    log_file = logging.FileHandler(state_dir / "stack.log")
+    log_file.setFormatter(
+        logging.Formatter(
+            '{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
+        )
+    )
+    logging.getLogger().addHandler(log_file)
+    logging.getLogger().setLevel(logging.INFO)
+    stop = threading.Event()
+    previous = {
+        sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)
+    }
+    stack = Stack(config)
+    try:
+        state = stack.start()
+        if on_ready is not None:
+            on_ready(state)
+        if not stop.is_set():
+            stack.watch(stop)
+    finally:
+        stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        logging.getLogger().removeHandler(log_file)
+        log_file.close()
+    return 0
+
+
+# ---------------------------------------------------------------- up --detach, down, status
+
+
+def up_detached(config: StackConfig, *, timeout: float = HEALTHY_TIMEOUT) -> StackState:
+    """Start the supervisor in the background; return once stack.json says healthy."""
+    state_dir = config.state_dir.resolve()
+    _fresh(state_dir)
+    argv = [
+        sys.executable,
+        "-m",
+        "infra.cli",
+        "local",
+        "up",
+        "--agents",
+        str(config.agents),
+        "--state-dir",
+        str(state_dir),
+        "--quiet",
+        "--no-clean",
+    ]
+    for item in config.agent_configs:
+        argv += ["--agent-config", item]
+    log_path = state_dir / "stack.out"
+    process = spawn(argv, log_path=log_path, cwd=ROOT, die_with_parent=False)
+    deadline = time.monotonic() + timeout
+    while True:
+        returncode = process.poll()
+        if returncode is not None:
+            raise LocalStackError(
+                f"the local stack failed to start (status {returncode}); see {log_path} and "
+                f"{state_dir / 'stack.log'}:\n{_tail(log_path)}"
+            )
+        state = read_state(state_dir)
+        if state is not None and state.supervisor_pid == process.pid:
+            if state.status == "healthy":
+                return state
+            if state.status == "degraded":
+                down(state_dir)
+                raise LocalStackError(f"the local stack is degraded: {state.problems}")
+        if time.monotonic() > deadline:
+            down(state_dir)
+            raise LocalStackError(f"the local stack was not healthy after {timeout:g} s")
+        time.sleep(0.05)
+
+
+def _tail(path: Path, limit: int = 3000) -> str:
+    with contextlib.suppress(FileNotFoundError):
+        return path.read_text(errors="replace")[-limit:]
+    return ""
+
+
+def down(state_dir: Path = DEFAULT_STATE_DIR, *, timeout: float = 30.0) -> list[int]:
+    """Stop the stack; return the pids that had to be killed after the supervisor's own stop.
+
+    SIGTERM to the supervisor (which stops its children in order), a wait, then SIGKILL to
+    every recorded process group still alive. No stack running is not an error.
+    """
+    state_dir = state_dir.resolve()
+    try:
+        data = json.loads((state_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return []
+    state = StackState.from_json(data)
+    if _alive(state.supervisor_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(state.supervisor_pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while _alive(state.supervisor_pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _alive(state.supervisor_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(state.supervisor_pid, signal.SIGKILL)
+    killed = []
+    for pid in state.pids():
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+    with contextlib.suppress(FileNotFoundError):
+        (state_dir / STATE_FILE).unlink()
+    return killed
+
+
+@dataclass(frozen=True, slots=True)
+class ComponentStatus:
+    name: str
+    endpoint: str
+    pid: int
+    healthy: bool
+    detail: str
+
+
+def status(state: StackState) -> list[ComponentStatus]:
+    """Probe every component of a running stack (each probe bounded to ~1 s)."""
+    out = [
+        ComponentStatus(
+            "s3 (moto)",
+            f"{state.s3_endpoint} bucket {state.bucket}",
+            state.s3_pid,
+            *_probe_s3(state.s3_endpoint, state.bucket),
+        ),
+        ComponentStatus(
+            "zookeeper", state.zookeeper_connect, state.zookeeper_pid, *_probe_zk(state.zookeeper)
+        ),
+    ]
+    for a in state.agents:
+        out.append(
+            ComponentStatus(
+                f"agent {a.agent_id}",
+                f"{a.address} metrics {a.metrics_url}",
+                a.pid,
+                *_probe_agent(a),
+            )
+        )
+    out.append(ComponentStatus("admin api", state.admin_url, state.admin_pid, *_probe_admin(state)))
+    return out
+
+
+def _http_ok(url: str) -> tuple[bool, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as reply:
+            return reply.status == 200, f"HTTP {reply.status}"
+    except urllib.error.HTTPError as exc:
+        return False, f"HTTP {exc.code}"
+    except OSError as exc:
+        return False, str(exc)
+
+
+def _probe_s3(endpoint: str, bucket: str) -> tuple[bool, str]:
+    return _http_ok(f"{endpoint}/{bucket}?list-type=2&max-keys=1")
+
+
+def _probe_zk(host_port: str) -> tuple[bool, str]:
+    host, _, port = host_port.rpartition(":")
+    try:
+        answer = four_letter_word(host, int(port), "srvr", timeout=1.0)
+    except OSError as exc:
+        return False, str(exc)
+    mode = next((ln for ln in answer.splitlines() if ln.startswith("Mode:")), "")
+    return bool(mode), mode or answer.strip()[:80]
+
+
+def _probe_agent(agent: AgentInfo) -> tuple[bool, str]:
+    host, _, port = agent.address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=1.0):
+            pass
+    except OSError as exc:
+        return False, f"protocol port: {exc}"
+    if not agent.metrics_url:
+        return True, "serving"
+    ok, detail = _http_ok(agent.metrics_url.rsplit("/", 1)[0] + "/health")
+    return ok, "serving, ZooKeeper session ok" if ok else f"health: {detail}"
+
+
+def _probe_admin(state: StackState) -> tuple[bool, str]:
+    ok, detail = _http_ok(f"{state.admin_url}/topics")
+    return ok, "serving" if ok else detail
+
+
+def measure_healthy(config: StackConfig) -> float:
+    """Seconds from ``up --detach`` to healthy (the figure docs/operations.md quotes)."""
+    t0 = time.monotonic()
+    up_detached(config)
+    return time.monotonic() - t0
+
+
+__all__ = [
+    "ComponentStatus",
+    "StackConfig",
+    "StackState",
+    "down",
+    "measure_healthy",
+    "read_state",
+    "status",
+    "supervise",
+    "up_detached",
+]

@@ -1,0 +1,202 @@
+"""The ``strata`` CLI end to end against the local stack (``strata local up --detach``).
+
+One stack per module (moto, ZooKeeper, 3 agents, the admin runtime) in a temporary state
+directory; every test drives the CLI as a user would, in a child process with a deadline.
+The last test stops the stack and checks that no process it started is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra import local
+
+ROOT = Path(__file__).resolve().parent.parent
+HEALTHY_WITHIN_S = 15.0
+
+pytestmark = pytest.mark.slow
+
+
+def strata(
+    state_dir: Path, *args: str, stdin: str = "", timeout: float = 60.0, check: bool = True
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("STRATA_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "--state-dir", str(state_dir), *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env=env,
+    )
+    if check and result.returncode != 0:
+        raise AssertionError(
+            f"strata {' '.join(args)} exited {result.returncode}:\n{result.stdout}\n{result.stderr}"
+        )
+    return result
+
+
+def as_json(result: subprocess.CompletedProcess[str]) -> Any:
+    return json.loads(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Any]]]:
+    state_dir = tmp_path_factory.mktemp("local") / "stack"
+    started = time.monotonic()
+    try:
+        up = strata(state_dir, "-o", "json", "local", "up", "--detach", timeout=90)
+        took = time.monotonic() - started
+        yield state_dir, as_json(up) | {"measured_s": took}
+    finally:
+        local.down(state_dir)
+
+
+def test_up_detach_is_healthy_quickly_and_status_shows_every_component(
+    stack: tuple[Path, dict[str, Any]],
+) -> None:
+    state_dir, up = stack
+    assert up["measured_s"] < HEALTHY_WITHIN_S, up
+    status = as_json(strata(state_dir, "-o", "json", "local", "status"))
+    names = [c["name"] for c in status["components"]]
+    assert names == ["s3 (moto)", "zookeeper", "agent 1", "agent 2", "agent 3", "admin api"]
+    assert status["healthy"] and all(c["healthy"] for c in status["components"]), status
+    text = strata(state_dir, "local", "status").stdout
+    assert "agent 3" in text and "DOWN" not in text
+
+
+def test_topics_produce_consume_group_reset(stack: tuple[Path, dict[str, Any]]) -> None:
+    state_dir, _ = stack
+    created = as_json(strata(state_dir, "-o", "json", "topics", "create", "cli", "-p", "3"))
+    assert created["partitions"] == 3 and created["replication_factor"] == 3
+    assert "cli" in as_json(strata(state_dir, "-o", "json", "topics", "list"))["topics"]
+    bad = strata(state_dir, "topics", "create", "bad/name", check=False)
+    assert bad.returncode == 1 and bad.stderr.startswith("error:"), bad.stderr
+
+    lines = "".join(f"message {i}\n" for i in range(1000))
+    produced = as_json(strata(state_dir, "-o", "json", "produce", "cli", stdin=lines))
+    assert produced["messages"] == 1000
+    jsonl = "".join(
+        json.dumps({"value": {"n": i}, "key": f"k{i % 7}", "headers": {"h": "v"}, "tags": ["t"]})
+        + "\n"
+        for i in range(200)
+    )
+    assert (
+        as_json(strata(state_dir, "-o", "json", "produce", "cli", "--json", stdin=jsonl))[
+            "messages"
+        ]
+        == 200
+    )
+
+    everything = strata(state_dir, "-o", "json", "consume", "cli").stdout.splitlines()
+    records = [json.loads(line) for line in everything]
+    assert len(records) == 1200
+    assert sorted(r["value"] for r in records if r["value"].startswith("message")) == sorted(
+        f"message {i}" for i in range(1000)
+    )
+    tagged = [r for r in records if r["tags"] == ["t"]]
+    assert len(tagged) == 200 and all(r["headers"] == {"h": "v"} for r in tagged)
+
+    # a group reads everything once, commits, and then has nothing left
+    first = strata(state_dir, "consume", "cli", "-g", "readers", "--from-beginning", "--idle", "1")
+    assert len(first.stdout.splitlines()) == 1200
+    described = as_json(strata(state_dir, "-o", "json", "groups", "describe", "readers"))
+    assert described["total_lag"] == 0 and len(described["offsets"]) == 3
+    assert "readers" in as_json(strata(state_dir, "-o", "json", "groups", "list"))["groups"]
+
+    # reset to offset 10 on every partition: the group re-reads the rest
+    reset = as_json(
+        strata(
+            state_dir, "-o", "json", "groups", "reset", "readers", "-t", "cli", "--to-offset", "10"
+        )
+    )
+    assert set(reset["offsets"].values()) == {10}
+    described = as_json(strata(state_dir, "-o", "json", "groups", "describe", "readers"))
+    assert described["total_lag"] == 1200 - 30
+    again = strata(state_dir, "consume", "cli", "-g", "readers", "--idle", "1")
+    assert len(again.stdout.splitlines()) == 1170
+
+    # replay a range into a new topic
+    replayed = as_json(
+        strata(state_dir, "-o", "json", "replay", "cli", "cli-copy", "--from", "10", "--to", "20")
+    )
+    assert replayed["messages"] == 30
+    assert len(strata(state_dir, "consume", "cli-copy").stdout.splitlines()) == 30
+
+    altered = as_json(
+        strata(state_dir, "-o", "json", "topics", "alter", "cli", "-c", "retention.ms=3600000")
+    )
+    assert altered["configs"]["retention.ms"] == 3600000
+    strata(state_dir, "topics", "delete", "cli-copy", "--yes")
+    assert "cli-copy" not in as_json(strata(state_dir, "-o", "json", "topics", "list"))["topics"]
+
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        assert reply.status == 200
+        assert reply.headers["content-type"].startswith("text/plain")
+        body: bytes = reply.read()
+        return body.decode()
+
+
+def _value(text: str, name: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_every_agent_serves_prometheus_metrics(stack: tuple[Path, dict[str, Any]]) -> None:
+    state_dir, up = stack
+    strata(state_dir, "topics", "create", "metered", "-p", "3")
+    strata(state_dir, "produce", "metered", stdin="".join(f"m{i}\n" for i in range(300)))
+    pages = [_scrape(a["metrics_url"]) for a in up["agents"]]
+    merged = "\n".join(pages)
+    for name in (
+        "strata_request_duration_seconds_bucket",
+        "strata_network_in_bytes_total",
+        "strata_network_out_bytes_total",
+        "strata_fsync_duration_seconds_count",
+        "strata_partition_isr_size",
+        "strata_under_replicated_partitions",
+        "strata_tier_unuploaded_bytes",
+        "strata_tier_upload_duration_seconds_count",
+        "strata_group_lag_messages",
+        "strata_group_lag_seconds",
+    ):
+        assert name in merged, name
+    assert _value(merged, 'strata_requests_total{api="produce"}') >= 1
+    assert _value(merged, "strata_network_in_bytes_total") > 300
+    assert _value(merged, "strata_fsync_duration_seconds_count") >= 1
+    assert _value(merged, "strata_under_replicated_partitions") == 0
+    assert _value(merged, "strata_partitions_leader") >= 3
+    health = up["agents"][0]["metrics_url"].rsplit("/", 1)[0] + "/health"
+    with urllib.request.urlopen(health, timeout=5) as reply:
+        assert reply.status == 200
+
+
+def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> None:
+    state_dir, _ = stack
+    state = local.read_state(state_dir)
+    assert state is not None
+    pids = [state.supervisor_pid, *state.pids()]
+    assert len(pids) == 7
+    assert "stopped" in strata(state_dir, "local", "down").stdout
+    deadline = time.monotonic() + 10
+    while any(local._alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if local._alive(p)]
+    status = strata(state_dir, "local", "status", check=False)
+    assert status.returncode == 3 and "no local stack" in status.stdout

@@ -1,0 +1,106 @@
+"""template.yaml: the SAM transform and cfn-lint pass offline; a broken copy fails.
+
+``infra.template_check`` is what CI runs (through ``make test``); these tests also pin the
+properties issue 8 asks of the template, on the transformed CloudFormation.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.template_check import check, transform
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXT = (ROOT / "template.yaml").read_text()
+
+
+@pytest.fixture(scope="module")
+def cfn() -> dict[str, Any]:
+    out, problems = transform(TEXT)
+    assert out is not None, problems
+    return out
+
+
+def test_template_transforms_and_lints_without_errors() -> None:
+    problems = check(TEXT)
+    assert [p for p in problems if p.level == "error"] == [], "\n".join(map(str, problems))
+
+
+@pytest.mark.parametrize(
+    ("pattern", "replacement", "rule"),
+    [
+        (r"Cluster: !Ref AgentCluster\n", "Cluster: !Ref AgentClusterGone\n", "E1020"),
+        (r"!GetAtt AgentTaskRole\.Arn", "!GetAtt NoSuchRole.Arn", "E1010"),
+        (r"\$\{DataBucket\.Arn\}/\$\{S3Prefix\}\*", "${DataBucket.Arn}/${NoPrefix}*", "E1019"),
+        (r"ApiId: !Ref AdminApi", "ApiId: !Ref NoSuchApi", "sam"),
+    ],
+)
+def test_a_dangling_reference_fails_the_check(pattern: str, replacement: str, rule: str) -> None:
+    broken, n = re.subn(pattern, replacement, TEXT, count=1)
+    assert n == 1, pattern
+    errors = [p for p in check(broken) if p.level == "error"]
+    assert errors, f"{replacement!r} was not caught"
+    assert any(p.rule == rule for p in errors), errors
+
+
+def _of_type(cfn: dict[str, Any], kind: str) -> dict[str, Any]:
+    return {k: r for k, r in cfn["Resources"].items() if r["Type"] == kind}
+
+
+def test_bucket_is_encrypted_private_tls_only_and_aborts_multipart(cfn: dict[str, Any]) -> None:
+    props = cfn["Resources"]["DataBucket"]["Properties"]
+    assert props["BucketEncryption"]["ServerSideEncryptionConfiguration"]
+    assert all(props["PublicAccessBlockConfiguration"].values())
+    rules = props["LifecycleConfiguration"]["Rules"]
+    assert any("AbortIncompleteMultipartUpload" in r for r in rules)
+    statement = cfn["Resources"]["DataBucketPolicy"]["Properties"]["PolicyDocument"]["Statement"]
+    assert any(
+        s["Effect"] == "Deny" and s["Condition"]["Bool"]["aws:SecureTransport"] == "false"
+        for s in statement
+    )
+
+
+def test_admin_api_is_iam_authorised(cfn: dict[str, Any]) -> None:
+    routes = _of_type(cfn, "AWS::ApiGatewayV2::Route")
+    if routes:
+        assert all(r["Properties"]["AuthorizationType"] == "AWS_IAM" for r in routes.values())
+    else:  # SAM renders the HTTP API as an OpenAPI body
+        body = cfn["Resources"]["AdminApi"]["Properties"]["Body"]
+        for methods in body["paths"].values():
+            for op in methods.values():
+                assert op["security"] == [{"AWS_IAM": []}]
+
+
+def _statements(role: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for p in role["Properties"]["Policies"] for s in p["PolicyDocument"]["Statement"]]
+
+
+def test_least_privilege_roles(cfn: dict[str, Any]) -> None:
+    agent = _statements(cfn["Resources"]["AgentTaskRole"])
+    actions = {
+        a for s in agent for a in ([s["Action"]] if isinstance(s["Action"], str) else s["Action"])
+    }
+    assert {"s3:PutObject", "s3:GetObject", "s3:DeleteObject", "s3:ListBucket"} <= actions
+    assert not any("*" in a for a in actions)
+    spark = _statements(cfn["Resources"]["SparkReadRole"])
+    spark_actions = {s["Action"] for s in spark}
+    assert spark_actions == {"s3:GetObject", "s3:ListBucket"}
+    for s in agent + spark:  # every statement is scoped to the prefix
+        resource = s["Resource"]
+        text = str(resource)
+        assert "S3Prefix" in text or s.get("Condition"), s
+
+
+def test_agents_run_as_long_lived_services_with_a_wal_volume(cfn: dict[str, Any]) -> None:
+    services = _of_type(cfn, "AWS::ECS::Service")
+    assert len(services) == 3
+    for td in _of_type(cfn, "AWS::ECS::TaskDefinition").values():
+        props = td["Properties"]
+        assert props["Volumes"] == [{"Name": "wal"}]
+        container = props["ContainerDefinitions"][0]
+        assert container["MountPoints"][0]["SourceVolume"] == "wal"
+        assert {"Ref": "ZooKeeperConnect"} in container["Command"]
