@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_demo_writes_reopens_and_reads_back_a_real_log(tmp_path: Path) -> None:
     log_dir = tmp_path / "orders-0"
     run = subprocess.run(
-        [sys.executable, "-m", "infra.demo", "--messages", "20000", "--dir", str(log_dir)],
+        [sys.executable, "-m", "infra.demo_storage", "--messages", "20000", "--dir", str(log_dir)],
         cwd=ROOT,
         capture_output=True,
         text=True,
