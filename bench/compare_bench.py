@@ -603,7 +603,12 @@ class RedisPeer:
     async def __aenter__(self) -> RedisPeer:
         import redis.asyncio as aioredis
 
-        self.r = aioredis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
+        # paced latency sends run concurrently and each takes a pooled connection: wait for
+        # one (bounded) instead of failing with MaxConnectionsError when Redis lags
+        pool = aioredis.BlockingConnectionPool(
+            host="127.0.0.1", port=self.port, socket_timeout=10, max_connections=64, timeout=10
+        )
+        self.r = aioredis.Redis(connection_pool=pool)
         self.r2 = aioredis.Redis(host="127.0.0.1", port=self.port, socket_timeout=10)
         return self
 

@@ -1,0 +1,434 @@
+"""The ``strata`` PySpark (4.x) Python Data Source: committed segments straight from the bucket.
+
+Theory of operation (user-facing details in ``docs/spark.md``):
+
+* **Driver side** (``partitions()``, run by Spark in a Python planning worker): the manifest
+  of every partition — by default the snapshots the agents put in the bucket after each
+  ZooKeeper commit (``storage.tier.snapshot``), or ZooKeeper itself with
+  ``manifest=zookeeper`` — is turned into read tasks by ``sdk.replay.plan``: one per committed
+  segment, or per byte range of a segment larger than ``splitBytes``, pruned by partition,
+  offsets and time with the manifest and, for partly wanted segments, the segment footer's
+  index. Only segments a manifest names are ever read, so stray or duplicate objects in the
+  bucket produce no rows. With ``planReport=<path>`` the planning figures (segments and bytes
+  in the topic vs planned) are written there as JSON.
+* **Executor side** (``read()``): one ranged GET of the task's bytes through ``sdk.replay``'s
+  ``pyarrow.fs`` reader, batches decoded by the shared codec (CRC32C checked), rows filtered
+  and the ``topic``/``partition`` columns added with Arrow kernels, yielded as Arrow record
+  batches: no Python code per record, no agent and no ZooKeeper in the path.
+* **Pushdown** (Spark 4.1+, ``spark.sql.python.filterPushdown.enabled=true``, which
+  :func:`register` sets): comparisons and ``IN`` on ``partition`` and ``offset`` are applied
+  exactly by the source; comparisons on ``timestamp`` prune segments and ranges and are also
+  left to Spark (literal time zones are Spark's business).
+* **Streaming** (``readStream``): the offset is ``{partition: manifest end}`` (the end of the
+  last committed segment); a micro-batch reads the segments between two such offsets.
+  ``Trigger.AvailableNow`` is supported: the target is the manifests' ends when the query starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceReader,
+    DataSourceStreamReader,
+    EqualTo,
+    Filter,
+    GreaterThan,
+    GreaterThanOrEqual,
+    In,
+    InputPartition,
+    IsNotNull,
+    LessThan,
+    LessThanOrEqual,
+)
+from pyspark.sql.streaming.datasource import SupportsTriggerAvailableNow
+from pyspark.sql.types import StructType
+
+from sdk.replay import (
+    DEFAULT_SPLIT_BYTES,
+    Archive,
+    ArchiveConfig,
+    Bounds,
+    PlanReport,
+    SegmentRead,
+    constant_int32,
+    constant_string,
+    plan,
+    read_segment,
+)
+from storage.tier.manifest import Manifest
+
+SCHEMA_DDL = (
+    "topic string, partition int, offset bigint, timestamp timestamp, key binary, "
+    "value binary, headers array<struct<key:string,value:binary>>, tags array<string>"
+)
+HEADERS = pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))
+ARROW_SCHEMA = pa.schema(
+    [
+        ("topic", pa.string()),
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("key", pa.binary()),
+        ("value", pa.binary()),
+        ("headers", HEADERS),
+        ("tags", pa.list_(pa.string())),
+    ]
+)
+TARGET_BATCH_BYTES = 8 << 20
+
+
+def register(session: Any) -> None:
+    """Register ``format("strata")`` on ``session`` and turn on Python filter pushdown."""
+    session.conf.set("spark.sql.python.filterPushdown.enabled", "true")
+    session.dataSource.register(StrataDataSource)
+
+
+# ---- options ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    topic: str
+    archive: ArchiveConfig
+    bounds: Bounds
+    manifest_source: str
+    zookeeper: str | None
+    split_bytes: int
+    plan_report: str | None
+    starting: str  # streaming: "earliest" | "latest" | JSON
+    pushdown: bool
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> Options:
+        o = {k.lower(): v for k, v in options.items()}
+        topic = o.get("topic")
+        if not topic:
+            raise ValueError("the strata source needs option topic")
+        archive = ArchiveConfig.from_env(
+            bucket=o.get("bucket"),
+            endpoint_url=o.get("endpoint"),
+            region=o.get("region"),
+            access_key_id=o.get("accesskey"),
+            secret_access_key=o.get("secretkey"),
+            session_token=o.get("sessiontoken"),
+            prefix=o.get("prefix"),
+        )
+        parts = o.get("partitions")
+        bounds = Bounds(
+            partitions=None
+            if not parts
+            else frozenset(int(p) for p in parts.split(",") if p.strip()),
+            start_offsets=_offsets(o.get("startingoffsets"), "earliest"),
+            end_offsets=_offsets(o.get("endingoffsets"), "latest"),
+            min_ts=_ms(o.get("startingtimestamp")),
+            max_ts=_ms(o.get("endingtimestamp")),
+        )
+        source = o.get("manifest", "bucket").lower()
+        if source not in ("bucket", "zookeeper"):
+            raise ValueError("option manifest must be 'bucket' or 'zookeeper'")
+        if source == "zookeeper" and not o.get("zookeeper"):
+            raise ValueError("manifest=zookeeper needs option zookeeper (host:port/chroot)")
+        return cls(
+            topic,
+            archive,
+            bounds,
+            source,
+            o.get("zookeeper"),
+            int(o.get("splitbytes", DEFAULT_SPLIT_BYTES)),
+            o.get("planreport"),
+            o.get("startingoffsets", "earliest"),
+            o.get("pushdown", "true").lower() != "false",
+        )
+
+
+def _offsets(raw: str | None, open_word: str) -> dict[int, int]:
+    """``earliest``/``latest`` (unbounded), one integer for every partition (key -1), or JSON
+    ``{"0": 10, "3": 7}``."""
+    if raw is None or raw.strip().lower() == open_word:
+        return {}
+    raw = raw.strip()
+    if raw.lstrip("-").isdigit():
+        return {-1: int(raw)}
+    try:
+        return {int(k): int(v) for k, v in json.loads(raw).items()}
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"bad offsets option {raw!r}: {exc}") from None
+
+
+def _ms(raw: str | None) -> int | None:
+    return None if raw is None or raw == "" else int(raw)
+
+
+# ---- manifests on the driver ------------------------------------------------------------------
+
+
+def zookeeper_manifests(connect: str, topic: str) -> dict[int, tuple[str, Manifest]]:
+    """partition -> (topic_id, manifest), read from ZooKeeper (driver only)."""
+    from storage.errors import NodeNotFoundError
+    from storage.metadata import AsyncZooKeeper
+    from storage.metadata.store import partition_path, topic_path
+
+    async def run() -> dict[int, tuple[str, Manifest]]:
+        zk = AsyncZooKeeper(connect)
+        await zk.start()
+        try:
+            spec = json.loads((await zk.get(topic_path(topic)))[0])
+            out = {}
+            for child in await zk.get_children(f"{topic_path(topic)}/partitions"):
+                p = int(child)
+                try:
+                    data, _ = await zk.get(f"{partition_path(topic, p)}/segments")
+                except NodeNotFoundError:
+                    continue
+                out[p] = (str(spec["topic_id"]), Manifest.decode(data))
+            return out
+        finally:
+            await zk.stop()
+
+    return asyncio.run(run())
+
+
+def manifests_for(opts: Options, archive: Archive) -> dict[int, tuple[str, Manifest]]:
+    if opts.manifest_source == "zookeeper":
+        assert opts.zookeeper is not None
+        return zookeeper_manifests(opts.zookeeper, opts.topic)
+    return {p: (s.topic_id, s.manifest) for p, s in archive.snapshots(opts.topic).items()}
+
+
+def _write_report(path: str | None, report: PlanReport) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(report.as_dict(), f)
+
+
+# ---- reading on executors ---------------------------------------------------------------------
+
+
+class SegmentPartition(InputPartition):
+    def __init__(self, tasks: list[SegmentRead]) -> None:
+        super().__init__(None)
+        self.tasks = tasks
+
+
+def read_tasks(archive: Archive, tasks: Sequence[SegmentRead]) -> Iterator[pa.RecordBatch]:
+    """Arrow batches in ``ARROW_SCHEMA`` for ``tasks`` (about ``TARGET_BATCH_BYTES`` each)."""
+    for task in tasks:
+        pending: list[pa.RecordBatch] = []
+        size = 0
+        for batch in read_segment(archive, task):
+            pending.append(batch)
+            size += batch.nbytes
+            if size >= TARGET_BATCH_BYTES:
+                yield _spark_batch(task, pending)
+                pending, size = [], 0
+        if pending:
+            yield _spark_batch(task, pending)
+
+
+def _spark_batch(task: SegmentRead, batches: list[pa.RecordBatch]) -> pa.RecordBatch:
+    b = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+    n = b.num_rows
+    return pa.RecordBatch.from_arrays(
+        [
+            constant_string(task.topic, n),
+            constant_int32(task.partition, n),
+            b.column(0),
+            b.column(1).cast(ARROW_SCHEMA.field("timestamp").type),
+            b.column(2),
+            b.column(3),
+            b.column(4).cast(HEADERS),
+            b.column(5).cast(ARROW_SCHEMA.field("tags").type),
+        ],
+        schema=ARROW_SCHEMA,
+    )
+
+
+# ---- the data source --------------------------------------------------------------------------
+
+
+class StrataDataSource(DataSource):
+    """``spark.read.format("strata").option("topic", ...)`` — see ``docs/spark.md``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "strata"
+
+    def schema(self) -> str:
+        return SCHEMA_DDL
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        opts = Options.parse(self.options)
+        return StrataPushdownReader(opts) if opts.pushdown else StrataReader(opts)
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return StrataStreamReader(Options.parse(self.options))
+
+
+class StrataReader(DataSourceReader):
+    """Batch reads without filter pushdown (option ``pushdown=false``): options prune only."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self.bounds = opts.bounds
+
+    def partitions(self) -> Sequence[InputPartition]:
+        archive = Archive(self.opts.archive)
+        tasks, report = plan(
+            archive,
+            self.opts.topic,
+            self.bounds,
+            split_bytes=self.opts.split_bytes,
+            manifests=manifests_for(self.opts, archive),
+        )
+        _write_report(self.opts.plan_report, report)
+        if not tasks:
+            return [SegmentPartition([])]
+        return [SegmentPartition([t]) for t in tasks]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SegmentPartition)
+        if partition.tasks:
+            yield from read_tasks(Archive(self.opts.archive), partition.tasks)
+
+
+class StrataPushdownReader(StrataReader):
+    """The default reader: ``StrataReader`` plus filter pushdown (needs the Spark conf
+    ``spark.sql.python.filterPushdown.enabled=true``, which :func:`register` sets)."""
+
+    def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
+        for f in filters:
+            narrowed = _push(self.bounds, f)
+            if narrowed is None:
+                yield f
+                continue
+            self.bounds, exact = narrowed
+            if not exact:
+                yield f
+
+
+def _push(bounds: Bounds, f: Filter) -> tuple[Bounds, bool] | None:
+    """``bounds`` narrowed by ``f`` and whether the source applies ``f`` exactly; None if
+    ``f`` cannot be used."""
+    attr = getattr(f, "attribute", None)
+    if attr is None or len(attr) != 1:
+        return None
+    column, value = attr[0], getattr(f, "value", None)
+    if column == "partition":
+        if isinstance(f, EqualTo) and isinstance(value, int):
+            return bounds.narrowed(partitions=[value]), True
+        if (
+            isinstance(f, In)
+            and isinstance(value, tuple | list)
+            and all(isinstance(v, int) for v in value)
+        ):
+            return bounds.narrowed(partitions=value), True
+        return None
+    if column == "offset" and isinstance(value, int):
+        if isinstance(f, EqualTo):
+            return bounds.narrowed(start_offset=value, end_offset=value + 1), True
+        if isinstance(f, GreaterThan):
+            return bounds.narrowed(start_offset=value + 1), True
+        if isinstance(f, GreaterThanOrEqual):
+            return bounds.narrowed(start_offset=value), True
+        if isinstance(f, LessThan):
+            return bounds.narrowed(end_offset=value), True
+        if isinstance(f, LessThanOrEqual):
+            return bounds.narrowed(end_offset=value + 1), True
+        return None
+    if column == "timestamp" and isinstance(value, dt.datetime) and value.tzinfo is not None:
+        # Spark hands TimestampType literals over as aware datetimes (microseconds); records
+        # have milliseconds: ts_ms * 1000 >= us  <=>  ts_ms >= ceil(us / 1000), and so on.
+        us = (value - _EPOCH) // dt.timedelta(microseconds=1)
+        ceil_ms, floor_ms = -(-us // 1000), us // 1000
+        if isinstance(f, GreaterThanOrEqual):
+            return bounds.narrowed(min_ts=ceil_ms), True
+        if isinstance(f, GreaterThan):
+            return bounds.narrowed(min_ts=floor_ms + 1), True
+        if isinstance(f, LessThan):
+            return bounds.narrowed(max_ts=ceil_ms), True
+        if isinstance(f, LessThanOrEqual):
+            return bounds.narrowed(max_ts=floor_ms + 1), True
+        if isinstance(f, EqualTo):
+            if us % 1000:
+                return bounds.narrowed(min_ts=ceil_ms, max_ts=ceil_ms), True
+            return bounds.narrowed(min_ts=floor_ms, max_ts=floor_ms + 1), True
+    if isinstance(f, IsNotNull) and column in _NEVER_NULL:
+        return bounds, True
+    return None
+
+
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+_NEVER_NULL = {"topic", "partition", "offset", "timestamp", "headers", "tags"}
+
+
+# ---- streaming --------------------------------------------------------------------------------
+
+
+class StrataStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets are ``{"<partition>": <manifest end>}``; see the module docstring."""
+
+    def __init__(self, opts: Options) -> None:
+        self.opts = opts
+        self._target: dict[str, int] | None = None
+
+    def _ends(self) -> tuple[dict[str, int], dict[str, int]]:
+        archive = Archive(self.opts.archive)
+        manifests = manifests_for(self.opts, archive)
+        parts = self.opts.bounds.partitions
+        starts = {str(p): m.start for p, (_, m) in manifests.items() if parts is None or p in parts}
+        ends = {str(p): m.end for p, (_, m) in manifests.items() if parts is None or p in parts}
+        return starts, ends
+
+    def initialOffset(self) -> dict[str, int]:
+        starts, ends = self._ends()
+        if self.opts.starting.strip().lower() == "latest":
+            return ends
+        explicit = _offsets(self.opts.starting, "earliest")
+        return {
+            p: max(start, explicit.get(int(p), explicit.get(-1, start)))
+            for p, start in starts.items()
+        }
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._target = self._ends()[1]
+
+    def latestOffset(
+        self, start: dict[str, int] | None = None, limit: Any = None
+    ) -> dict[str, int]:
+        ends = self._target if self._target is not None else self._ends()[1]
+        out = dict(start or {})
+        for p, end in ends.items():
+            out[p] = max(end, out.get(p, 0))
+        return out
+
+    def partitions(self, start: dict[str, int], end: dict[str, int]) -> Sequence[InputPartition]:
+        bounds = Bounds(
+            partitions=frozenset(int(p) for p in end),
+            start_offsets={int(p): v for p, v in start.items()},
+            end_offsets={int(p): v for p, v in end.items()},
+        )
+        archive = Archive(self.opts.archive)
+        tasks, report = plan(
+            archive,
+            self.opts.topic,
+            bounds,
+            split_bytes=self.opts.split_bytes,
+            manifests=manifests_for(self.opts, archive),
+        )
+        _write_report(self.opts.plan_report, report)
+        return [SegmentPartition([t]) for t in tasks]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, SegmentPartition)
+        yield from read_tasks(Archive(self.opts.archive), partition.tasks)
+
+    def commit(self, end: dict[str, int]) -> None:
+        pass

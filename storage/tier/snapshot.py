@@ -1,0 +1,90 @@
+"""Manifest snapshots in the bucket: how readers without ZooKeeper find committed segments.
+
+The authoritative manifest of a partition lives in ZooKeeper (``storage.tier.manifest``).
+Clients that must not talk to ZooKeeper — the SDK's replay, Spark executors, and by default
+the Spark driver — read a copy the partition leader writes to the bucket after every
+successful manifest change (commit or retention trim)::
+
+    <prefix>manifests/<topic>/<partition:010d>.json
+
+    {"v": 1, "topic": "orders", "topic_id": "ab12...", "partition": 3, "written_ms": ...,
+     "manifest": {<the manifest's own JSON, as in ZooKeeper>}}
+
+Theory of operation:
+
+* A snapshot is written only after the ZooKeeper transaction that made its manifest succeeded,
+  so every segment it names was committed (and its object uploaded) at that moment. It never
+  names an orphan or a half-finished upload; a reader that follows it cannot see an uncommitted
+  object, however many stray or duplicate objects the bucket holds.
+* It can lag: the put happens after the commit and is best effort (a failed put is logged and
+  the next change writes a newer one), and two leaders in quick succession may land their puts
+  in the wrong order. A lagging snapshot misses the newest segments (readers see a slightly
+  older committed prefix), and one older than a retention trim may name deleted objects
+  (readers get ``ObjectNotFoundError`` for those). Readers that need the exact state read
+  ZooKeeper (the Spark driver can, with ``manifest=zookeeper``).
+* ``topic_id`` is in the snapshot because segment keys contain it: a deleted and recreated
+  topic overwrites the snapshot with its new id, and the old objects are never named again.
+
+Pure: bytes in, values out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from storage.errors import CorruptSegmentError
+from storage.tier.manifest import Manifest
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestSnapshot:
+    topic: str
+    topic_id: str
+    partition: int
+    manifest: Manifest
+    written_ms: int = 0
+
+    def encode(self) -> bytes:
+        inner = json.loads(self.manifest.encode())
+        return json.dumps(
+            {
+                "v": 1,
+                "topic": self.topic,
+                "topic_id": self.topic_id,
+                "partition": self.partition,
+                "written_ms": self.written_ms,
+                "manifest": inner,
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, data: bytes, *, where: str = "manifest snapshot") -> ManifestSnapshot:
+        try:
+            raw: Any = json.loads(data)
+            if raw.get("v") != 1:
+                raise ValueError(f"unknown snapshot version {raw.get('v')!r}")
+            inner = json.dumps(raw["manifest"]).encode()
+            topic, topic_id = str(raw["topic"]), str(raw["topic_id"])
+            partition, written = int(raw["partition"]), int(raw.get("written_ms", 0))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptSegmentError(f"unreadable manifest snapshot: {exc}", path=where) from None
+        return cls(topic, topic_id, partition, Manifest.decode(inner, where=where), written)
+
+
+def snapshot_prefix(topic: str, prefix: str = "") -> str:
+    return f"{prefix}manifests/{topic}/"
+
+
+def snapshot_key(topic: str, partition: int, prefix: str = "") -> str:
+    return f"{snapshot_prefix(topic, prefix)}{partition:010d}.json"
+
+
+def parse_snapshot_key(key: str) -> int | None:
+    """The partition of a snapshot key; None for anything else."""
+    name = key.rsplit("/", 1)[-1]
+    if not name.endswith(".json") or not name[:-5].isdigit():
+        return None
+    return int(name[:-5])
