@@ -13,7 +13,9 @@ For every partition this agent leads, one pass of the uploader (every
 3. **Commit.** The segment is appended to the manifest (``storage.tier.manifest``) in a
    ZooKeeper transaction that checks the partition state's version (naming this agent leader
    with its epoch) and the manifest's version. On a conflict the manifest is re-read: a
-   segment already there is done (never committed twice).
+   segment already there is done (never committed twice). After every successful manifest
+   change a copy goes to the bucket (``storage.tier.snapshot``) for readers that do not talk
+   to ZooKeeper (the SDK's replay, Spark).
 4. **Local retention.** Committed segments are deleted from disk by ``local.retention.ms`` /
    ``local.retention.bytes`` (-2: the total retention's values).
 
@@ -73,6 +75,7 @@ from storage.tier import (
     parse_key,
 )
 from storage.tier.layout import TRAILER_SIZE, segment_prefix
+from storage.tier.snapshot import ManifestSnapshot, snapshot_key
 
 if TYPE_CHECKING:
     from broker_agents.agent import Agent
@@ -416,8 +419,26 @@ class Tiering:
                 self.manifests.pop(key, None)
                 continue
             self.manifests[key] = (new, version + 1, epoch)
+            await self._publish_snapshot(p, new)
             return new
         raise StorageError(f"manifest of {p.topic}-{p.index}: too many conflicts")
+
+    async def _publish_snapshot(self, p: Partition, manifest: Manifest) -> None:
+        """Copy a committed manifest to the bucket for readers without ZooKeeper (best effort).
+
+        See ``storage.tier.snapshot``: written only after the ZooKeeper commit, so it names
+        committed segments only; a failed put is logged and the next change writes a newer one.
+        """
+        assert self.store is not None
+        spec = self.agent.view.topics.get(p.topic)
+        if spec is None:
+            return
+        snap = ManifestSnapshot(p.topic, spec.topic_id, p.index, manifest, int(time.time() * 1000))
+        key = snapshot_key(p.topic, p.index, self.agent.config.s3_prefix)
+        try:
+            await self.store.put(key, snap.encode())
+        except StrataError as exc:
+            log.warning("manifest snapshot %s not written: %s", key, exc)
 
     async def _commit(self, p: Partition, entry: SegmentEntry) -> Manifest:
         epoch = p.state.leader_epoch

@@ -160,6 +160,14 @@ class ObjectStore:
 
         await self._call(f"PUT {key}", put, attempt_s=self._timeout_for(len(body)))
 
+    async def put(self, key: str, body: bytes) -> None:
+        """Create or overwrite ``key`` (manifest snapshots; segments use ``put_if_absent``)."""
+
+        def put() -> None:
+            self._client.put_object(Bucket=self.bucket, Key=key, Body=body)
+
+        await self._call(f"PUT {key}", put, attempt_s=self._timeout_for(len(body)))
+
     async def put_multipart_if_absent(
         self, key: str, size: int, read_part: Callable[[int, int], Awaitable[bytes]]
     ) -> int:
