@@ -318,8 +318,11 @@ class Tiering:
                 if small:
                     data = f.read(size)
                     return data, build_footer(data[:size])
-                with mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm:
-                    return None, build_footer(mm)
+                with (
+                    mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm,
+                    memoryview(mm) as view,  # read-only bytes-like: what crc32c accepts
+                ):
+                    return None, build_footer(view)
 
         data, footer = await asyncio.to_thread(prepare)
         f = decode_footer(footer)
