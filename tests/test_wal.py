@@ -437,6 +437,29 @@ def test_delete_segments_before(tmp_path: Path, open_log: Opener) -> None:
     assert read_all(log) == records[segs[-1].base_offset :]
 
 
+def test_delete_segments_before_trims_the_leader_epoch_cache(
+    tmp_path: Path, open_log: Opener
+) -> None:
+    log = open_log(tmp_path)
+    rng = random.Random(15)
+    for epoch in (0, 0, 0, 3, 3, 3, 5, 5, 8, 8, 8, 8):
+        for _ in range(4):
+            log.append(produce(rng, count=3, value_size=300).data, leader_epoch=epoch)
+    log.flush()
+    full = list(log.epochs)
+    assert [e for e, _ in full] == [0, 3, 5, 8] and len(log.segments) >= 6
+    for seg in log.segments[:-1]:
+        log.delete_segments_before(seg.next_offset)
+        start = log.log_start_offset
+        kept = [e for e in full if e[1] <= start][-1:] + [e for e in full if e[1] > start]
+        assert log.epochs == kept
+        assert log.epochs[0][1] <= start  # the first remaining batch's epoch is still known
+        assert log.end_offset_for_epoch(log.epochs[0][0])[0] == log.epochs[0][0]
+    assert log.epochs == [full[-1]]
+    assert log.end_offset_for_epoch(9) == (8, log.log_end_offset)
+    assert log.end_offset_for_epoch(5) == (-1, log.log_start_offset)
+
+
 def test_delete_segments_before_keeps_unflushed_segments(tmp_path: Path, open_log: Opener) -> None:
     log = open_log(tmp_path, config(fsync_policy="never"))
     records = fill(log, random.Random(14), 40, count=3)

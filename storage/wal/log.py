@@ -422,6 +422,11 @@ class PartitionLog:
             deleted.append(seg.base_offset)
         if deleted:
             self._dir_dirty = True
+            # the leader-epoch cache keeps the last epoch that starts at or below the new log
+            # start (it covers the first remaining batch) and drops the older ones
+            keep = bisect.bisect_right(self.epochs, self.log_start_offset, key=lambda e: e[1]) - 1
+            if keep > 0:
+                del self.epochs[:keep]
         return deleted
 
     # ---- closing -----------------------------------------------------------------------
