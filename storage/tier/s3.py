@@ -210,6 +210,9 @@ class ObjectStore:
                     MultipartUpload={"Parts": parts},
                     IfNoneMatch="*",
                 ),
+                # the store assembles the whole object before it answers: scale the deadline
+                # with the size, or every large upload times out and is redone from scratch
+                attempt_s=self._timeout_for(size),
             )
         except BaseException:
             with contextlib.suppress(Exception):
