@@ -25,7 +25,7 @@ from broker_agents.config import AgentConfig
 from broker_agents.controller import Controller
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
 from broker_agents.partitions import PartitionManager
-from broker_agents.replication import ReplicaFetchers
+from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.server import AgentServer
 from broker_agents.tiering import Tiering
 from storage.errors import MetadataError, NodeExistsError
@@ -93,6 +93,7 @@ class Agent:
         )
         self.controller = Controller(self)
         self.fetchers = ReplicaFetchers(self)
+        self.isr = IsrMaintenance(self)
         self.registration: AgentRegistration | None = None
         self.metrics_bytes_in = 0
         self._pending: dict[tuple[str, int], PartitionState | None] = {}
@@ -129,8 +130,9 @@ class Agent:
                 tg.create_task(self._reconcile_loop(), name="reconciler")
                 tg.create_task(self.controller.run(), name="controller")
                 tg.create_task(self._registration_loop(), name="registration")
-                tg.create_task(self.groups.run(), name="group-coordinator")
                 tg.create_task(self.tiering.run(), name="tiering")
+                tg.create_task(self.isr.run(), name="isr-maintenance")
+                tg.create_task(self.groups.run(), name="group-coordinator")
                 await self._stop.wait()
                 raise _Stop
         except* _Stop:
