@@ -142,9 +142,15 @@ class Cluster:
 
         asyncio.run(run())
 
-    def metadata(self, topics: list[str] | None = None) -> m.MetadataResponse:
+    def metadata(
+        self, topics: list[str] | None = None, *, avoid: set[int] | None = None
+    ) -> m.MetadataResponse:
+        """Metadata from the first agent that answers; ``avoid`` skips agents (say, a frozen one,
+        which would accept the connection and never answer)."""
         last: Exception | None = None
         for agent in self.alive():
+            if avoid and agent.agent_id in avoid:
+                continue
             try:
                 resp: m.MetadataResponse = asyncio.run(
                     WireClient.call_once(
@@ -162,7 +168,7 @@ class Cluster:
         """Poll Metadata until every partition of ``topic`` has a live leader (not in ``exclude``)."""
         deadline = time.monotonic() + timeout
         while True:
-            md = self.metadata([topic])
+            md = self.metadata([topic], avoid=exclude)
             live = {a.agent_id for a in md.agents}
             t = md.topics[0]
             if (
