@@ -243,7 +243,11 @@ def _run_crash_and_restart(cluster: Cluster, tmp_path: Path, mode: str) -> tuple
     first.wait(60)
     assert first.returncode == 3, first.log_text()[-2000:]
     second, log2 = start_member(cluster, tmp_path, "second", "jobs", *extra)
-    wait_until(lambda: sum(len(v) for v in consumed([log2]).values()) > 0, "the restart consumes")
+    # both partitions have records left: wait until the restart has read from each of them
+    wait_until(
+        lambda: sum(1 for v in consumed([log2]).values() if v) >= 2,
+        "the restart consumes from both partitions",
+    )
     cluster.processes.stop(second.pid)
     return events(log1), events(log2)
 
