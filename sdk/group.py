@@ -202,6 +202,9 @@ class GroupClient:
             if isinstance(err, RebalanceInProgressError | IllegalGenerationError):
                 self._need_join.set()
             if isinstance(err, UnknownMemberIdError):
+                # no longer a member: the partitions are lost before anything else happens, so
+                # nothing fetched for them is processed outside a generation
+                await self._lose_all()
                 self.member_id, self.generation = "", m.NO_GENERATION
                 self._need_join.set()
             raise err
@@ -296,10 +299,10 @@ class GroupClient:
         except RebalanceInProgressError:
             self._need_join.set()
         except (IllegalGenerationError, UnknownMemberIdError) as exc:
+            await self._lose_all()
             if isinstance(exc, UnknownMemberIdError):
                 self.member_id = ""
             self.generation = m.NO_GENERATION
-            await self._lose_all()
             self._need_join.set()
         except FencedInstanceIdError:
             raise
@@ -366,6 +369,7 @@ class GroupClient:
             request_timeout=rebalance_s + cfg.request_timeout_ms / 1000,
         )
         if join.error_code == UnknownMemberIdError.code:
+            await self._lose_all()
             self.member_id, self.generation = "", m.NO_GENERATION
         if join.error_code:
             self._need_join.set()
