@@ -27,7 +27,6 @@ import contextlib
 import json
 import os
 import platform
-import re
 import shutil
 import socket
 import struct
@@ -43,6 +42,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import write_docs_section
 from bench.peers import (
     Peer,
     PeerUnavailable,
@@ -1141,12 +1141,7 @@ def main(argv: list[str] | None = None) -> int:
     clean = {k: _strip(v) for k, v in result.items() if not k.startswith("_")}
     (out / "compare.json").write_text(json.dumps(clean, indent=2))
     if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
-        pattern = re.compile(r"<!-- compare-bench:begin.*?<!-- compare-bench:end -->", re.S)
-        if not pattern.search(text):
-            raise SystemExit("docs/benchmarks.md has no compare-bench markers")
-        doc.write_text(pattern.sub(lambda _: table, text))
+        write_docs_section("compare-bench", table)
     return 0
 
 

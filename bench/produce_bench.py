@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import functools
-import json
 import os
 import platform
-import re
 import shutil
 import tempfile
 import time
@@ -30,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.common import save_result, write_docs_section
 from infra.agents import start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Producer
@@ -224,16 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
     print(table)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "produce.json").write_text(json.dumps(result, indent=2))
+    save_result("produce", result)
     if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
-        pattern = re.compile(r"<!-- produce-bench:begin.*?<!-- produce-bench:end -->", re.S)
-        if not pattern.search(text):
-            raise SystemExit("docs/benchmarks.md has no produce-bench markers")
-        doc.write_text(pattern.sub(lambda _: table, text))
+        write_docs_section("produce-bench", table)
     return 0
 
 

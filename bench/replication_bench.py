@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import re
 import shutil
 import tempfile
 import time
@@ -23,6 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.common import save_result, write_docs_section
 from bench.produce_bench import TOPIC, latency, throughput_batched
 from infra.agents import AgentProcess, start_agent
 from infra.zookeeper import start_zookeeper
@@ -129,16 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
     print(table)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "replication.json").write_text(json.dumps(result, indent=2))
+    save_result("replication", result)
     if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
-        pattern = re.compile(r"<!-- replication-bench:begin.*?<!-- replication-bench:end -->", re.S)
-        if not pattern.search(text):
-            raise SystemExit("docs/benchmarks.md has no replication-bench markers")
-        doc.write_text(pattern.sub(lambda _: table, text))
+        write_docs_section("replication-bench", table)
     return 0
 
 

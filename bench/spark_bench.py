@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import platform
-import re
 import shutil
 import sys
 import tempfile
@@ -32,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bench.common import save_result, write_docs_section
 from sdk.replay import Archive, ArchiveConfig, plan, segment_table
 from storage.codec import encode_batch, stamp
 from storage.tier import Manifest, SegmentEntry, build_footer, decode_footer
@@ -222,15 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     r = run(args)
     text = render(r)
     print(text)
-    (ROOT / "bench" / "results").mkdir(exist_ok=True)
-    (ROOT / "bench" / "results" / "spark.json").write_text(json.dumps(r, indent=2))
+    save_result("spark", r)
     if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        content = doc.read_text()
-        pattern = re.compile(r"<!-- spark-bench:begin.*?<!-- spark-bench:end -->", re.S)
-        if not pattern.search(content):
-            raise SystemExit("docs/benchmarks.md has no spark-bench markers")
-        doc.write_text(pattern.sub(lambda _: text, content))
+        write_docs_section("spark-bench", text)
     return 0
 
 

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import re
 import shutil
 import subprocess
 import tempfile
@@ -22,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import save_result, write_docs_section
 from storage.codec import Compression, decode_batch, encode_batch
 from storage.config import LogConfig
 from storage.wal import GroupCommitLog, PartitionLog
@@ -254,16 +253,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
     print(table)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "storage.json").write_text(json.dumps(result, indent=2))
+    save_result("storage", result)
     if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
-        pattern = re.compile(r"<!-- storage-bench:begin.*?<!-- storage-bench:end -->", re.S)
-        if not pattern.search(text):
-            raise SystemExit("docs/benchmarks.md has no storage-bench markers")
-        doc.write_text(pattern.sub(lambda _: table, text))
+        write_docs_section("storage-bench", table)
     return 0
 
 

@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import contextlib
 import http.server
-import json
 import os
 import platform
 import re
@@ -46,6 +45,7 @@ import boto3
 from botocore.config import Config as BotoConfig
 from kazoo.client import KazooClient
 
+from bench.common import save_result, write_docs_section
 from broker_agents.config import AgentConfig
 from infra.agents import start_agent
 from infra.moto_s3 import start_moto
@@ -441,16 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
     print(table)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "tier.json").write_text(json.dumps(result, indent=2))
+    save_result("tier", result)
     if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
-        pattern = re.compile(r"<!-- tier-bench:begin.*?<!-- tier-bench:end -->", re.S)
-        if not pattern.search(text):
-            raise SystemExit("docs/benchmarks.md has no tier-bench markers")
-        doc.write_text(pattern.sub(lambda _: table, text))
+        write_docs_section("tier-bench", table)
     return 0
 
 

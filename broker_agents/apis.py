@@ -131,12 +131,11 @@ class Apis:
         batches = []
         for h, pos in iter_batches(records):
             view = records[pos : pos + h.size]
-            check_batch(view, max_size=limit, deep=True)
-            batches.append(view)
+            batches.append((view, check_batch(view, max_size=limit, deep=True)))
         first = -1
         end = -1
-        for view in batches:
-            info = p.log.append(view, leader_epoch=p.state.leader_epoch, deep_check=False)
+        for view, checked in batches:  # every batch checked before any is stored
+            info = p.log.append(view, leader_epoch=p.state.leader_epoch, checked=checked)
             if first < 0:
                 first = info.base_offset
             end = info.last_offset + 1

@@ -959,3 +959,25 @@ def test_waiting_for_records_truncated_away_raises(tmp_path: Path) -> None:
             await g.close()
 
     asyncio.run(main())
+
+
+def test_a_header_checked_by_the_caller_is_trusted_only_for_its_own_bytes(
+    tmp_path: Path, open_log: Opener
+) -> None:
+    """``append(checked=...)`` skips the second CRC pass of a batch the caller just verified,
+    but a header that does not describe these very bytes (another size) buys no trust."""
+    from storage.codec import check_batch
+
+    log = open_log(tmp_path)
+    rng = random.Random(33)
+    good = produce(rng, count=3, value_size=200)
+    header = check_batch(good.data)
+    info = log.append(good.data, leader_epoch=1, checked=header)
+    assert read_all(log) == good.records(info.base_offset)
+
+    other = produce(rng, count=5, value_size=300).data
+    bad = _flip(other, len(other) - 9)
+    before = snapshot(tmp_path)
+    with pytest.raises(CorruptBatchError):
+        log.append(bad, leader_epoch=1, checked=header)  # header of other bytes: checked anyway
+    assert snapshot(tmp_path) == before

@@ -66,7 +66,6 @@ CRC_FIELD = struct.Struct("<I")
 #: the part a leader rewrites when it stamps a batch: base_offset, batch_length, leader_epoch
 STAMP = struct.Struct("<qii")
 _LENGTH_OFFSET = 8
-_EPOCH_OFFSET = 12
 _RESERVED_AFTER_MAGIC = struct.Struct("<3s")
 _MAX_INT64 = (1 << 63) - 1
 

@@ -17,8 +17,6 @@ version and writes with it, so two controllers (or two admins) racing cannot bot
 
 from __future__ import annotations
 
-from typing import Any
-
 from kazoo.protocol.states import ZnodeStat
 
 from storage.errors import (
@@ -231,14 +229,3 @@ class MetadataStore:
             if got is not None:
                 out[int(child)] = got
         return out
-
-
-def as_dict(spec: TopicSpec) -> dict[str, Any]:
-    return {
-        "name": spec.name,
-        "partitions": spec.partitions,
-        "replication_factor": spec.replication_factor,
-        "config": spec.config.to_wire(),
-        "topic_id": spec.topic_id,
-        "created_ms": spec.created_ms,
-    }

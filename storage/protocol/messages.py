@@ -619,6 +619,10 @@ APIS: dict[int, Api] = {
         Api(ApiKey.HEARTBEAT, HeartbeatRequest, HeartbeatResponse),
         Api(ApiKey.LEAVE_GROUP, LeaveGroupRequest, LeaveGroupResponse),
         Api(ApiKey.SYNC_GROUP, SyncGroupRequest, SyncGroupResponse),
-        Api(ApiKey.OFFSET_FOR_LEADER_EPOCH, OffsetForLeaderEpochRequest, OffsetForLeaderEpochResponse),
+        Api(
+            ApiKey.OFFSET_FOR_LEADER_EPOCH,
+            OffsetForLeaderEpochRequest,
+            OffsetForLeaderEpochResponse,
+        ),
     )
 }

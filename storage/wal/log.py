@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from storage.codec.batch import check_batch, decode_batch
-from storage.codec.header import STAMP
+from storage.codec.header import STAMP, BatchHeader
 from storage.config import FsyncPolicy, LogConfig
 from storage.errors import (
     CorruptBatchError,
@@ -223,18 +223,30 @@ class PartitionLog:
         return max(s.max_timestamp for s in self._segments)
 
     # ---- appending ---------------------------------------------------------------------
-    def append(self, batch: Any, *, leader_epoch: int, deep_check: bool = True) -> AppendInfo:
+    def append(
+        self,
+        batch: Any,
+        *,
+        leader_epoch: int,
+        deep_check: bool = True,
+        checked: BatchHeader | None = None,
+    ) -> AppendInfo:
         """Verify ``batch`` (one whole encoded batch), stamp its offset and epoch, and write it.
 
         Raises ``CorruptBatchError``, ``UnsupportedVersionError`` or ``BatchTooLargeError`` for
         bad input and ``StorageError`` for disk trouble; in every case the log is unchanged.
         ``deep_check`` also validates the body (offsets, UTF-8, decompression) so that a batch
         with a good CRC but a malformed body can never be stored; a follower copying batches its
-        leader already checked may skip it. Durability is the caller's business: see ``flush``
-        and ``storage.wal.group_commit``.
+        leader already checked may skip it. ``checked`` is the header ``check_batch`` returned
+        for exactly these bytes (and at most ``max.message.bytes``), when the caller has just
+        verified them: the CRC pass is not repeated. Durability is the caller's business: see
+        ``flush`` and ``storage.wal.group_commit``.
         """
         self._check_open()
-        h = check_batch(batch, max_size=self.config.max_message_bytes, deep=deep_check)
+        if checked is not None and checked.size == len(batch) <= self.config.max_message_bytes:
+            h = checked
+        else:
+            h = check_batch(batch, max_size=self.config.max_message_bytes, deep=deep_check)
         now = self._clock()
         active = self.active
         if active.size and (
