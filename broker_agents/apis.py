@@ -200,7 +200,7 @@ class Apis:
         self,
         req: m.FetchRequest,
         waits: list[asyncio.Future[None]],
-        tiered: dict[tuple[str, int], bytes | StrataError] | None = None,
+        tiered: dict[tuple[str, int], memoryview | StrataError] | None = None,
     ) -> tuple[m.FetchResponse, int, bool]:
         budget = max(req.max_bytes, 0)
         total = 0

@@ -42,7 +42,7 @@ class AgentConfig(_Config):
     )
     tier_cache_bytes: int = Field(256 << 20, alias="tier.cache.bytes", ge=0)
     tier_read_block_bytes: int = Field(4 << 20, alias="tier.read.block.bytes", ge=4096)
-    tier_readahead_blocks: int = Field(4, alias="tier.readahead.blocks", ge=0, le=64)
+    tier_readahead_blocks: int = Field(16, alias="tier.readahead.blocks", ge=0, le=256)
     tier_check_interval_ms: int = Field(250, alias="tier.check.interval.ms", ge=10)
     tier_retention_check_interval_ms: int = Field(
         30000, alias="tier.retention.check.interval.ms", ge=10

@@ -156,9 +156,9 @@ class Tiering:
         manifest = cached[0]
         return manifest.start if manifest.segments else max(manifest.start, local)
 
-    async def prefetch(self, req: m.FetchRequest) -> dict[Key, bytes | StrataError]:
+    async def prefetch(self, req: m.FetchRequest) -> dict[Key, memoryview | StrataError]:
         """Tier reads for the partitions of a fetch whose offset is below the local log."""
-        out: dict[Key, bytes | StrataError] = {}
+        out: dict[Key, memoryview | StrataError] = {}
         if not self.enabled:
             return out
         jobs = []
@@ -183,7 +183,7 @@ class Tiering:
         await asyncio.gather(*(one(*j) for j in jobs))
         return out
 
-    async def read(self, p: Partition, offset: int, max_bytes: int) -> bytes:
+    async def read(self, p: Partition, offset: int, max_bytes: int) -> memoryview:
         assert self.reader is not None
         manifest, _ = await self._manifest(p)
         local = p.log.log_start_offset

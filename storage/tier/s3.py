@@ -115,23 +115,33 @@ class ObjectStore:
         self._backoff = backoff or Backoff(config.backoff_base, config.backoff_max)
         self._sleep = sleep
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="s3")
-        self._client: Any = boto3.session.Session().client(
+        self._client: Any = self._new_client(config.request_timeout)
+        # CompleteMultipartUpload: the store assembles the whole object before it answers
+        # (S3 may take many seconds, moto much longer), so its socket read timeout cannot be
+        # the per-request one; its attempt deadline still scales with the object's size
+        self._slow_client: Any = None
+        self.requests: dict[str, int] = {}
+
+    def _new_client(self, read_timeout: float) -> Any:
+        config = self.config
+        return boto3.session.Session().client(
             "s3",
             endpoint_url=config.endpoint_url,
             region_name=config.region,
             config=BotoConfig(
                 connect_timeout=config.connect_timeout,
-                read_timeout=config.request_timeout,
+                read_timeout=read_timeout,
                 retries={"total_max_attempts": 1},
                 max_pool_connections=config.max_workers,
                 s3={"addressing_style": "path"},
             ),
         )
-        self.requests: dict[str, int] = {}
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+        if self._slow_client is not None:
+            self._slow_client.close()
 
     async def _call(self, what: str, fn: Callable[[], T], *, attempt_s: float | None = None) -> T:
         loop = asyncio.get_running_loop()
@@ -201,9 +211,12 @@ class ObjectStore:
                 )
                 parts.append({"ETag": result["ETag"], "PartNumber": number})
                 del body
+            if self._slow_client is None:
+                self._slow_client = self._new_client(self._timeout_for(5 << 30))
+            slow = self._slow_client
             await self._call(
                 f"POST {key} complete-multipart",
-                lambda: self._client.complete_multipart_upload(
+                lambda: slow.complete_multipart_upload(
                     Bucket=self.bucket,
                     Key=key,
                     UploadId=upload_id,
@@ -238,6 +251,44 @@ class ObjectStore:
 
         size = end - start if start >= 0 else -start
         return await self._call(f"GET {key} {rng}", get, attempt_s=self._timeout_for(size))
+
+    async def stream_range(
+        self, key: str, start: int, end: int, piece: int, deliver: Callable[[int, bytes], None]
+    ) -> None:
+        """Bytes ``[start, end)`` of ``key`` in one GET, handed to ``deliver(position, data)``
+        exactly ``piece`` bytes at a time as they arrive (the last one may be shorter).
+
+        ``deliver`` runs on the worker thread. A retried attempt starts the range again, so
+        ``deliver`` sees a position more than once when an attempt fails part-way; it must
+        ignore what it already has. One request for many pieces is how a sequential reader
+        keeps S3 busy without paying a request's overhead per piece.
+        """
+        rng = f"bytes={start}-{end - 1}"
+
+        def get() -> None:
+            body = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)["Body"]
+            pos = start
+            try:
+                while pos < end:
+                    want = min(piece, end - pos)
+                    data: bytes = body.read(want)
+                    if 0 < len(data) < want:  # a short read: fill the piece (rare)
+                        parts = [data]
+                        got = len(data)
+                        while got < want and (more := body.read(want - got)):
+                            parts.append(more)
+                            got += len(more)
+                        data = b"".join(parts)
+                    if len(data) < want:
+                        raise botocore.exceptions.ResponseStreamingError(
+                            error=f"body ended at {pos + len(data)} of {end}"
+                        )
+                    deliver(pos, data)
+                    pos += want
+            finally:
+                body.close()
+
+        await self._call(f"GET {key} {rng}", get, attempt_s=self._timeout_for(end - start))
 
     async def delete(self, key: str) -> None:
         await self._call(
