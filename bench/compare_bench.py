@@ -244,6 +244,14 @@ def _e2e(received: list[float], value: bytes) -> None:
     received.append(time.perf_counter() - STAMP.unpack_from(value)[0])
 
 
+def settle_writeback() -> None:
+    """Write back the dirty pages the throughput runs left (``sync``) before a latency run,
+    for every system alike: at a moderate rate a system does not sit on gigabytes of dirty
+    page cache, and the kernel flushing them would otherwise land in whichever fsync (or
+    write) the latency run happens to make meanwhile."""
+    os.sync()
+
+
 async def strata_latency(
     bootstrap: str,
     topic: str,
@@ -785,6 +793,7 @@ async def run_peer(client: Any, args: argparse.Namespace) -> dict[str, Any]:
             out["produce"][str(size)] = r
             print(f"{client.name} {size} B: {r}", flush=True)
         out["consume"] = await client.consume(1024)
+        settle_writeback()
         out["latency"] = await client.latency(args.rate, args.latency_seconds, 1024)
     return out
 
@@ -1048,6 +1057,7 @@ def main(argv: list[str] | None = None) -> int:
             result["strata_acks1"] = _strata_produce_all(boot, connect, 1, 1, args, "a1")
             asyncio.run(_create_topic(connect, "lat", args.partitions, 1, {}))
             asyncio.run(_warm(boot, "lat", args.partitions, 1))
+            settle_writeback()
             lat = asyncio.run(
                 strata_latency(
                     boot, "lat", args.partitions, args.rate, args.latency_seconds, 1024, 1
@@ -1080,6 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
                 _create_topic(connect, "lat", args.partitions, 3, {"min.insync.replicas": 2})
             )
             asyncio.run(_warm(boot, "lat", args.partitions, "all"))
+            settle_writeback()
             lat = asyncio.run(
                 strata_latency(
                     boot, "lat", args.partitions, args.rate, args.latency_seconds, 1024, "all"

@@ -90,6 +90,7 @@ class Agent:
             self.apis,
             max_frame_bytes=config.max_frame_bytes,
             max_in_flight=config.max_in_flight_per_connection,
+            max_queued_bytes=config.queued_max_request_bytes,
         )
         self.controller = Controller(self)
         self.fetchers = ReplicaFetchers(self)

@@ -25,6 +25,9 @@ class AgentConfig(_Config):
     metrics_port: int = Field(0, alias="metrics.port", ge=0, le=65535)
     max_frame_bytes: int = Field(DEFAULT_MAX_FRAME, alias="socket.request.max.bytes", ge=1024)
     max_in_flight_per_connection: int = Field(64, alias="max.in.flight.per.connection", ge=1)
+    # request bytes read off the sockets and not yet handled, over all connections (Kafka's
+    # queued.max.request.bytes): past it the agent stops reading until handlers finish
+    queued_max_request_bytes: int = Field(256 << 20, alias="queued.max.request.bytes", ge=1 << 20)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)
     # ---- the object tier (off unless a bucket is given here or in STRATA_BUCKET) ----------

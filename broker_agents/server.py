@@ -6,7 +6,9 @@ can no longer be trusted) and starts one handler task per request, in order. A w
 awaits those tasks in the same order and writes each response, so responses match request
 order whatever finishes first (pipelining), while slow requests (a long poll, an fsync wait)
 do not hold up the reading of the next ones. At most ``max_in_flight`` requests per connection
-are in progress; beyond that the reader stops reading (TCP backpressure).
+are in progress, and at most ``max_queued_bytes`` of request frames over all connections
+(read, not yet handled); beyond either the reader stops reading (TCP backpressure), so the
+agent's memory does not grow with the number of producers pushing at it.
 
 A request whose header parses but whose API is unknown or whose body does not parse gets an
 error response (``UNSUPPORTED_VERSION`` / ``INVALID_REQUEST``) and the connection stays open.
@@ -15,6 +17,7 @@ error response (``UNSUPPORTED_VERSION`` / ``INVALID_REQUEST``) and the connectio
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -43,6 +46,50 @@ class ServerObserver(Protocol):
     def bytes_out(self, n: int) -> None: ...
 
 
+class ByteBudget:
+    """Bytes shared by every connection's reader, granted first come, first served."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.used = 0
+        self.peak = 0
+        self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+
+    async def acquire(self, n: int) -> int:
+        """Take ``n`` bytes (at most the capacity, so one huge frame cannot wait forever),
+        waiting while they are spent; returns what was taken, for ``release``."""
+        n = min(n, self.capacity)
+        if not self._waiters and self.used + n <= self.capacity:
+            self._take(n)
+            return n
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release(n)  # granted as we were cancelled: give it back
+            raise
+        return n
+
+    def release(self, n: int) -> None:
+        self.used -= n
+        while self._waiters:
+            m, fut = self._waiters[0]
+            if fut.done():  # its acquirer was cancelled
+                self._waiters.popleft()
+                continue
+            if self.used + m > self.capacity:
+                break
+            self._waiters.popleft()
+            self._take(m)
+            fut.set_result(None)
+
+    def _take(self, n: int) -> None:
+        self.used += n
+        self.peak = max(self.peak, self.used)
+
+
 class AgentServer:
     def __init__(
         self,
@@ -50,9 +97,11 @@ class AgentServer:
         *,
         max_frame_bytes: int,
         max_in_flight: int = 64,
+        max_queued_bytes: int = 256 << 20,
         idle_timeout: float = 600.0,
     ) -> None:
         self.apis = apis
+        self.budget = ByteBudget(max_queued_bytes)
         self.max_frame_bytes = max_frame_bytes
         self.max_in_flight = max_in_flight
         self.idle_timeout = idle_timeout
@@ -106,24 +155,33 @@ class AgentServer:
             async with asyncio.timeout(self.idle_timeout):
                 prefix = await reader.readexactly(4)
             size = read_size(prefix, self.max_frame_bytes)
-            async with asyncio.timeout(self.idle_timeout):
-                frame = await reader.readexactly(size)
-            if self.observer is not None:
-                self.observer.bytes_in(4 + size)
-            request = parse_request(frame)
-            await queue.put(asyncio.ensure_future(self._handle(request)))
+            held = await self.budget.acquire(size)
+            try:
+                async with asyncio.timeout(self.idle_timeout):
+                    frame = await reader.readexactly(size)
+                if self.observer is not None:
+                    self.observer.bytes_in(4 + size)
+                request = parse_request(frame)
+            except BaseException:
+                self.budget.release(held)
+                raise
+            del frame
+            await queue.put(asyncio.ensure_future(self._handle(request, held)))
 
-    async def _handle(self, request: Any) -> Any:
-        if self.observer is None:
-            return await self._dispatch(request)
-        started = time.perf_counter()
-        failed = True
+    async def _handle(self, request: Any, held: int) -> Any:
         try:
-            result = await self._dispatch(request)
-            failed = False
-            return result
+            if self.observer is None:
+                return await self._dispatch(request)
+            started = time.perf_counter()
+            failed = True
+            try:
+                result = await self._dispatch(request)
+                failed = False
+                return result
+            finally:
+                self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
         finally:
-            self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
+            self.budget.release(held)
 
     async def _dispatch(self, request: Any) -> Any:
         try:

@@ -7,7 +7,9 @@ keeps serving other clients, and nothing already stored changes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import signal
 import socket
 import struct
 import time
@@ -23,6 +25,7 @@ from storage.errors import (
     UnknownTopicOrPartitionError,
     UnsupportedVersionError,
 )
+from storage.protocol import encode_request
 from storage.protocol import messages as m
 from tests.cluster import AgentHandle, Cluster, WireClient, fetch_request, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
@@ -342,3 +345,84 @@ def test_an_agent_cut_off_from_zookeeper_refuses_writes_until_its_session_is_con
         assert values[0] == b"before" and values[-1] == b"after"
     finally:
         zk.stop()
+
+
+def _rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_many_pipelining_producers_cannot_grow_the_agent_past_its_request_budget(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """Overload with stalled handlers: the follower of every partition is frozen (SIGSTOP), so
+    each acks=all produce waits for it (up to ``replica.lag.time.max.ms``) while 24
+    connections pipeline 1 MiB requests at the leader, up to 64 in flight each: 1.5 GiB of
+    requests if the agent read them all. ``queued.max.request.bytes`` caps what the agent has
+    read and not yet handled over all connections, so its RSS stays near that bound."""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    budget = "queued.max.request.bytes=16777216"
+    leader = cluster.start_agent(1, budget, "replica.lag.time.max.ms=30000")
+    cluster.start_agent(2, budget, "replica.lag.time.max.ms=30000")
+    cluster.create_topic(TOPIC, 4, 2, {"min.insync.replicas": 1})
+    deadline = time.monotonic() + 30
+    while True:
+        parts = cluster.wait_for_leaders(TOPIC)
+        if all(len(p.isr) == 2 for p in parts.values()):
+            break
+        assert time.monotonic() < deadline, parts
+        time.sleep(0.05)
+    led = [p for p, md in parts.items() if md.leader_id == 1]
+    assert led, parts  # the controller spreads 4 leaders over 2 agents
+    pid = leader.process.pid
+    batch = encode_batch([os.urandom(1024)] * 1000)  # ~1 MiB
+    frames = [
+        b"".join(
+            bytes(x)
+            for x in encode_request(
+                m.ApiKey.PRODUCE, 0, "flood", produce_request(TOPIC, p, batch, acks=-1)
+            )
+        )
+        for p in led
+    ]
+    rss_before = _rss_bytes(pid)
+    peak = rss_before
+    cluster.kill(2, signal.SIGSTOP)
+
+    async def flood(i: int, stop: asyncio.Event) -> None:
+        _, writer = await asyncio.open_connection(leader.host, leader.port)
+        sent = 0
+        try:
+            while not stop.is_set():
+                writer.write(frames[(i + sent) % len(frames)])
+                sent += 1
+                async with asyncio.timeout(0.2):
+                    with contextlib.suppress(TimeoutError):
+                        await writer.drain()
+        finally:
+            writer.transport.abort()
+
+    async def run() -> None:
+        nonlocal peak
+        stop = asyncio.Event()
+        tasks = [asyncio.create_task(flood(i, stop)) for i in range(24)]
+        until = time.monotonic() + 6
+        while time.monotonic() < until:
+            peak = max(peak, _rss_bytes(pid))
+            await asyncio.sleep(0.05)  # sampling interval of the RSS probe
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        asyncio.run(run())
+    finally:
+        cluster.kill(2, signal.SIGCONT)
+    # 16 MiB of queued requests plus the agent's working set; without the budget it read
+    # about 1.5 GiB of frames here (64 in flight x 24 connections x 1 MiB)
+    assert peak - rss_before < 256 << 20, (rss_before >> 20, peak >> 20)
+    # and it still serves: a fresh produce to a partition it leads is answered
+    result = _produce(leader, encode_batch([b"after the flood"]), led[0])
+    assert result.error_code == 0
