@@ -335,6 +335,21 @@ def render(r: dict[str, Any]) -> str:
             " (8 MB/s in an earlier run), not the reader. The plain baseline there is loopback"
             " `sendfile` from the page cache — far above what one S3 stream gives.",
             "",
+            "Where the tier read's time goes (profiled with py-spy, and timed piece by piece on"
+            " the same objects): both cores are busy — one with the endpoint's `sendfile`, one"
+            " with the reader — so every CPU cost the reader adds over a discard loop lowers"
+            " the ratio. boto3 costs about 1 ms of CPU per request (so the read-ahead fetches"
+            " runs of blocks with one streamed GET each: "
+            f"{rd['gets_per_run']:.0f} GETs for the whole read, not one per 4 MiB block);"
+            " the CRC32C pass over every batch costs about 0.07 s per GiB (google-crc32c,"
+            " 14 to 17 GB/s); and the bytes a reader keeps in its cache are fresh memory each"
+            " time (page faults and the kernel zeroing pages), where a discard loop reuses one"
+            " hot 1 MiB buffer. Fixed on the way: a bench server stalled 40 ms on Nagle's"
+            " algorithm at the end of every ranged response, each read copied up to 8 MiB"
+            " to return 1 MiB, a cold boto3 client was timed, and the next segment's footer"
+            " was fetched once per read. A `pyarrow.fs` (AWS C++ SDK) reader was tried and"
+            " is slower here (1.4 to 2.2 GB/s at more CPU).",
+            "",
             f"Against the targets: ≤ 20 S3 PUTs per GB ingested: {puts_ok}"
             f" ({ing['puts_per_gb']:.1f}: one CreateMultipartUpload, 16 parts and one"
             " CompleteMultipartUpload per 1 GiB segment; every write request counted, manifest"
