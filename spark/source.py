@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import functools
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ ARROW_SCHEMA = pa.schema(
     ]
 )
 TARGET_BATCH_BYTES = 8 << 20
+DEFAULT_OPEN_COST = 4 << 20  # Spark's spark.sql.files.openCostInBytes
 
 
 def register(session: Any) -> None:
@@ -102,6 +104,8 @@ class Options:
     manifest_source: str
     zookeeper: str | None
     split_bytes: int
+    max_partition_bytes: int
+    open_cost_bytes: int
     plan_report: str | None
     starting: str  # streaming: "earliest" | "latest" | JSON
     pushdown: bool
@@ -143,6 +147,8 @@ class Options:
             source,
             o.get("zookeeper"),
             int(o.get("splitbytes", DEFAULT_SPLIT_BYTES)),
+            int(o.get("maxpartitionbytes", DEFAULT_SPLIT_BYTES)),
+            int(o.get("opencostinbytes", DEFAULT_OPEN_COST)),
             o.get("planreport"),
             o.get("startingoffsets", "earliest"),
             o.get("pushdown", "true").lower() != "false",
@@ -218,6 +224,40 @@ class SegmentPartition(InputPartition):
         self.tasks = tasks
 
 
+def pack(
+    tasks: Sequence[SegmentRead], max_bytes: int, open_cost: int = DEFAULT_OPEN_COST
+) -> list[SegmentPartition]:
+    """Segment reads packed, in order, into Spark partitions of about ``max_bytes``.
+
+    Spark's own file sources do the same with small files (``maxPartitionBytes``,
+    ``openCostInBytes``): a Spark task costs tens of milliseconds before it reads a byte, so a
+    topic of many small segments (rolled by ``segment.ms``) read one task per segment spends
+    most of its time starting tasks. A segment read larger than ``max_bytes`` was already cut
+    by ``splitBytes``; each read counts ``open_cost`` extra (its GET's fixed cost).
+    """
+    out: list[SegmentPartition] = []
+    current: list[SegmentRead] = []
+    size = 0
+    for t in tasks:
+        cost = t.nbytes + open_cost
+        if current and size + cost > max_bytes:
+            out.append(SegmentPartition(current))
+            current, size = [], 0
+        current.append(t)
+        size += cost
+    if current:
+        out.append(SegmentPartition(current))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def executor_archive(config: ArchiveConfig) -> Archive:
+    """One ``Archive`` (one ``pyarrow.fs`` client and its connection pool) per configuration
+    per Python worker: Spark reuses its workers across tasks, and building an S3 client for
+    every task would be part of every task's start-up cost."""
+    return Archive(config)
+
+
 def read_tasks(archive: Archive, tasks: Sequence[SegmentRead]) -> Iterator[pa.RecordBatch]:
     """Arrow batches in ``ARROW_SCHEMA`` for ``tasks`` (about ``TARGET_BATCH_BYTES`` each)."""
     for task in tasks:
@@ -291,12 +331,12 @@ class StrataReader(DataSourceReader):
         _write_report(self.opts.plan_report, report)
         if not tasks:
             return [SegmentPartition([])]
-        return [SegmentPartition([t]) for t in tasks]
+        return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SegmentPartition)
         if partition.tasks:
-            yield from read_tasks(Archive(self.opts.archive), partition.tasks)
+            yield from read_tasks(executor_archive(self.opts.archive), partition.tasks)
 
 
 class StrataPushdownReader(StrataReader):
@@ -424,11 +464,11 @@ class StrataStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             manifests=manifests_for(self.opts, archive),
         )
         _write_report(self.opts.plan_report, report)
-        return [SegmentPartition([t]) for t in tasks]
+        return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, SegmentPartition)
-        yield from read_tasks(Archive(self.opts.archive), partition.tasks)
+        yield from read_tasks(executor_archive(self.opts.archive), partition.tasks)
 
     def commit(self, end: dict[str, int]) -> None:
         pass

@@ -125,3 +125,20 @@ def test_sdk_replay_filters_by_keys_and_tags(archive: Archive) -> None:
     per_batch = len([i for i in range(100) if i % 3 == 1 and i % 2 == 1])
     assert table.num_rows == per_batch * 60
     assert set(table.column("key").to_pylist()) == {b"k1"}
+
+
+def test_small_segment_reads_are_packed_into_spark_partitions_in_order(archive: Archive) -> None:
+    """Spark tasks cost tens of ms to start: small segment reads share one, in offset order,
+    every read exactly once; a read larger than the limit still gets a partition of its own."""
+    from spark.source import pack, read_tasks
+
+    tasks, _ = plan(archive, "t")
+    per = max(t.nbytes for t in tasks)
+    parts = pack(tasks, max_bytes=3 * per, open_cost=0)
+    assert [len(p.tasks) for p in parts] == [3, 3]
+    assert [t for p in parts for t in p.tasks] == tasks  # all, once, in plan order
+    assert len(pack(tasks, max_bytes=1, open_cost=0)) == len(tasks)  # too big: one each
+    # the open cost counts per read: with one read's worth each, only 2 reads fit
+    assert [len(p.tasks) for p in pack(tasks, max_bytes=3 * per, open_cost=per // 2)] == [2] * 3
+    rows = sum(b.num_rows for p in parts for b in read_tasks(archive, p.tasks))
+    assert rows == sum(t.entry.next_offset - t.entry.base_offset for t in tasks)
