@@ -40,9 +40,13 @@ def _fake() -> dict[str, object]:
         "consume_disk": _rate(1000, 1024, 0.01),
         "consume_tier": {"error": "no moto"},
         "overload": {
-            "producers": 4,
+            "connections": 16,
             "seconds": 10.0,
-            "offered_msgs_per_s": 1e6,
+            "capacity_msgs_per_s": 1e6,
+            "capacity_mb_per_s": 1000.0,
+            "accepted_msgs_per_s": 1e5,
+            "answers": 1000,
+            "errors": 0,
             "sustained_msgs_per_s": 1e5,
             "overload_factor": 10.0,
             "rss_before_mib": 100.0,
@@ -60,6 +64,7 @@ def test_render_quotes_ratios_targets_and_unavailable_peers() -> None:
     assert "Strata ÷ Redis Streams: **1.00x**" in text
     assert "RabbitMQ streams | not measured: did not start" in text
     assert "Shared machine" in text and "peak **200 MiB**" in text
+    assert "**10.0x** the acks=1 rate" in text
 
 
 def test_percentiles_and_private_keys() -> None:
@@ -70,3 +75,25 @@ def test_percentiles_and_private_keys() -> None:
 
 def test_loopback_probe_moves_bytes() -> None:
     assert loopback_mb_per_s(0.05) > 1
+
+
+def test_overload_generator_offers_bytes_to_a_discard_sink() -> None:
+    import subprocess
+    import sys
+
+    from bench.overload import flood
+
+    sink = subprocess.Popen(
+        [sys.executable, "-m", "bench.overload", "sink"], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert sink.stdout is not None
+        port = int(sink.stdout.readline())
+        result = flood(f"127.0.0.1:{port}", "t", 2, 0.3, 2)
+    finally:
+        sink.kill()
+        sink.wait()
+        if sink.stdout is not None:
+            sink.stdout.close()
+    assert result["requests"] > 2 and result["bytes"] > result["requests"] * 1_000_000
+    assert result["answers"] == 0  # a sink never answers
