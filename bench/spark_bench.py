@@ -66,15 +66,7 @@ def write_segments(
                 data += raw
                 offset += records
             footer = build_footer(bytes(data))
-            f = decode_footer(footer)
-            entry = SegmentEntry(
-                f.base_offset,
-                f.next_offset,
-                f.leader_epoch,
-                len(data) + len(footer),
-                len(data),
-                f.max_timestamp,
-            )
+            entry = SegmentEntry.of(decode_footer(footer))
             path = bucket / entry.key(TOPIC, "bench-id", p)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(bytes(data) + footer)

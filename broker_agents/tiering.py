@@ -325,15 +325,7 @@ class Tiering:
                     return None, build_footer(view)
 
         data, footer = await asyncio.to_thread(prepare)
-        f = decode_footer(footer)
-        entry = SegmentEntry(
-            f.base_offset,
-            f.next_offset,
-            f.leader_epoch,
-            size + len(footer),
-            size,
-            f.max_timestamp,
-        )
+        entry = SegmentEntry.of(decode_footer(footer))
         key = self._key(p, entry)
         self.uploading.add(key)
         started = time.perf_counter()

@@ -106,6 +106,16 @@ def s3(s3_server: MotoServer, request: pytest.FixtureRequest) -> Iterator[S3Targ
 
 
 @pytest.fixture
+def s3_credentials(s3: S3Target, monkeypatch: pytest.MonkeyPatch) -> S3Target:
+    """The test bucket's AWS credentials and region in this process's environment (an
+    ``ObjectStore`` built in the test finds them there); the endpoint is left to the test."""
+    for k, v in s3.env().items():
+        if k.startswith("AWS_") and "ENDPOINT" not in k:
+            monkeypatch.setenv(k, v)
+    return s3
+
+
+@pytest.fixture
 def processes(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ProcessGroup]:
     """Child processes of this test (logs in ``tmp_path/processes``); all stopped afterwards.
 

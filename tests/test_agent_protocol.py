@@ -28,7 +28,7 @@ from storage.errors import (
 from storage.protocol import encode_request
 from storage.protocol import messages as m
 from tests.cluster import AgentHandle, Cluster, WireClient, fetch_request, produce_request
-from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.harness import ProcessGroup, ZooKeeperChroot, rss_bytes
 
 TOPIC = "events"
 
@@ -347,14 +347,6 @@ def test_an_agent_cut_off_from_zookeeper_refuses_writes_until_its_session_is_con
         zk.stop()
 
 
-def _rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
-
-
 def test_many_pipelining_producers_cannot_grow_the_agent_past_its_request_budget(
     processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
@@ -388,7 +380,7 @@ def test_many_pipelining_producers_cannot_grow_the_agent_past_its_request_budget
         )
         for p in led
     ]
-    rss_before = _rss_bytes(pid)
+    rss_before = rss_bytes(pid)
     peak = rss_before
     cluster.kill(2, signal.SIGSTOP)
 
@@ -411,7 +403,7 @@ def test_many_pipelining_producers_cannot_grow_the_agent_past_its_request_budget
         tasks = [asyncio.create_task(flood(i, stop)) for i in range(24)]
         until = time.monotonic() + 6
         while time.monotonic() < until:
-            peak = max(peak, _rss_bytes(pid))
+            peak = max(peak, rss_bytes(pid))
             await asyncio.sleep(0.05)  # sampling interval of the RSS probe
         stop.set()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -36,15 +36,7 @@ def _write(root: Path, topic: str = "t", partitions: int = 2, segments: int = 3)
                 data += raw
                 off += 100
             footer = build_footer(bytes(data), interval=4096)
-            f = decode_footer(footer)
-            e = SegmentEntry(
-                f.base_offset,
-                f.next_offset,
-                f.leader_epoch,
-                len(data) + len(footer),
-                len(data),
-                f.max_timestamp,
-            )
+            e = SegmentEntry.of(decode_footer(footer))
             path = bucket / e.key(topic, "id", p)
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_bytes(bytes(data) + footer)

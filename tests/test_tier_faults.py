@@ -33,7 +33,7 @@ from storage.protocol import messages as m
 from storage.tier import ObjectStore, ObjectStoreConfig
 from tests.cluster import Cluster, WireClient, produce_request
 from tests.faulty_proxy import FaultyProxy
-from tests.harness import ProcessGroup, S3Target, ZooKeeperChroot
+from tests.harness import ProcessGroup, S3Target, ZooKeeperChroot, rss_bytes
 from tests.test_tier import TOPIC, _consume, _keys, _manifest
 
 FAULT_S = 12.0
@@ -42,14 +42,6 @@ MAX_PENDING = 3 << 20
 SEGMENT = 256 << 10
 RSS_HEADROOM = 64 << 20
 FAULTS = {"slowdown": 4, "stall": 1, "reset": 2, "lost_reply": 2, "pass": 1}
-
-
-def _rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def _uncommitted_bytes(zk: KazooClient, log_dir: Path) -> int:
@@ -68,8 +60,11 @@ def _values(start: int, n: int) -> list[bytes]:
     ]
 
 
-def test_lost_put_reply_is_retried_into_the_same_key_and_recognised(s3: S3Target) -> None:
+def test_lost_put_reply_is_retried_into_the_same_key_and_recognised(
+    s3_credentials: S3Target,
+) -> None:
     """A PUT whose reply was lost answers 412 on retry; the suffix GET reads the trailer back."""
+    s3 = s3_credentials
     upstream = urlsplit(s3.endpoint_url)
     assert upstream.hostname is not None and upstream.port is not None
     body = bytes(range(256)) * 1000
@@ -97,17 +92,7 @@ def test_lost_put_reply_is_retried_into_the_same_key_and_recognised(s3: S3Target
             store.close()
 
     with FaultyProxy(upstream.hostname, upstream.port) as proxy:
-        env = {k: v for k, v in s3.env().items() if k.startswith("AWS_") and "ENDPOINT" not in k}
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            asyncio.run(run(proxy))
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        asyncio.run(run(proxy))
     assert _keys(s3) == {"k"}
 
 
@@ -223,14 +208,14 @@ async def _scenario(
     try:
         # healthy first: uploads flow, then the baseline is taken
         await until("first segments committed", lambda: _manifest(zk).end > 0, 20)
-        rss_base = _rss(pid)
+        rss_base = rss_bytes(pid)
         rss_max = rss_base
         uncommitted_max = 0
         proxy.set_faults(FAULTS)
         fault_end = time.monotonic() + FAULT_S
         while time.monotonic() < fault_end:
             assert not producer.done() or producer.result() is None
-            rss_max = max(rss_max, _rss(pid))
+            rss_max = max(rss_max, rss_bytes(pid))
             uncommitted_max = max(
                 uncommitted_max, await asyncio.to_thread(_uncommitted_bytes, zk, log_dir)
             )

@@ -11,8 +11,6 @@ corrupted batch is a typed error, never served.
 from __future__ import annotations
 
 import asyncio
-import os
-from collections.abc import Iterator
 from urllib.parse import urlsplit
 
 import pytest
@@ -38,31 +36,8 @@ def _segment(base: int, batches: int, records: int) -> tuple[bytes, bytes, Segme
         data += raw
         offset += records
     footer = build_footer(bytes(data))
-    f = decode_footer(footer)
-    entry = SegmentEntry(
-        f.base_offset,
-        f.next_offset,
-        f.leader_epoch,
-        len(data) + len(footer),
-        len(data),
-        f.max_timestamp,
-    )
+    entry = SegmentEntry.of(decode_footer(footer))
     return bytes(data), bytes(data) + footer, entry
-
-
-@pytest.fixture
-def aws_env(s3: S3Target) -> Iterator[None]:
-    env = {k: v for k, v in s3.env().items() if k.startswith("AWS_") and "ENDPOINT" not in k}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _store(s3: S3Target, endpoint: str | None = None, **kw: float) -> ObjectStore:
@@ -101,7 +76,7 @@ async def _read_all(
 
 
 def test_sequential_read_returns_the_stored_batches_with_few_large_gets(
-    s3: S3Target, aws_env: None
+    s3: S3Target, s3_credentials: S3Target
 ) -> None:
     segs = [_segment(0, 40, 50), _segment(2000, 40, 50)]
     keys = ["seg-a", "seg-b"]
@@ -131,7 +106,7 @@ def test_sequential_read_returns_the_stored_batches_with_few_large_gets(
     assert max(watch) <= cache + cache // 2
 
 
-def test_reads_survive_s3_faults_byte_for_byte(s3: S3Target, aws_env: None) -> None:
+def test_reads_survive_s3_faults_byte_for_byte(s3: S3Target, s3_credentials: S3Target) -> None:
     data, body, entry = _segment(0, 30, 40)
     _upload(s3, [("seg-f", body)])
     upstream = urlsplit(s3.endpoint_url)
@@ -156,7 +131,7 @@ def test_reads_survive_s3_faults_byte_for_byte(s3: S3Target, aws_env: None) -> N
 
 
 def test_a_corrupted_batch_is_a_typed_error_and_the_reader_serves_the_rest(
-    s3: S3Target, aws_env: None
+    s3: S3Target, s3_credentials: S3Target
 ) -> None:
     data, body, entry = _segment(0, 10, 40)
     positions = [p for _, p in iter_batches(data)]

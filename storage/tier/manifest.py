@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from storage.errors import CorruptSegmentError, StorageError
-from storage.tier.layout import segment_key
+from storage.tier.layout import Footer, segment_key
 
 MAX_MANIFEST_BYTES = 900_000
 
@@ -42,6 +42,18 @@ class SegmentEntry:
     size: int  # object size (data + footer)
     data_length: int
     max_timestamp: int
+
+    @classmethod
+    def of(cls, footer: Footer) -> SegmentEntry:
+        """The manifest entry of the segment object this footer ends."""
+        return cls(
+            footer.base_offset,
+            footer.next_offset,
+            footer.leader_epoch,
+            footer.data_length + footer.footer_length,
+            footer.data_length,
+            footer.max_timestamp,
+        )
 
     def as_list(self) -> list[int]:
         return [
