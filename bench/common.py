@@ -1,4 +1,5 @@
-"""What every benchmark does with its result: save the JSON, rewrite its section of the docs."""
+"""What every benchmark does with its result: print it, save the JSON, rewrite its section of
+the docs."""
 
 from __future__ import annotations
 
@@ -29,3 +30,15 @@ def write_docs_section(marker: str, section: str) -> None:
     if not pattern.search(text):
         raise SystemExit(f"docs/benchmarks.md has no {marker} markers")
     DOC.write_text(pattern.sub(lambda _: section, text))
+
+
+def publish(name: str, table: str, result: Any, *, write_docs: bool) -> None:
+    """Print ``table``, save ``result`` as ``bench/results/<name>.json`` (keys starting with
+    ``_`` left out: raw samples) and, with ``write_docs``, put ``table`` in place of the
+    ``<name>-bench`` section of docs/benchmarks.md."""
+    print(table)
+    if isinstance(result, dict):
+        result = {k: v for k, v in result.items() if not str(k).startswith("_")}
+    save_result(name, result)
+    if write_docs:
+        write_docs_section(f"{name}-bench", table)

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import write_docs_section
+from bench.common import publish
 from bench.peers import (
     Peer,
     PeerUnavailable,
@@ -1147,13 +1147,8 @@ def main(argv: list[str] | None = None) -> int:
     result["elapsed_s"] = time.perf_counter() - began
     plots(result, ROOT / "docs" / "img")
     table = render(result)
-    print(table)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    clean = {k: _strip(v) for k, v in result.items() if not k.startswith("_")}
-    (out / "compare.json").write_text(json.dumps(clean, indent=2))
-    if args.write_docs:
-        write_docs_section("compare-bench", table)
+    clean = {k: _strip(v) for k, v in result.items()}
+    publish("compare", table, clean, write_docs=args.write_docs)
     return 0
 
 

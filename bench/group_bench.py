@@ -20,16 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
-import re
 import shutil
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.common import publish
 from infra.agents import start_agent
 from infra.zookeeper import start_zookeeper
 from sdk.connection import Connection
@@ -215,33 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         zk.stop()
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
-    print(table)
-    out = ROOT / "bench" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "groups.json").write_text(json.dumps(result, indent=2))
-    if args.write_docs:
-        doc = ROOT / "docs" / "benchmarks.md"
-        text = doc.read_text()
-        pattern = re.compile(r"<!-- group-bench:begin.*?<!-- group-bench:end -->", re.S)
-        if not pattern.search(text):
-            text = text.rstrip() + "\n\n## Offset commits (consumer groups)\n\n" + table + "\n"
-            text += GROUP_NOTES
-        else:
-            text = pattern.sub(lambda _: table, text)
-        doc.write_text(text)
+    publish("group", table, result, write_docs=args.write_docs)
     return 0
-
-
-GROUP_NOTES = """
-How it works and what it costs: the coordinator parks commits in memory and one flusher task
-writes each group's pending commits in one ZooKeeper `multi` (the group's state version
-checked, one znode per topic rewritten) before acknowledging them; commits that arrive while
-a write is in flight wait for the next one. So the ZooKeeper write rate is bounded by the
-flush rate — about one transaction per group per flush round — whatever the commit rate, and
-ZooKeeper's few-thousand-writes-per-second budget is not the limit. The price is latency
-(one ZooKeeper round trip plus `offsets.commit.linger.ms`) and bytes: a flush rewrites the
-whole per-topic znode (about 40 KB for 1,000 partitions).
-"""
 
 
 if __name__ == "__main__":

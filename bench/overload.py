@@ -69,8 +69,9 @@ def flood(address: str, topic: str, partitions: int, seconds: float, conns: int)
                     totals["errors"] += failed
 
     def one(i: int) -> None:
+        # every send and receive has a deadline: a peer that stops reading for 30 s ends
+        # this connection's run instead of hanging it
         sock = socket.create_connection((host, int(port)), timeout=30)
-        sock.settimeout(None)
         reader = threading.Thread(target=answers, args=(sock,), daemon=True)
         reader.start()
         n, sent, requests = i, 0, 0
@@ -99,7 +100,7 @@ def flood(address: str, topic: str, partitions: int, seconds: float, conns: int)
     stop.set()
     elapsed = time.perf_counter() - start
     for t in threads:
-        t.join(timeout=60)  # a sender blocked in sendall returns once the agent reads on
+        t.join(timeout=60)  # a sender blocked in sendall returns within its socket timeout
     return totals | {"seconds": elapsed, "connections": conns}
 
 
@@ -110,6 +111,7 @@ def sink() -> None:
 
     def drop(conn: socket.socket) -> None:
         buf = bytearray(1 << 20)
+        conn.settimeout(60)  # a generator that went away without closing: give up on it
         with contextlib.suppress(OSError), conn:
             while conn.recv_into(buf):
                 pass

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import save_result, write_docs_section
+from bench.common import publish
 from infra.agents import start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Producer
@@ -222,10 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         zk.stop()
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
-    print(table)
-    save_result("produce", result)
-    if args.write_docs:
-        write_docs_section("produce-bench", table)
+    publish("produce", table, result, write_docs=args.write_docs)
     return 0
 
 

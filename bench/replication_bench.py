@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import save_result, write_docs_section
+from bench.common import publish
 from bench.produce_bench import TOPIC, latency, throughput_batched
 from infra.agents import AgentProcess, start_agent
 from infra.zookeeper import start_zookeeper
@@ -127,10 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         zk.stop()
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
-    print(table)
-    save_result("replication", result)
-    if args.write_docs:
-        write_docs_section("replication-bench", table)
+    publish("replication", table, result, write_docs=args.write_docs)
     return 0
 
 

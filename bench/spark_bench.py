@@ -30,7 +30,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bench.common import save_result, write_docs_section
+from bench.common import publish
 from sdk.replay import Archive, ArchiveConfig, plan, segment_table
 from storage.codec import encode_batch, stamp
 from storage.tier import Manifest, SegmentEntry, build_footer, decode_footer
@@ -228,10 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     r = run(args)
     text = render(r)
-    print(text)
-    save_result("spark", r)
-    if args.write_docs:
-        write_docs_section("spark-bench", text)
+    publish("spark", text, r, write_docs=args.write_docs)
     return 0
 
 

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import save_result, write_docs_section
+from bench.common import publish
 from storage.codec import Compression, decode_batch, encode_batch
 from storage.config import LogConfig
 from storage.wal import GroupCommitLog, PartitionLog
@@ -252,10 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
-    print(table)
-    save_result("storage", result)
-    if args.write_docs:
-        write_docs_section("storage-bench", table)
+    publish("storage", table, result, write_docs=args.write_docs)
     return 0
 
 

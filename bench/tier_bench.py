@@ -45,7 +45,7 @@ import boto3
 from botocore.config import Config as BotoConfig
 from kazoo.client import KazooClient
 
-from bench.common import save_result, write_docs_section
+from bench.common import publish
 from broker_agents.config import AgentConfig
 from infra.agents import start_agent
 from infra.moto_s3 import start_moto
@@ -488,10 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         zk.stop()
         shutil.rmtree(work, ignore_errors=True)
     table = render(result)
-    print(table)
-    save_result("tier", result)
-    if args.write_docs:
-        write_docs_section("tier-bench", table)
+    publish("tier", table, result, write_docs=args.write_docs)
     return 0
 
 

@@ -96,7 +96,6 @@ class Agent:
         self.fetchers = ReplicaFetchers(self)
         self.isr = IsrMaintenance(self)
         self.registration: AgentRegistration | None = None
-        self.metrics_bytes_in = 0
         self._pending: dict[tuple[str, int], PartitionState | None] = {}
         self._changed = asyncio.Event()
         self._watched_topics: dict[str, list[Callable[[], None]]] = {}

@@ -141,7 +141,6 @@ class Apis:
             end = info.last_offset + 1
         p.notify()
         p.advance_hw()
-        self.agent.metrics_bytes_in += len(records)
         return first, end
 
     async def _wait_durable(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import struct
 import time
@@ -31,30 +32,50 @@ log = logging.getLogger(__name__)
 
 
 class ReplicaFetchers:
+    """One fetch task per leader this agent follows partitions of.
+
+    A task that dies of an unexpected error (the expected ones — connection loss, timeouts,
+    protocol errors — are retried inside it) is logged and started again after
+    ``restart_delay`` seconds, so a bug met once cannot stop replication from that leader
+    until the next leadership change.
+    """
+
+    restart_delay = 1.0
+
     def __init__(self, agent: Agent) -> None:
         self.agent = agent
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        self._stopped = False
 
     def update(self) -> None:
         """Start or stop per-leader fetch tasks to match the follower roles right now."""
+        if self._stopped:
+            return
         leaders = {
             p.state.leader
             for p in self.agent.partitions.partitions.values()
             if p.role == "follower" and p.state.leader >= 0
         }
-        for leader in leaders - set(self.tasks):
-            task = asyncio.create_task(self._follow(leader), name=f"replica-fetcher:{leader}")
-            task.add_done_callback(self._finished)
-            self.tasks[leader] = task
+        for leader in leaders:
+            if leader not in self.tasks:
+                task = asyncio.create_task(self._follow(leader), name=f"replica-fetcher:{leader}")
+                task.add_done_callback(functools.partial(self._finished, leader))
+                self.tasks[leader] = task
         for leader in set(self.tasks) - leaders:
             self.tasks.pop(leader).cancel()
 
-    @staticmethod
-    def _finished(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("replica fetcher %s died", task.get_name(), exc_info=task.exception())
+    def _finished(self, leader: int, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error(
+            "replica fetcher %s died; restarting it", task.get_name(), exc_info=task.exception()
+        )
+        if self.tasks.get(leader) is task:
+            del self.tasks[leader]
+        asyncio.get_running_loop().call_later(self.restart_delay, self.update)
 
     async def stop(self) -> None:
+        self._stopped = True
         for t in self.tasks.values():
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Protocol
@@ -166,22 +167,25 @@ class AgentServer:
                 self.budget.release(held)
                 raise
             del frame
-            await queue.put(asyncio.ensure_future(self._handle(request, held)))
+            handler = asyncio.ensure_future(self._handle(request))
+            # released when the handler is done, even if cancelled before it ever ran
+            handler.add_done_callback(functools.partial(self._release, held))
+            await queue.put(handler)
 
-    async def _handle(self, request: Any, held: int) -> Any:
+    def _release(self, held: int, _handler: asyncio.Future[Any]) -> None:
+        self.budget.release(held)
+
+    async def _handle(self, request: Any) -> Any:
+        if self.observer is None:
+            return await self._dispatch(request)
+        started = time.perf_counter()
+        failed = True
         try:
-            if self.observer is None:
-                return await self._dispatch(request)
-            started = time.perf_counter()
-            failed = True
-            try:
-                result = await self._dispatch(request)
-                failed = False
-                return result
-            finally:
-                self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
+            result = await self._dispatch(request)
+            failed = False
+            return result
         finally:
-            self.budget.release(held)
+            self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
 
     async def _dispatch(self, request: Any) -> Any:
         try:

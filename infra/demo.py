@@ -149,7 +149,6 @@ def _timed(name: str, steps: list[Step], fn: Callable[[], tuple[bool | None, str
     return ok is not False
 
 
-
 def spark_counts_per_partition(endpoint: str, bucket: str, zookeeper: str) -> dict[int, int]:
     """Count the archive's records per partition with Spark (``spark.source``, ``local[2]``)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -185,6 +184,7 @@ def spark_counts_per_partition(endpoint: str, bucket: str, zookeeper: str) -> di
         return {int(r["partition"]): int(r["count"]) for r in rows}
     finally:
         session.stop()
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

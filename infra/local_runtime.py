@@ -47,7 +47,6 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from handlers.http import (
@@ -58,7 +57,14 @@ from handlers.http import (
     error_body,
     status_for,
 )
-from infra.processes import LocalStackError, log_tail, spawn, terminate, wait_until_ready
+from infra.processes import (
+    ChildProcess,
+    LocalStackError,
+    log_tail,
+    spawn,
+    terminate,
+    wait_until_ready,
+)
 from storage.errors import InvalidConfigError, InvalidRequestError, NetworkError, StrataError
 
 log = logging.getLogger("infra.local_runtime")
@@ -505,34 +511,11 @@ def command(zookeeper: str, *, port: int = 0, extra: tuple[str, ...] = ()) -> li
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LocalRuntimeProcess:
+class LocalRuntimeProcess(ChildProcess):
     """A running local runtime child; stop it with :meth:`stop` or a ``with`` block."""
 
     url: str
     log_path: Path
-    _process: subprocess.Popen[bytes] = field(repr=False, compare=False)
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    @property
-    def running(self) -> bool:
-        return self._process.poll() is None
-
-    def stop(self, *, timeout: float = 10.0) -> int:
-        return terminate(self._process, timeout=timeout)
-
-    def __enter__(self) -> LocalRuntimeProcess:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def start_local_runtime(

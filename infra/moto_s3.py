@@ -14,25 +14,14 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 import sys
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
-from infra.processes import (
-    ExitedWhileStarting,
-    LocalStackError,
-    free_port,
-    spawn,
-    terminate,
-    wait_until_ready,
-)
+from infra.processes import ChildProcess, LocalStackError, start_on_port
 
 HOST = "127.0.0.1"
-PORT_ATTEMPTS = 3
-"""Starts tried with a fresh free port when the server exits while starting (port taken)."""
 
 
 def _answers(endpoint_url: str) -> bool:
@@ -46,26 +35,17 @@ def _answers(endpoint_url: str) -> bool:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class MotoServer:
+class MotoServer(ChildProcess):
     """A running moto server; stop it with :meth:`stop` or a ``with`` block."""
 
     host: str
     port: int
     state_dir: Path
     log_path: Path
-    _process: subprocess.Popen[bytes] = field(repr=False, compare=False)
 
     @property
     def endpoint_url(self) -> str:
         return f"http://{self.host}:{self.port}"
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    @property
-    def running(self) -> bool:
-        return self._process.poll() is None
 
     def reset(self, *, timeout: float = 10.0) -> None:
         """Forget every bucket and object (every moto backend, in fact)."""
@@ -75,21 +55,6 @@ class MotoServer:
                 reply.read()
         except OSError as exc:
             raise LocalStackError(f"resetting moto at {self.endpoint_url} failed: {exc}") from exc
-
-    def stop(self, *, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout`` s; returns once the server has exited."""
-        return terminate(self._process, timeout=timeout)
-
-    def __enter__(self) -> MotoServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def start_moto(
@@ -109,29 +74,18 @@ def start_moto(
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
     log_path = state_dir / "moto.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", NO_COLOR="1")
-    attempt = 0
-    while True:
-        attempt += 1
-        chosen = free_port(HOST) if port is None else port
-        argv = [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(chosen)]
-        process = spawn(argv, log_path=log_path, env=env, die_with_parent=die_with_parent)
-        try:
-            wait_until_ready(
-                process,
-                functools.partial(_answers, f"http://{HOST}:{chosen}"),
-                what=f"moto server on {HOST}:{chosen}",
-                log_path=log_path,
-                timeout=startup_timeout,
-            )
-        except ExitedWhileStarting:
-            terminate(process)
-            if port is not None or attempt == PORT_ATTEMPTS:
-                raise
-            continue
-        except BaseException:
-            terminate(process)
-            raise
-        return MotoServer(
-            host=HOST, port=chosen, state_dir=state_dir, log_path=log_path, _process=process
-        )
+    process, chosen = start_on_port(
+        lambda p: [sys.executable, "-m", "moto.server", "-H", HOST, "-p", str(p)],
+        lambda p: functools.partial(_answers, f"http://{HOST}:{p}"),
+        host=HOST,
+        port=port,
+        what="moto server",
+        output_path=log_path,
+        log_path=log_path,
+        timeout=startup_timeout,
+        env=dict(os.environ, PYTHONUNBUFFERED="1", NO_COLOR="1"),
+        die_with_parent=die_with_parent,
+    )
+    return MotoServer(
+        host=HOST, port=chosen, state_dir=state_dir, log_path=log_path, _process=process
+    )

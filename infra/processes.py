@@ -31,7 +31,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
+from typing import Self
 
 from storage.errors import StrataError
 
@@ -182,3 +185,83 @@ def wait_until_ready(
                 f"{log_tail(log_path)}"
             )
         time.sleep(POLL_INTERVAL)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChildProcess:
+    """A running child server; stop it with :meth:`stop` or a ``with`` block."""
+
+    _process: subprocess.Popen[bytes] = field(repr=False, compare=False)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def running(self) -> bool:
+        return self._process.poll() is None
+
+    def stop(self, *, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL after ``timeout`` s; returns once the child has exited."""
+        return terminate(self._process, timeout=timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+PORT_ATTEMPTS = 3
+"""Starts tried with a fresh free port when a server exits while starting (port taken)."""
+
+
+def start_on_port(
+    argv_for: Callable[[int], Sequence[str]],
+    probe_for: Callable[[int], Callable[[], bool]],
+    *,
+    host: str,
+    port: int | None,
+    what: str,
+    output_path: Path,
+    log_path: Path,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    die_with_parent: bool = True,
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Spawn ``argv_for(port)`` and wait until ``probe_for(port)()`` holds; (process, port).
+
+    ``port=None`` picks a free port and, if the server exits while starting (the port was
+    taken before it bound it), tries up to ``PORT_ATTEMPTS`` ports. The child's output goes to
+    ``output_path``; ``log_path`` is the log quoted when it fails. A child that fails to come
+    up is terminated before the error is raised.
+    """
+    attempt = 0
+    while True:
+        attempt += 1
+        chosen = free_port(host) if port is None else port
+        process = spawn(
+            argv_for(chosen), log_path=output_path, env=env, die_with_parent=die_with_parent
+        )
+        try:
+            wait_until_ready(
+                process,
+                probe_for(chosen),
+                what=f"{what} on {host}:{chosen}",
+                log_path=log_path,
+                timeout=timeout,
+            )
+        except ExitedWhileStarting:
+            terminate(process)
+            if port is not None or attempt == PORT_ATTEMPTS:
+                raise
+            continue
+        except BaseException:
+            terminate(process)
+            raise
+        return process, chosen

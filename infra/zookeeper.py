@@ -27,24 +27,13 @@ import importlib.util
 import os
 import shutil
 import socket
-import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 
-from infra.processes import (
-    ExitedWhileStarting,
-    LocalStackError,
-    free_port,
-    spawn,
-    terminate,
-    wait_until_ready,
-)
+from infra.processes import ChildProcess, LocalStackError, start_on_port
 
 MAIN_CLASS = "org.apache.zookeeper.server.ZooKeeperServerMain"
 HOST = "127.0.0.1"
-PORT_ATTEMPTS = 3
-"""Starts tried with a fresh free port when the server exits while starting (port taken)."""
 
 _LOG4J2_PROPERTIES = """\
 status = warn
@@ -115,45 +104,21 @@ def _serving(host: str, port: int) -> bool:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class ZooKeeperServer:
+class ZooKeeperServer(ChildProcess):
     """A running standalone ZooKeeper; stop it with :meth:`stop` or a ``with`` block."""
 
     host: str
     port: int
     state_dir: Path
     log_path: Path
-    _process: subprocess.Popen[bytes] = field(repr=False, compare=False)
 
     @property
     def connect_string(self) -> str:
         """``host:port``, as kazoo takes it (append ``/chroot`` for a chroot)."""
         return f"{self.host}:{self.port}"
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    @property
-    def running(self) -> bool:
-        return self._process.poll() is None
-
     def four_letter_word(self, word: str, *, timeout: float = 1.0) -> str:
         return four_letter_word(self.host, self.port, word, timeout=timeout)
-
-    def stop(self, *, timeout: float = 10.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout`` s; returns once the JVM has exited."""
-        return terminate(self._process, timeout=timeout)
-
-    def __enter__(self) -> ZooKeeperServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
 
 def write_config(state_dir: Path, *, port: int) -> Path:
@@ -204,13 +169,9 @@ def start_zookeeper(
     classpath = str(find_jars_dir() / "*")
     state_dir = state_dir.resolve()
     state_dir.mkdir(parents=True, exist_ok=True)
-    out_path = state_dir / "zookeeper.out"
-    attempt = 0
-    while True:
-        attempt += 1
-        chosen = free_port(HOST) if port is None else port
-        cfg = write_config(state_dir, port=chosen)
-        argv = [
+
+    def argv(port: int) -> list[str]:
+        return [
             java,
             f"-Xmx{heap_mb}m",
             "-XX:+UseSerialGC",
@@ -220,29 +181,21 @@ def start_zookeeper(
             "-cp",
             classpath,
             MAIN_CLASS,
-            str(cfg),
+            str(write_config(state_dir, port=port)),
         ]
-        process = spawn(argv, log_path=out_path, die_with_parent=die_with_parent)
-        try:
-            wait_until_ready(
-                process,
-                functools.partial(_serving, HOST, chosen),
-                what=f"ZooKeeper on {HOST}:{chosen}",
-                log_path=state_dir / "zookeeper.log",
-                timeout=startup_timeout,
-            )
-        except ExitedWhileStarting:
-            terminate(process)
-            if port is not None or attempt == PORT_ATTEMPTS:
-                raise
-            continue
-        except BaseException:
-            terminate(process)
-            raise
-        return ZooKeeperServer(
-            host=HOST,
-            port=chosen,
-            state_dir=state_dir,
-            log_path=state_dir / "zookeeper.log",
-            _process=process,
-        )
+
+    log_path = state_dir / "zookeeper.log"
+    process, chosen = start_on_port(
+        argv,
+        lambda p: functools.partial(_serving, HOST, p),
+        host=HOST,
+        port=port,
+        what="ZooKeeper",
+        output_path=state_dir / "zookeeper.out",
+        log_path=log_path,
+        timeout=startup_timeout,
+        die_with_parent=die_with_parent,
+    )
+    return ZooKeeperServer(
+        host=HOST, port=chosen, state_dir=state_dir, log_path=log_path, _process=process
+    )

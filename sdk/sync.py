@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from functools import partial
 from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 
 from sdk.config import ConsumerConfig, ProducerConfig
 from sdk.consumer import Consumer
@@ -35,6 +35,13 @@ from sdk.records import ConsumerRecord, OffsetAndTimestamp, RecordMetadata, Topi
 from storage.errors import StrataError
 
 T = TypeVar("T")
+
+
+class _Startable(Protocol):
+    async def start(self) -> None: ...
+
+
+C = TypeVar("C", bound=_Startable)
 DeliveryCallback = Callable[[StrataError | None, RecordMetadata | None], Any]
 
 
@@ -67,6 +74,21 @@ class _LoopThread:
 
         return self.run(invoke())
 
+    def open(self, make: Callable[[], C]) -> C:
+        """``make()`` an async client on this loop and ``await`` its ``start()``; on failure
+        the loop thread is stopped before the error is raised."""
+
+        async def start() -> C:
+            client = make()
+            await client.start()
+            return client
+
+        try:
+            return self.run(start())
+        except BaseException:
+            self.stop()
+            raise
+
     def stop(self) -> None:
         if self.loop.is_closed():
             return
@@ -87,16 +109,7 @@ class SyncProducer:
         self._outstanding = 0
         self._lock = threading.Lock()
         self._closed = False
-        try:
-            self._producer: Producer = self._thread.run(self._start(kwargs))
-        except BaseException:
-            self._thread.stop()
-            raise
-
-    async def _start(self, kwargs: dict[str, Any]) -> Producer:
-        producer = Producer(self.config, **kwargs)
-        await producer.start()
-        return producer
+        self._producer: Producer = self._thread.open(lambda: Producer(self.config, **kwargs))
 
     def __len__(self) -> int:
         """Records produced whose delivery report has not been polled yet."""
@@ -229,16 +242,7 @@ class SyncConsumer:
         self._thread = _LoopThread("strata-sync-consumer")
         self._records: deque[ConsumerRecord] = deque()
         self._closed = False
-        try:
-            self._consumer: Consumer = self._thread.run(self._start(kwargs))
-        except BaseException:
-            self._thread.stop()
-            raise
-
-    async def _start(self, kwargs: dict[str, Any]) -> Consumer:
-        consumer = Consumer(self.config, **kwargs)
-        await consumer.start()
-        return consumer
+        self._consumer: Consumer = self._thread.open(lambda: Consumer(self.config, **kwargs))
 
     def subscribe(self, *args: Any, **kwargs: Any) -> None:
         self._consumer.subscribe(*args, **kwargs)

@@ -1,0 +1,49 @@
+"""A replica fetcher that dies of an unexpected error is started again.
+
+The expected failures (connection loss, timeouts, protocol errors) are retried inside the
+fetch loop and covered by the replication tests with real agents. A *bug* — an exception the
+loop does not expect — cannot be produced through a real leader, so here the real
+``ReplicaFetchers`` runs with its fetch loop replaced by one that fails once: the supervisor
+must log it and start a new fetcher for the same leader, not leave replication stopped until
+the next leadership change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+from broker_agents.replication import ReplicaFetchers
+
+
+def test_a_fetcher_that_dies_of_a_bug_is_restarted_and_stop_ends_it() -> None:
+    follower = SimpleNamespace(role="follower", state=SimpleNamespace(leader=7))
+    agent: Any = SimpleNamespace(partitions=SimpleNamespace(partitions={("t", 0): follower}))
+    fetchers = ReplicaFetchers(agent)
+    fetchers.restart_delay = 0.01
+    calls: list[int] = []
+
+    async def run() -> None:
+        second = asyncio.Event()
+
+        async def follow(leader: int) -> None:
+            calls.append(leader)
+            if len(calls) == 1:
+                raise RuntimeError("a bug in the fetch loop")
+            second.set()
+            await asyncio.Event().wait()  # a healthy fetcher runs until cancelled
+
+        fetchers._follow = follow  # type: ignore[method-assign]
+        fetchers.update()
+        first = fetchers.tasks[7]
+        async with asyncio.timeout(5):
+            await second.wait()
+        assert fetchers.tasks[7] is not first and not fetchers.tasks[7].done()
+        await fetchers.stop()
+        assert fetchers.tasks == {}
+        fetchers.update()  # stopped: no new fetcher
+        assert fetchers.tasks == {}
+
+    asyncio.run(run())
+    assert calls == [7, 7]
