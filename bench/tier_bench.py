@@ -12,7 +12,8 @@ same run:
    kind (PutObject, CreateMultipartUpload, UploadPart, CompleteMultipartUpload).
 2. **Catch-up read** of every committed segment object, in the same run, two ways, alternated
    ``--rounds`` times (best of each is compared):
-   * *tier*: ``storage.tier.reader.TierReader`` exactly as the agent builds it (its default
+   * *tier*: one ``storage.tier.reader.TierReader`` for all rounds, as the agent builds it and
+     keeps it (none of the segments' blocks cached at the start of a round; its default
      ``tier.cache.bytes``, ``tier.read.block.bytes``, ``tier.readahead.blocks``, an
      ``ObjectStore`` with the agent's worker count), read sequentially from the manifest's
      start with the consumer's default ``max.partition.fetch.bytes`` (1 MiB) per call, the
@@ -161,36 +162,59 @@ async def warm(store: ObjectStore, key: str) -> None:
     await store.get_range(key, -TRAILER_SIZE, 0)
 
 
-async def read_tier(
-    store: ObjectStore,
-    keys: list[str],
-    manifest: Manifest,
-    fetch_bytes: int,
-    defaults: AgentConfig,
-) -> tuple[int, float]:
-    """Read every committed segment sequentially through a fresh (cold) ``TierReader``."""
-    reader = TierReader(
+def agent_reader(store: ObjectStore, defaults: AgentConfig) -> TierReader:
+    """A ``TierReader`` configured as the agent builds its own."""
+    return TierReader(
         store,
         cache_bytes=defaults.tier_cache_bytes,
         block_bytes=defaults.tier_read_block_bytes,
         readahead_blocks=defaults.tier_readahead_blocks,
     )
+
+
+async def read_tier(
+    reader: TierReader, keys: list[str], manifest: Manifest, fetch_bytes: int
+) -> tuple[int, float]:
+    """Read every committed segment sequentially, none of its blocks cached at the start."""
+    for key in keys:
+        reader.forget(key)
     total = 0
     segs = manifest.segments
     start = time.perf_counter()
+    for i, entry in enumerate(segs):
+        following = (keys[i + 1], segs[i + 1]) if i + 1 < len(segs) else None
+        offset = entry.base_offset
+        while offset < entry.next_offset:
+            data = await reader.read(keys[i], entry, offset, fetch_bytes, following)
+            total += len(data)
+            # the next offset: the last batch's base + its count (header fields)
+            offset = _next_offset(data)
+    return total, time.perf_counter() - start
+
+
+async def tier_rounds(
+    store: ObjectStore,
+    keys: list[str],
+    manifest: Manifest,
+    defaults: AgentConfig,
+    plain: Any,
+    rounds: int,
+) -> tuple[int, list[float], list[float]]:
+    """``rounds`` alternations of a plain read and a tier read through one long-lived reader
+    (as in an agent: its cache arena is mapped once; each round starts with none of the
+    segments' blocks cached)."""
+    reader = agent_reader(store, defaults)
+    tier_runs, plain_runs = [], []
+    nbytes = 0
     try:
-        for i, entry in enumerate(segs):
-            following = (keys[i + 1], segs[i + 1]) if i + 1 < len(segs) else None
-            offset = entry.base_offset
-            while offset < entry.next_offset:
-                data = await reader.read(keys[i], entry, offset, fetch_bytes, following)
-                total += len(data)
-                # the next offset: the last batch's base + its count (header fields)
-                offset = _next_offset(data)
-        elapsed = time.perf_counter() - start
+        for _ in range(rounds):
+            n, s = plain()
+            plain_runs.append(n / 1e6 / s)
+            nbytes, s = await read_tier(reader, keys, manifest, 1 << 20)
+            tier_runs.append(nbytes / 1e6 / s)
     finally:
         await reader.close()
-    return total, elapsed
+    return nbytes, tier_runs, plain_runs
 
 
 def _next_offset(data: Any) -> int:
@@ -335,20 +359,29 @@ def render(r: dict[str, Any]) -> str:
             " (8 MB/s in an earlier run), not the reader. The plain baseline there is loopback"
             " `sendfile` from the page cache — far above what one S3 stream gives.",
             "",
-            "Where the tier read's time goes (profiled with py-spy, and timed piece by piece on"
-            " the same objects): both cores are busy — one with the endpoint's `sendfile`, one"
-            " with the reader — so every CPU cost the reader adds over a discard loop lowers"
-            " the ratio. boto3 costs about 1 ms of CPU per request (so the read-ahead fetches"
-            " runs of blocks with one streamed GET each: "
-            f"{rd['gets_per_run']:.0f} GETs for the whole read, not one per 4 MiB block);"
-            " the CRC32C pass over every batch costs about 0.07 s per GiB (google-crc32c,"
-            " 14 to 17 GB/s); and the bytes a reader keeps in its cache are fresh memory each"
-            " time (page faults and the kernel zeroing pages), where a discard loop reuses one"
-            " hot 1 MiB buffer. Fixed on the way: a bench server stalled 40 ms on Nagle's"
-            " algorithm at the end of every ranged response, each read copied up to 8 MiB"
-            " to return 1 MiB, a cold boto3 client was timed, and the next segment's footer"
-            " was fetched once per read. A `pyarrow.fs` (AWS C++ SDK) reader was tried and"
-            " is slower here (1.4 to 2.2 GB/s at more CPU).",
+            "Where the tier read's time goes (profiled with py-spy and perf, and timed piece by"
+            " piece on the same objects): the plain baseline is"
+            " one thread receiving into a 1 MiB buffer that never leaves the CPU cache and"
+            " throwing it away; the reader keeps what it receives (a cache shared by readers,"
+            " read-ahead) and checks it. What was found and done, in order of effect: (1) a GET"
+            " cost about 3 ms here (boto3, a new connection per streamed body, the endpoint's"
+            " thread), and the read-ahead issued one per run of blocks (33 per GiB): each"
+            " sequential reader now has one *stream* per segment object — a GET to the object's"
+            f" end fed cache slots as the reader makes room ({rd['gets_per_run']:.0f} GETs for"
+            " the whole read, footers included); (2) every block was a fresh `bytes` — fresh"
+            " pages faulted in and zeroed by the kernel, 4 KiB TLB entries: blocks now live in"
+            " one arena of reused slots (a private mapping advised for huge pages) and the body"
+            " is received straight into them (`recv_into`, no intermediate copy); (3) a read"
+            " that straddles two blocks copied into a zeroed `bytearray`, and every read"
+            " returned a copy: a read inside one block is now a view of the slot (the slot is"
+            ' not reused while a view lives), a straddling read one `b"".join`. What remains:'
+            " the receiving thread (the kernel's copy into the arena, about 4 GB/s alone) and"
+            " the event loop (CRC32C over every batch, now read from memory rather than cache,"
+            " and per-read Python; about 7 GB/s from a full cache alone) share the two cores"
+            " and slow each other to the figure above. Tried and dropped: the `crc32c` package"
+            " (releases the GIL, 20 % faster) changed the total little; smaller read-ahead"
+            " (to stay in the 32 MiB L3) did not help; a `pyarrow.fs` (AWS C++ SDK) reader is"
+            " slower here (1.4 to 2.2 GB/s at more CPU).",
             "",
             f"Against the targets: ≤ 20 S3 PUTs per GB ingested: {puts_ok}"
             f" ({ing['puts_per_gb']:.1f}: one CreateMultipartUpload, 16 parts and one"
@@ -428,8 +461,6 @@ def main(argv: list[str] | None = None) -> int:
             moto_plain.append(n / 1e6 / s)
         objects = work / "objects"
         _download(client, keys, objects)
-        tier_runs, plain_runs = [], []
-        nbytes = 0
         with range_server(objects) as endpoint:
             plain_client = boto3.session.Session(region_name=REGION, **creds).client(
                 "s3",
@@ -439,13 +470,18 @@ def main(argv: list[str] | None = None) -> int:
             defaults = agent_defaults()
             store = tier_store(endpoint, defaults)
             asyncio.run(warm(store, keys[0]))
-            for _ in range(args.rounds):
-                n, s = read_plain(plain_client, keys, sizes)
-                plain_runs.append(n / 1e6 / s)
-                nbytes, s = asyncio.run(read_tier(store, keys, manifest, 1 << 20, defaults))
-                if nbytes != committed:
-                    raise SystemExit(f"tier read returned {nbytes} bytes, {committed} committed")
-                tier_runs.append(nbytes / 1e6 / s)
+            nbytes, tier_runs, plain_runs = asyncio.run(
+                tier_rounds(
+                    store,
+                    keys,
+                    manifest,
+                    defaults,
+                    lambda: read_plain(plain_client, keys, sizes),
+                    args.rounds,
+                )
+            )
+            if nbytes != committed:
+                raise SystemExit(f"tier read returned {nbytes} bytes, {committed} committed")
             gets_per_run = (store.requests.get("GET", 0) - 1) / args.rounds
             store.close()
             plain_client.close()

@@ -1,70 +1,176 @@
-"""Reads from the object tier: footers, a bounded block cache, read-ahead.
+"""Reads from the object tier: footers, a bounded block cache, streamed read-ahead.
 
-A segment object's data is read in aligned blocks of ``block_bytes``. Blocks live in an LRU cache bounded by bytes; concurrent readers of one block share one GET.
-A read walks batch headers from the footer index's position to the batch holding the
-requested offset, returns whole batches (at least one, then up to ``max_bytes``) exactly as
-stored after checking each one's CRC32C, and starts fetching the next ``readahead_blocks``
-blocks in the background — into the next segment when the caller names it — so a consumer
-catching up sequentially finds its next blocks already cached. A demand miss is one ranged GET
-of one block; read-ahead fetches each run of missing blocks with one GET, streamed block by
-block (a few large requests, not one per block). Memory: at most ``cache_bytes`` of cached blocks
-plus ``cache_bytes / 2`` of read-ahead in flight.
+A segment object's data is read in aligned blocks of ``block_bytes``, cached in a fixed
+arena of ``cache_bytes`` (``BlockCache``). A read walks batch headers from the footer
+index's position to the batch holding the requested offset and returns whole batches (at
+least one, then up to ``max_bytes``) exactly as stored after checking each one's CRC32C —
+a view into the cached block, no copy, unless the batches straddle two blocks.
+
+Blocks come from S3 through *streams*: one ranged GET from a block to the end of the
+segment object, fed block slots as the reader makes room. A miss opens a stream at the
+missing block; every read then keeps the next ``readahead_blocks`` blocks cached or handed
+to the stream (into the next segment when the caller names it, with a stream of its own),
+so a consumer catching up sequentially is served by one GET per segment object and finds
+its next blocks already received. A stream left without new slots for a moment closes
+(its connection is paused by TCP flow control meanwhile). Concurrent readers of one block
+share one fetch. At most ``max_streams`` streams stay open waiting for slots; past that a
+miss is served by a stream that ends with its block. Memory: the arena, ``cache_bytes``,
+for cached blocks and blocks in flight together; read-ahead reserves at most half of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import mmap
+import sys
 from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 
 from storage.codec import HEADER_SIZE, check_batch, decode_batch, iter_batches, read_header
+from storage.errors import ObjectStoreError
 from storage.tier.layout import TRAILER_SIZE, Footer, decode_footer
 from storage.tier.manifest import SegmentEntry
-from storage.tier.s3 import ObjectStore
+from storage.tier.s3 import ObjectStore, Targets
 
 log = logging.getLogger(__name__)
 
+#: how often a demand read waits for a block that is evicted again before it can be read
+_EVICTED_RETRIES = 8
+
 
 class BlockCache:
-    """LRU of byte blocks, bounded by total bytes."""
+    """LRU of fixed-size blocks held in one preallocated arena of ``max_bytes``.
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.size = 0
-        self._items: OrderedDict[Any, bytes] = OrderedDict()
+    The arena is a single private anonymous mapping (backed lazily: the process's memory
+    grows only as slots are first used, never past ``max_bytes``), advised for transparent
+    huge pages: the 4 KiB pages of hundreds of separately allocated blocks cost a TLB miss (a
+    nested one under a hypervisor) every few kilobytes of every copy into or out of them.
+    Slots are reused as blocks are evicted, so a long catch-up read receives into warm memory
+    instead of faulting in fresh pages.
+
+    A slot is free, reserved (a fetch is writing into it), or holds one cached block. ``get``
+    hands out a view of the slot without copying; a slot that still has views alive when its
+    block is evicted is *held* — out of the cache, not reused — until the last view is gone
+    (each slot is one numpy array over the arena, and every memoryview of it keeps a
+    reference to it, so "no views" is its reference count back at the cache's own).
+    """
+
+    def __init__(self, max_bytes: int, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self.slots = max(2, max_bytes // block_bytes)
+        self.max_bytes = self.slots * block_bytes
+        self._arena = mmap.mmap(-1, self.max_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                self._arena.madvise(mmap.MADV_HUGEPAGE)
+        self._slots = [
+            np.frombuffer(self._arena, np.uint8, block_bytes, i * block_bytes)
+            for i in range(self.slots)
+        ]
+        self._free = list(range(self.slots - 1, -1, -1))
+        self._held: list[int] = []  # evicted, but views of them are still alive
+        self._items: OrderedDict[Any, tuple[int, int]] = OrderedDict()  # key -> slot, length
+        self.size = 0  # bytes of cached blocks
+        self.reserved = 0  # slots being filled
         self.hits = 0
         self.misses = 0
 
-    def get(self, key: Any) -> bytes | None:
-        data = self._items.get(key)
-        if data is None:
+    def get(self, key: Any) -> memoryview | None:
+        item = self._items.get(key)
+        if item is None:
             self.misses += 1
             return None
         self.hits += 1
         self._items.move_to_end(key)
-        return data
+        return self.slot_view(*item)
 
     def __contains__(self, key: Any) -> bool:
         return key in self._items
 
-    def put(self, key: Any, data: bytes) -> None:
-        if len(data) > self.max_bytes:
-            return
+    def slot_view(self, slot: int, length: int) -> memoryview:
+        return self._slots[slot].data[:length]
+
+    def _pinned(self, slot: int) -> bool:
+        # the list's reference and getrefcount's argument; any more is a live view
+        return sys.getrefcount(self._slots[slot]) > 2
+
+    def _unused(self, slot: int) -> None:
+        (self._held if self._pinned(slot) else self._free).append(slot)
+
+    def reserve(self) -> int | None:
+        """A slot to fill: a free one, a held one whose views are gone, else the least
+        recently used block's; None when every slot is being filled or viewed."""
+        slot = self._free.pop() if self._free else self._reclaim()
+        if slot is None:
+            return None
+        self.reserved += 1
+        return slot
+
+    def _reclaim(self) -> int | None:
+        for j, slot in enumerate(self._held):
+            if not self._pinned(slot):
+                del self._held[j]
+                return slot
+        while self._items:
+            _, (slot, length) = self._items.popitem(last=False)
+            self.size -= length
+            if not self._pinned(slot):
+                return slot
+            self._held.append(slot)
+        return None
+
+    def commit(self, key: Any, slot: int, length: int) -> None:
+        """The reserved ``slot`` now holds ``key``'s ``length`` bytes."""
+        self.reserved -= 1
         old = self._items.pop(key, None)
         if old is not None:
-            self.size -= len(old)
-        self._items[key] = data
-        self.size += len(data)
-        while self.size > self.max_bytes:
-            _, dropped = self._items.popitem(last=False)
-            self.size -= len(dropped)
+            self.size -= old[1]
+            self._unused(old[0])
+        self._items[key] = (slot, length)
+        self.size += length
+
+    def release(self, slot: int) -> None:
+        """A reserved slot that was not filled."""
+        self.reserved -= 1
+        self._unused(slot)
 
     def drop_prefix(self, key: str) -> None:
         for k in [k for k in self._items if k[0] == key]:
-            self.size -= len(self._items.pop(k))
+            slot, length = self._items.pop(k)
+            self.size -= length
+            self._unused(slot)
+
+
+class _Stream:
+    """One streamed GET of a segment object from a block up to ``end`` (the object's data end
+    for an open-ended stream): the blocks handed to it so far, in order, and the next block
+    it can take."""
+
+    __slots__ = (
+        "blocks",
+        "closed",
+        "delivered",
+        "end",
+        "key",
+        "next_block",
+        "open_ended",
+        "targets",
+    )
+
+    def __init__(self, key: str, first: int, end: int, *, open_ended: bool) -> None:
+        self.key = key
+        self.end = end
+        self.open_ended = open_ended
+        self.next_block = first
+        self.targets = Targets()
+        #: block, slot, length, future
+        self.blocks: list[tuple[int, int, int, asyncio.Future[None]]] = []
+        self.delivered = 0
+        self.closed = False
 
 
 class TierReader:
@@ -76,18 +182,25 @@ class TierReader:
         block_bytes: int = 4 << 20,
         readahead_blocks: int = 4,
         max_footers: int = 4096,
+        max_streams: int = 4,
+        stream_idle_s: float = 2.0,
     ) -> None:
         self.store = store
         self.block_bytes = block_bytes
         self.readahead_blocks = readahead_blocks
-        self.cache = BlockCache(cache_bytes)
+        self.max_streams = max_streams
+        self.stream_idle_s = stream_idle_s
+        self.cache = BlockCache(cache_bytes, block_bytes)
         self._footers: OrderedDict[str, Footer] = OrderedDict()
         self._max_footers = max_footers
-        self._inflight: dict[tuple[str, int], asyncio.Future[bytes]] = {}
+        self._inflight: dict[tuple[str, int], asyncio.Future[None]] = {}
         self._footer_fetches: dict[str, asyncio.Future[Footer]] = {}
+        self._streams: list[_Stream] = []
         self._background: set[asyncio.Task[Any]] = set()
 
     async def close(self) -> None:
+        for st in self._streams:
+            st.targets.close()
         for t in list(self._background):
             t.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
@@ -121,42 +234,39 @@ class TierReader:
         finally:
             del self._footer_fetches[key]
 
-    async def _block(self, key: str, entry: SegmentEntry, i: int) -> bytes:
-        cached = self.cache.get((key, i))
-        if cached is not None:
-            return cached
-        fut = self._inflight.get((key, i))
-        if fut is None:
-            fut = asyncio.get_running_loop().create_future()
-            self._inflight[(key, i)] = fut
-            try:
-                start = i * self.block_bytes
-                data = await self.store.get_range(
-                    key, start, min(start + self.block_bytes, entry.data_length)
-                )
-                self.cache.put((key, i), data)
-                fut.set_result(data)
-            except BaseException as exc:
-                fut.set_exception(exc)
-                fut.exception()  # retrieved: waiters re-raise it
-                raise
-            finally:
-                self._inflight.pop((key, i), None)
-            return data
-        return await asyncio.shield(fut)
+    async def _block(self, key: str, entry: SegmentEntry, i: int) -> memoryview:
+        """Block ``i`` of the segment's data, as a view of its cache slot."""
+        for _ in range(_EVICTED_RETRIES):
+            view = self.cache.get((key, i))
+            if view is not None:
+                return view
+            fut = self._inflight.get((key, i))
+            if fut is None:
+                fut = self._fetch([(key, entry, i)], demand=True)
+                if fut is None:  # every slot is being filled or viewed: read past the cache
+                    start = i * self.block_bytes
+                    end = min(start + self.block_bytes, entry.data_length)
+                    return memoryview(await self.store.get_range(key, start, end))
+            await asyncio.shield(fut)
+            # received (or its stream gave up on it), then maybe evicted before we ran: again
+        raise ObjectStoreError(
+            f"block {i} of {key} was evicted {_EVICTED_RETRIES} times before it could be"
+            f" read: tier.cache.bytes ({self.cache.max_bytes}) is too small for this load"
+        )
 
     async def _bytes(self, key: str, entry: SegmentEntry, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)`` of the segment's data: a view into the cached block when the
-        range lies in one block (no copy), else one copy of just the range's pieces."""
+        range lies in one block (no copy; the block's slot is not reused while the view
+        lives), else one copy of just the range's pieces."""
         end = min(end, entry.data_length)
         bs = self.block_bytes
         first, last = start // bs, (end - 1) // bs
         if first == last:
             block = await self._block(key, entry, first)
-            return memoryview(block)[start - first * bs : end - first * bs]
+            return block[start - first * bs : end - first * bs]
         pieces = []
         for i in range(first, last + 1):
-            view = memoryview(await self._block(key, entry, i))
+            view = await self._block(key, entry, i)
             lo = start - i * bs if i == first else 0
             hi = end - i * bs if i == last else len(view)
             pieces.append(view[lo:hi])
@@ -197,13 +307,9 @@ class TierReader:
         end: int,
         following: tuple[str, SegmentEntry] | None,
     ) -> None:
-        """Keep the ``readahead_blocks`` blocks after ``end`` cached or on their way.
-
-        Missing blocks are fetched in contiguous runs, one GET per run streamed block by
-        block, and only once half the window is missing (or the very next block is): so a
-        sequential reader issues a few large GETs rather than one per block, and it always
-        has at least half a window ahead of it.
-        """
+        """Keep the ``readahead_blocks`` blocks after ``end`` cached or on their way: each
+        run of missing blocks goes to the stream already positioned at its first block, or
+        opens one."""
         window: list[tuple[str, SegmentEntry, int]] = []
         i = end // self.block_bytes
         last = (entry.data_length - 1) // self.block_bytes
@@ -219,74 +325,120 @@ class TierReader:
                 j += 1
             if nkey not in self._footers and nkey not in self._footer_fetches:
                 self._spawn(self.footer(nkey, nentry))
-        missing = [
-            w
-            for w in window
-            if (w[0], w[2]) not in self._inflight and (w[0], w[2]) not in self.cache
-        ]
-        if not missing:
-            return
-        if missing[0] is not window[0] and 2 * len(missing) < len(window):
-            return  # enough ahead already; wait to fetch a bigger run
         run: list[tuple[str, SegmentEntry, int]] = []
-        for w in missing:
-            if run and (w[0] != run[-1][0] or w[2] != run[-1][2] + 1):
-                self._fetch_run(run)
+        for w in window:
+            if (w[0], w[2]) in self._inflight or (w[0], w[2]) in self.cache:
+                if run:
+                    self._fetch(run)
+                    run = []
+                continue
+            if run and w[0] != run[-1][0]:
+                self._fetch(run)
                 run = []
             run.append(w)
-        self._fetch_run(run)
+        if run:
+            self._fetch(run)
 
-    def _fetch_run(self, run: list[tuple[str, SegmentEntry, int]]) -> None:
-        """Blocks ``run`` (one key, consecutive) in one streamed GET, each cached on arrival.
+    def _fetch(
+        self, run: list[tuple[str, SegmentEntry, int]], *, demand: bool = False
+    ) -> asyncio.Future[None] | None:
+        """Hand blocks ``run`` (one key, consecutive) to the stream positioned at the first,
+        or open one there; each block gets a reserved cache slot it is received straight
+        into. Returns the first block's future, or None when nothing could be handed over.
 
-        Skipped while read-ahead already has half the cache's bytes in flight: many
+        Read-ahead (not ``demand``) stops while half the cache is being filled (many
         partitions catching up at once share the cache instead of evicting each other's
-        blocks before they are read.
+        blocks before they are read). At most ``max_streams`` streams are open-ended (each
+        holds a worker thread and a connection while it waits for slots); past that,
+        read-ahead stops and a demand miss gets a stream that ends with its run.
         """
-        if (len(self._inflight) + len(run)) * self.block_bytes > self.cache.max_bytes // 2:
-            return
-        if len(self._background) >= self.readahead_blocks * 2:
-            return
         key, entry, first = run[0]
-        last = run[-1][2]
+        bs = self.block_bytes
+        stream = next(
+            (
+                st
+                for st in self._streams
+                if st.key == key
+                and st.next_block == first
+                and first * bs < st.end
+                and not st.closed
+            ),
+            None,
+        )
+        if stream is None:
+            if sum(st.open_ended for st in self._streams) < self.max_streams:
+                stream = _Stream(key, first, entry.data_length, open_ended=True)
+            elif demand:
+                end = min((run[-1][2] + 1) * bs, entry.data_length)
+                stream = _Stream(key, first, end, open_ended=False)
+            else:
+                return None
+            opened = True
+        else:
+            opened = False
+        cache = self.cache
         loop = asyncio.get_running_loop()
-        futures: dict[int, asyncio.Future[bytes]] = {}
+        head: asyncio.Future[None] | None = None
         for _, _, i in run:
-            fut = loop.create_future()
-            self._inflight[(key, i)] = futures[i] = fut
+            if not demand and (cache.reserved + 1) * 2 > cache.slots:
+                break
+            slot = cache.reserve()
+            if slot is None:
+                break
+            length = min(bs, entry.data_length - i * bs)
+            fut: asyncio.Future[None] = loop.create_future()
+            self._inflight[(key, i)] = fut
+            stream.blocks.append((i, slot, length, fut))
+            stream.next_block = i + 1
+            stream.targets.put(cache.slot_view(slot, length))
+            head = head or fut
+        if opened and head is not None:
+            self._streams.append(stream)
+            self._spawn(self._run_stream(stream), always=True)
+        return head
 
-        def arrived(i: int, data: bytes) -> None:
-            fut = futures.get(i)
-            if fut is None or fut.done():
-                return  # a retried attempt delivering a block again
-            self.cache.put((key, i), data)
-            self._inflight.pop((key, i), None)
-            fut.set_result(data)
+    async def _run_stream(self, st: _Stream) -> None:
+        cache = self.cache
 
-        def deliver(pos: int, data: bytes) -> None:  # on the store's worker thread
-            loop.call_soon_threadsafe(arrived, pos // self.block_bytes, data)
+        def filled(j: int) -> None:
+            i, slot, length, fut = st.blocks[j]
+            st.delivered = j + 1
+            if fut.done():
+                return  # abandoned: released() returns the slot once the worker stops
+            self._inflight.pop((st.key, i), None)
+            cache.commit((st.key, i), slot, length)
+            fut.set_result(None)
 
-        async def fetch() -> None:
-            bs = self.block_bytes
-            try:
-                await self.store.stream_range(
-                    key, first * bs, min((last + 1) * bs, entry.data_length), bs, deliver
-                )
-                await asyncio.sleep(0)  # let the last arrived() callback run
-            except Exception as exc:
-                for i, fut in futures.items():
-                    if not fut.done():
-                        fut.set_exception(exc)
-                        fut.exception()  # retrieved: waiters re-raise it
-                        self._inflight.pop((key, i), None)
-                raise
-            finally:
-                for i, fut in futures.items():
-                    if not fut.done():  # cancelled (the reader closing)
-                        fut.cancel()
-                        self._inflight.pop((key, i), None)
+        def released() -> None:
+            for _, slot, _, _ in st.blocks[st.delivered :]:
+                cache.release(slot)
 
-        self._spawn(fetch(), always=True)  # its futures are registered: it must run
+        error: BaseException | None = None
+        try:
+            await self.store.read_into(
+                st.key,
+                st.blocks[0][0] * self.block_bytes,
+                st.end,
+                st.targets,
+                filled,
+                released,
+                idle=self.stream_idle_s,
+            )
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            st.closed = True
+            self._streams.remove(st)
+            for i, _, _, fut in st.blocks[st.delivered :]:
+                self._inflight.pop((st.key, i), None)
+                if fut.done():
+                    continue
+                if isinstance(error, Exception):
+                    fut.set_exception(error)
+                    fut.exception()  # retrieved: waiters re-raise it
+                else:  # the stream ended first (idle, closed, cancelled): waiters retry
+                    fut.set_result(None)
 
     def _spawn(self, coro: Any, *, always: bool = False) -> None:
         if not always and len(self._background) >= self.readahead_blocks * 2:

@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
+import queue
 import random
+import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -35,6 +38,104 @@ from botocore.config import Config as BotoConfig
 from storage.errors import ObjectExistsError, ObjectNotFoundError, ObjectStoreError
 
 T = TypeVar("T")
+
+
+def _nothing() -> None:
+    pass
+
+
+class Targets:
+    """The buffers a streamed GET (``ObjectStore.read_into``) fills, in order, handed over by
+    the event loop while the transfer runs: thread-safe, unbounded only in name (the caller
+    hands over buffers it owns, so what it has reserved bounds the queue)."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+
+    def put(self, view: memoryview) -> None:
+        self._queue.put(view)
+
+    def close(self) -> None:
+        """No more buffers: the transfer ends once it has filled those already handed over."""
+        self._queue.put(None)
+
+    def take(self, timeout: float) -> memoryview | None:
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class _Transfer:
+    """What the attempts of one ``read_into`` share: where to resume, and a stop flag."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        targets: Targets,
+        filled: Callable[[int], None],
+        pos: int,
+        end: int,
+        idle: float,
+    ) -> None:
+        self.loop = loop
+        self.targets = targets
+        self.filled = filled
+        self.pos = pos  # where the current (or next) buffer starts in the object
+        self.end = end
+        self.idle = idle
+        self.current: memoryview | None = None  # a buffer being filled; refilled on retry
+        self.count = 0  # buffers filled
+        self.over = False  # no more buffers will come
+        self.stop = False
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> None:
+    """``fn(*args)`` on ``loop`` from another thread; nothing if the loop has closed."""
+    with contextlib.suppress(RuntimeError):
+        loop.call_soon_threadsafe(fn, *args)
+
+
+def _layers(body: Any) -> tuple[Any, http.client.HTTPResponse | None]:
+    """The urllib3 response under a botocore streaming body, and the standard library's
+    ``http.client.HTTPResponse`` under that (None where the HTTP stack is another)."""
+    raw = getattr(body, "_raw_stream", None)
+    fp = getattr(raw, "_fp", None)
+    return raw, fp if isinstance(fp, http.client.HTTPResponse) else None
+
+
+def _finish(body: Any) -> None:
+    """Done with a streamed body: its connection goes back to the pool when the body was read
+    to its end (what urllib3 does itself when its own ``read`` reaches the end), else closed.
+    Reusing the connection matters: a new one per GET costs a handshake (TLS on real S3) and
+    starts in TCP slow start."""
+    raw, fp = _layers(body)
+    if fp is not None and fp.isclosed() and fp.length == 0:
+        raw.release_conn()
+    else:
+        body.close()
+
+
+def _receiver(body: Any) -> Callable[[memoryview], int]:
+    """``readinto`` for a botocore streaming body.
+
+    urllib3's own ``readinto`` reads a new ``bytes`` and copies it; under it sits the
+    standard library's ``http.client.HTTPResponse``, whose ``readinto`` is ``recv_into``
+    straight into the caller's buffer. That one is used when the body is plain (no
+    content-encoding, not chunked); anything else goes through urllib3's copy.
+    """
+    raw, fp = _layers(body)
+    headers = getattr(raw, "headers", {}) or {}
+    if fp is not None and not fp.chunked and not headers.get("Content-Encoding"):
+        return fp.readinto
+
+    def copy(view: memoryview) -> int:
+        data: bytes = body.read(min(view.nbytes, 1 << 20))
+        view[: len(data)] = data
+        return len(data)
+
+    return copy
+
 
 _RETRIABLE_STATUS = {429, 500, 502, 503, 504}
 _RETRIABLE_CODES = {
@@ -156,10 +257,14 @@ class ObjectStore:
                 raise
             except Exception as exc:
                 err = _translate(exc, what)
-                if not getattr(err, "retry", False) or attempt + 1 >= self.config.max_attempts:
-                    raise err from None
-            await self._sleep(self._backoff(attempt))
-            attempt += 1
+            attempt = await self._next_attempt(err, attempt)
+
+    async def _next_attempt(self, err: ObjectStoreError, attempt: int) -> int:
+        """Back off before the attempt after ``attempt``, or raise ``err`` when it is final."""
+        if not getattr(err, "retry", False) or attempt + 1 >= self.config.max_attempts:
+            raise err
+        await self._sleep(self._backoff(attempt))
+        return attempt + 1
 
     # ---- operations ---------------------------------------------------------------------------
     async def put_if_absent(self, key: str, body: bytes) -> None:
@@ -252,43 +357,106 @@ class ObjectStore:
         size = end - start if start >= 0 else -start
         return await self._call(f"GET {key} {rng}", get, attempt_s=self._timeout_for(size))
 
-    async def stream_range(
-        self, key: str, start: int, end: int, piece: int, deliver: Callable[[int, bytes], None]
+    async def read_into(
+        self,
+        key: str,
+        start: int,
+        end: int,
+        targets: Targets,
+        filled: Callable[[int], None],
+        released: Callable[[], None],
+        *,
+        idle: float = 2.0,
     ) -> None:
-        """Bytes ``[start, end)`` of ``key`` in one GET, handed to ``deliver(position, data)``
-        exactly ``piece`` bytes at a time as they arrive (the last one may be shorter).
+        """Stream bytes from ``start`` (up to ``end``) of ``key`` into the buffers ``targets``
+        hands over, in order, with one GET per attempt.
 
-        ``deliver`` runs on the worker thread. A retried attempt starts the range again, so
-        ``deliver`` sees a position more than once when an attempt fails part-way; it must
-        ignore what it already has. One request for many pieces is how a sequential reader
-        keeps S3 busy without paying a request's overhead per piece.
+        The transfer waits up to ``idle`` seconds for each next buffer, so a sequential reader
+        hands buffers over as it makes room and one long GET serves its whole catch-up (TCP
+        flow control pauses the sender meanwhile); it ends at ``end``, when ``targets`` is
+        closed, or when no buffer comes in time. ``filled(i)`` runs on the event loop once the
+        ``i``-th buffer holds its bytes; the body is received straight into the buffers
+        (``recv_into``) where the HTTP stack allows it. A retried attempt resumes at the first
+        buffer not filled yet. Deadlines: the socket's read timeout, and each buffer must be
+        filled within the time its size allows (a trickling connection is a timeout too).
+
+        ``released()`` runs on the event loop exactly once, as soon as no worker thread can
+        write into a buffer any more — before this returns or raises, or, when the caller is
+        cancelled mid-transfer, once the worker notices (within one socket read): only then
+        may the caller reuse the buffers that were not filled.
         """
-        rng = f"bytes={start}-{end - 1}"
+        loop = asyncio.get_running_loop()
+        state = _Transfer(loop, targets, filled, start, end, idle)
+        attempt = 0
+        try:
+            while not state.over and state.pos < end:
+                what = f"GET {key} bytes={state.pos}-{end - 1}"
+                self.requests["GET"] = self.requests.get("GET", 0) + 1
+                worker = loop.run_in_executor(self._pool, self._receive, key, state)
+                try:
+                    await asyncio.shield(worker)
+                    continue
+                except asyncio.CancelledError:
+                    state.stop = True
 
-        def get() -> None:
-            body = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)["Body"]
-            pos = start
-            try:
-                while pos < end:
-                    want = min(piece, end - pos)
-                    data: bytes = body.read(want)
-                    if 0 < len(data) < want:  # a short read: fill the piece (rare)
-                        parts = [data]
-                        got = len(data)
-                        while got < want and (more := body.read(want - got)):
-                            parts.append(more)
-                            got += len(more)
-                        data = b"".join(parts)
-                    if len(data) < want:
+                    def done(_: object, later: Callable[[], None] = released) -> None:
+                        later()
+
+                    worker.add_done_callback(done)
+                    released = _nothing
+                    raise
+                except Exception as exc:
+                    err = _translate(exc, what)
+                attempt = await self._next_attempt(err, attempt)
+        finally:
+            released()
+
+    def _receive(self, key: str, state: _Transfer) -> None:
+        """One attempt of ``read_into``, on a worker thread."""
+        if state.current is None:  # wait for a buffer before opening a connection
+            state.current = state.targets.take(state.idle)
+            if state.current is None:
+                state.over = True
+                return
+        first, last = state.pos, state.end - 1
+        resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}")
+        body = resp["Body"]
+        try:
+            got_range = str(resp.get("ContentRange", ""))
+            if not got_range.startswith(f"bytes {first}-{last}/"):
+                # S3 answers a range it cannot serve with the whole object (200, no range)
+                raise ObjectStoreError(f"GET {key}: asked bytes {first}-{last}, got {got_range!r}")
+            receive = _receiver(body)
+            while True:
+                view = state.current
+                if view is None:
+                    view = state.current = state.targets.take(state.idle)
+                    if view is None:
+                        state.over = True
+                        return
+                if view.nbytes > state.end - state.pos:
+                    raise ValueError(f"a {view.nbytes}-byte buffer past the range's end")
+                deadline = time.monotonic() + self._timeout_for(view.nbytes)
+                got = 0
+                while got < view.nbytes:
+                    if state.stop:
+                        return
+                    n = receive(view[got:])
+                    if n == 0:
                         raise botocore.exceptions.ResponseStreamingError(
-                            error=f"body ended at {pos + len(data)} of {end}"
+                            error=f"body ended at {state.pos + got} of {state.end}"
                         )
-                    deliver(pos, data)
-                    pos += want
-            finally:
-                body.close()
-
-        await self._call(f"GET {key} {rng}", get, attempt_s=self._timeout_for(end - start))
+                    got += n
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{got} of {view.nbytes} bytes by the deadline")
+                state.pos += got
+                state.current = None
+                _post(state.loop, state.filled, state.count)
+                state.count += 1
+                if state.pos >= state.end:
+                    return
+        finally:
+            _finish(body)
 
     async def delete(self, key: str) -> None:
         await self._call(
