@@ -259,8 +259,7 @@ class Tiering:
             hosted = {(p.topic, p.index) for p in leaders}
             for key in list(self.pending):
                 if key not in hosted:
-                    self.pending.pop(key)
-            self.pending_total = sum(self.pending.values())
+                    self._set_pending(key, None)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), cfg.tier_check_interval_ms / 1000)
             self._wake.clear()
@@ -287,9 +286,21 @@ class Tiering:
                 )
             entry = await self._upload(p, seg)
             manifest = await self._commit(p, entry)
-            self.pending[key] = self._pending_of(p)
-        self.pending[key] = self._pending_of(p)
+            self._set_pending(key, self._pending_of(p))
+        self._set_pending(key, self._pending_of(p))
         self._local_retention(p, manifest)
+
+    def _set_pending(self, key: Key, value: int | None) -> None:
+        """Record ``key``'s un-uploaded bytes (None: no longer hosted); keeps the total exact.
+
+        The total moves with every change: a total recomputed only at the end of a pass is
+        stale while a pass commits some segments and retries others, and ``check_backlog``
+        (total - this partition's recorded + its live count) then undercounts.
+        """
+        old = self.pending.pop(key, 0)
+        if value is not None:
+            self.pending[key] = value
+        self.pending_total += (value or 0) - old
 
     def _pending_of(self, p: Partition) -> int:
         cached = self.manifests.get((p.topic, p.index))

@@ -412,7 +412,9 @@ def test_replication_factor_rules() -> None:
     assert replication_factor_for(None, 1) == 1
     assert replication_factor_for(None, 5) == 3
     assert replication_factor_for(2, 2) == 2
-    with pytest.raises(errors.InvalidReplicationFactorError, match="larger than the number of live agents"):
+    with pytest.raises(
+        errors.InvalidReplicationFactorError, match="larger than the number of live agents"
+    ):
         replication_factor_for(3, 2)
     with pytest.raises(errors.InvalidRequestError, match="no live agents"):
         replication_factor_for(None, 0)
