@@ -152,7 +152,7 @@ class Apis:
         async def one(result: m.ProducePartitionResult, p: Partition, end: int) -> None:
             epoch = p.state.leader_epoch
             try:
-                await p.committer.wait_durable(end)
+                await p.committer.wait_acknowledgeable(end)
                 if acks == -1:
                     # every in-sync replica must have the records: wait for the high watermark
                     while p.high_watermark < end:

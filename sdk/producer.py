@@ -180,12 +180,14 @@ class Sender:
             by_leader[leader].append(tp)
         limit = self.config.max_in_flight_requests_per_connection
         for agent_id, tps in by_leader.items():
-            if self._in_flight[agent_id] >= limit:
-                continue  # a response will wake us
-            start = self._drain_start[agent_id] % len(tps)
-            self._drain_start[agent_id] = start + 1
-            batches = acc.drain(tps[start:] + tps[:start], self.config.max_request_size)
-            if batches:
+            # as many requests as the window allows: one per pass left the window at one
+            # request whenever every ready partition's head batch filled a request alone
+            while self._in_flight[agent_id] < limit:  # else a response will wake us
+                start = self._drain_start[agent_id] % len(tps)
+                self._drain_start[agent_id] = start + 1
+                batches = acc.drain(tps[start:] + tps[:start], self.config.max_request_size)
+                if not batches:
+                    break
                 self._in_flight[agent_id] += 1
                 requests.append((agent_id, batches))
         return requests, delay

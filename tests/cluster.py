@@ -34,6 +34,7 @@ class AgentHandle:
     process: ManagedProcess
     host: str
     port: int
+    metrics_url: str = ""
 
     @property
     def address(self) -> str:
@@ -84,7 +85,9 @@ class Cluster:
             for line in proc.log_text().splitlines():
                 if line.startswith('{"event": "listening"'):
                     info = json.loads(line)
-                    handle = AgentHandle(agent_id, proc, info["host"], info["port"])
+                    handle = AgentHandle(
+                        agent_id, proc, info["host"], info["port"], info.get("metrics_url", "")
+                    )
                     self.agents[agent_id] = handle
                     return handle
             if not proc.alive:

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import threading
 import time
+import urllib.request
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -374,3 +375,21 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def scrape_metrics(url: str) -> str:
+    """The Prometheus text page an agent serves at ``url``."""
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        assert reply.status == 200
+        assert reply.headers["content-type"].startswith("text/plain")
+        body: bytes = reply.read()
+        return body.decode()
+
+
+def metric_value(text: str, name: str) -> float:
+    """The sum of every sample of ``name`` (all label sets) on a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

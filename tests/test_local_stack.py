@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from infra import local
+from tests.harness import metric_value, scrape_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
 HEALTHY_WITHIN_S = 15.0
@@ -142,27 +143,11 @@ def test_topics_produce_consume_group_reset(stack: tuple[Path, dict[str, Any]]) 
     assert "cli-copy" not in as_json(strata(state_dir, "-o", "json", "topics", "list"))["topics"]
 
 
-def _scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        assert reply.status == 200
-        assert reply.headers["content-type"].startswith("text/plain")
-        body: bytes = reply.read()
-        return body.decode()
-
-
-def _value(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_every_agent_serves_prometheus_metrics(stack: tuple[Path, dict[str, Any]]) -> None:
     state_dir, up = stack
     strata(state_dir, "topics", "create", "metered", "-p", "3")
     strata(state_dir, "produce", "metered", stdin="".join(f"m{i}\n" for i in range(300)))
-    pages = [_scrape(a["metrics_url"]) for a in up["agents"]]
+    pages = [scrape_metrics(a["metrics_url"]) for a in up["agents"]]
     merged = "\n".join(pages)
     for name in (
         "strata_request_duration_seconds_bucket",
@@ -177,11 +162,11 @@ def test_every_agent_serves_prometheus_metrics(stack: tuple[Path, dict[str, Any]
         "strata_group_lag_seconds",
     ):
         assert name in merged, name
-    assert _value(merged, 'strata_requests_total{api="produce"}') >= 1
-    assert _value(merged, "strata_network_in_bytes_total") > 300
-    assert _value(merged, "strata_fsync_duration_seconds_count") >= 1
-    assert _value(merged, "strata_under_replicated_partitions") == 0
-    assert _value(merged, "strata_partitions_leader") >= 3
+    assert metric_value(merged, 'strata_requests_total{api="produce"}') >= 1
+    assert metric_value(merged, "strata_network_in_bytes_total") > 300
+    assert metric_value(merged, "strata_fsync_duration_seconds_count") >= 1
+    assert metric_value(merged, "strata_under_replicated_partitions") == 0
+    assert metric_value(merged, "strata_partitions_leader") >= 3
     health = up["agents"][0]["metrics_url"].rsplit("/", 1)[0] + "/health"
     with urllib.request.urlopen(health, timeout=5) as reply:
         assert reply.status == 200

@@ -20,7 +20,7 @@ from sdk import (
 )
 from storage.errors import UnknownTopicOrPartitionError
 from tests.cluster import Cluster
-from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.harness import ProcessGroup, ZooKeeperChroot, metric_value, scrape_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -84,6 +84,28 @@ def test_round_trip_at_every_acks_level_and_compression(agent: Cluster) -> None:
             assert list(r.tags) == (tags or [])
 
     asyncio.run(run())
+
+
+def test_acks_1_waits_for_an_fsync_only_under_fsync_policy_always(agent: Cluster) -> None:
+    """``fsync.policy`` is the topic's durability choice: acks=1 answers after a group-commit
+    fsync under ``always``, at once (page cache) under ``never`` — no fsync per request."""
+    handle = agent.agents[1]
+    fsyncs = "strata_fsync_duration_seconds_count"
+    agent.create_topic("lazy", 1, configs={"fsync.policy": "never"})
+    agent.wait_for_leaders("lazy")
+
+    async def produce(topic: str) -> None:
+        async with Producer({"bootstrap.servers": agent.bootstrap, "linger.ms": 0}) as producer:
+            for i in range(20):
+                meta = await producer.send_and_wait(topic, b"v%d" % i, partition=0)
+                assert meta.offset == i
+
+    before = metric_value(scrape_metrics(handle.metrics_url), fsyncs)
+    asyncio.run(produce("lazy"))
+    after_never = metric_value(scrape_metrics(handle.metrics_url), fsyncs)
+    assert after_never == before
+    asyncio.run(produce("t"))  # fsync.policy=always (the default)
+    assert metric_value(scrape_metrics(handle.metrics_url), fsyncs) >= after_never + 20
 
 
 def test_positions_offset_lookups_and_resets(agent: Cluster) -> None:

@@ -115,6 +115,28 @@ def test_in_flight_window_per_leader() -> None:
     asyncio.run(go())
 
 
+def test_full_batches_fill_the_in_flight_window_in_one_pass() -> None:
+    """Each ready partition's head batch fills a request alone: one pass sends them all (up to
+    the window), not one request per pass — the sender is only woken again by a response."""
+
+    async def go() -> None:
+        sender, acc, cluster, clock = setup(
+            **{"max.in.flight.requests.per.connection": 2, "max.request.size": 4096}
+        )
+        cluster.apply_metadata(metadata({0: 1, 1: 1, 2: 1}))
+        for p in (0, 1, 2):
+            await acc.append(TopicPartition("t", p), bytes(3000))
+        requests, _ = sender.plan(clock.now)
+        assert [(agent, len(bs)) for agent, bs in requests] == [(1, 1), (1, 1)]
+        assert sender.in_flight == 2
+        assert sender.plan(clock.now)[0] == []  # window full
+        sender.request_done(1)
+        requests, _ = sender.plan(clock.now)
+        assert [(agent, len(bs)) for agent, bs in requests] == [(1, 1)]
+
+    asyncio.run(go())
+
+
 def test_unknown_leader_waits_and_asks_for_metadata() -> None:
     async def go() -> None:
         sender, acc, cluster, clock = setup()

@@ -53,9 +53,14 @@ class GroupCommitLog:
     async def append(self, batch: Any, *, leader_epoch: int) -> AppendInfo:
         """Append and, under ``always``, wait until the batch is on disk."""
         info = self.log.append(batch, leader_epoch=leader_epoch)
-        if self.policy == FsyncPolicy.ALWAYS:
-            await self.wait_durable(info.last_offset + 1)
+        await self.wait_acknowledgeable(info.last_offset + 1)
         return info
+
+    async def wait_acknowledgeable(self, offset: int) -> None:
+        """Wait as the policy requires before records below ``offset`` are acknowledged: an
+        fsync covering them under ``always``; nothing otherwise (they are in the page cache)."""
+        if self.policy == FsyncPolicy.ALWAYS:
+            await self.wait_durable(offset)
 
     async def wait_durable(self, offset: int) -> None:
         """Return once every record below ``offset`` is fsynced (starting fsyncs as needed)."""
