@@ -1,8 +1,9 @@
 """The agent's TCP server: frames in, handlers run, responses out in request order.
 
-Per connection, a reader task takes frames off the socket (``read_size`` + ``readexactly``;
-a size over ``max_frame_bytes`` or a negative size closes the connection, since the stream
-can no longer be trusted) and starts one handler task per request, in order. A writer task
+Per connection, a reader task takes frames off the socket (``storage.protocol.sockio``: the
+body of a large frame is received straight into its own buffer; a size over
+``max_frame_bytes`` or a negative size closes the connection, since the stream can no longer
+be trusted) and starts one handler task per request, in order. A writer task
 awaits those tasks in the same order and writes each response, so responses match request
 order whatever finishes first (pipelining), while slow requests (a long poll, an fsync wait)
 do not hold up the reading of the next ones. At most ``max_in_flight`` requests per connection
@@ -21,6 +22,7 @@ import collections
 import contextlib
 import functools
 import logging
+import socket
 import time
 from typing import Any, Protocol
 
@@ -30,9 +32,9 @@ from storage.protocol import (
     encode_error_response,
     encode_response,
     parse_request,
-    read_size,
 )
 from storage.protocol.messages import ApiKey
+from storage.protocol.sockio import FrameStream, tune
 
 log = logging.getLogger(__name__)
 
@@ -106,32 +108,57 @@ class AgentServer:
         self.max_frame_bytes = max_frame_bytes
         self.max_in_flight = max_in_flight
         self.idle_timeout = idle_timeout
-        self.server: asyncio.Server | None = None
+        self.listener: socket.socket | None = None
+        self._accepting: asyncio.Task[None] | None = None
         self.connections: set[asyncio.Task[None]] = set()
         self.observer: ServerObserver | None = None
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
-        self.server = await asyncio.start_server(self._on_connection, host, port, limit=1 << 20)
-        sock = self.server.sockets[0].getsockname()
-        return sock[0], sock[1]
+        listener = socket.create_server((host, port), backlog=512)
+        listener.setblocking(False)
+        self.listener = listener
+        self._accepting = asyncio.create_task(self._accept(listener), name="agent-accept")
+        address = listener.getsockname()
+        return address[0], address[1]
 
     async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            for t in list(self.connections):
-                t.cancel()
-            await asyncio.gather(*self.connections, return_exceptions=True)
+        if self._accepting is not None:
+            self._accepting.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accepting
+            self._accepting = None
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
+        for t in list(self.connections):
+            t.cancel()
+        await asyncio.gather(*self.connections, return_exceptions=True)
 
-    async def _on_connection(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
-    ) -> None:
-        task = asyncio.current_task()
-        assert task is not None
-        self.connections.add(task)
-        peer = writer.get_extra_info("peername")
+    async def _accept(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, peer = await loop.sock_accept(listener)
+            except OSError as exc:  # out of file descriptors and the like: retry shortly
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            tune(sock)
+            reader = FrameStream(max_frame=self.max_frame_bytes)
+            try:
+                await loop.connect_accepted_socket(lambda r=reader: r, sock)  # type: ignore[misc]
+            except OSError as exc:
+                log.warning("connection from %s lost at once: %s", peer, exc)
+                sock.close()
+                continue
+            task = asyncio.create_task(self._on_connection(reader, sock, peer), name=f"conn:{peer}")
+            self.connections.add(task)
+            task.add_done_callback(self.connections.discard)
+
+    async def _on_connection(self, reader: FrameStream, sock: socket.socket, peer: Any) -> None:
         queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
         writer_task = asyncio.create_task(
-            self._write_responses(queue, writer), name=f"conn-writer:{peer}"
+            self._write_responses(queue, reader, sock), name=f"conn-writer:{peer}"
         )
         try:
             await self._read_requests(reader, queue)
@@ -146,20 +173,17 @@ class AgentServer:
                 writer_task.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await writer_task
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-            self.connections.discard(task)
+            assert reader.transport is not None
+            reader.transport.close()
 
-    async def _read_requests(self, reader: asyncio.StreamReader, queue: asyncio.Queue[Any]) -> None:
+    async def _read_requests(self, frames: FrameStream, queue: asyncio.Queue[Any]) -> None:
         while True:
             async with asyncio.timeout(self.idle_timeout):
-                prefix = await reader.readexactly(4)
-            size = read_size(prefix, self.max_frame_bytes)
+                size = await frames.read_size()
             held = await self.budget.acquire(size)
             try:
                 async with asyncio.timeout(self.idle_timeout):
-                    frame = await reader.readexactly(size)
+                    frame = await frames.read_body(size)
                 if self.observer is not None:
                     self.observer.bytes_in(4 + size)
                 request = parse_request(frame)
@@ -213,13 +237,12 @@ class AgentServer:
         return encode_response(request.correlation_id, response)
 
     async def _write_responses(
-        self, queue: asyncio.Queue[Any], writer: asyncio.StreamWriter
+        self, queue: asyncio.Queue[Any], stream: FrameStream, sock: socket.socket
     ) -> None:
         while (fut := await queue.get()) is not None:
             parts = await fut
             if parts is _NO_RESPONSE:
                 continue
-            writer.writelines(parts)
+            sent = await stream.send(sock, parts)
             if self.observer is not None:
-                self.observer.bytes_out(sum(len(part) for part in parts))
-            await writer.drain()
+                self.observer.bytes_out(sent)

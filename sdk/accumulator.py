@@ -188,8 +188,8 @@ class ProducerBatch:
         self.timestamps: list[int] = []
         self.headers: list[Headers | None] = []
         self.tags: list[Sequence[str] | None] = []
-        #: one future per record appended alone (None for records appended in a run)
-        self.futures: list[asyncio.Future[RecordMetadata] | None] = []
+        #: (index, future) per record appended alone; runs have one future in ``groups``
+        self.futures: list[tuple[int, asyncio.Future[RecordMetadata]]] = []
         #: (future, first index, count) per run of records appended by ``extend``
         self.groups: list[tuple[asyncio.Future[RecordsMetadata], int, int]] = []
         self.has_keys = self.has_headers = self.has_tags = False
@@ -229,7 +229,7 @@ class ProducerBatch:
         self.size += size
         self.reserved += size
         fut: asyncio.Future[RecordMetadata] = self.done.get_loop().create_future()
-        self.futures.append(fut)
+        self.futures.append((len(self.timestamps) - 1, fut))
         return fut
 
     def extend(
@@ -261,7 +261,6 @@ class ProducerBatch:
             self.has_tags = True
         else:
             self.tags.extend(repeat(None, n))
-        self.futures.extend(repeat(None, n))
         self.size += size
         self.reserved += size
         fut: asyncio.Future[RecordsMetadata] = self.done.get_loop().create_future()
@@ -529,10 +528,11 @@ class RecordAccumulator:
         self._muted.discard(batch.tp)
         self._finish(batch)
         topic, partition = batch.tp
-        for i, (fut, ts) in enumerate(zip(batch.futures, batch.timestamps, strict=True)):
-            if fut is not None and not fut.done():
+        timestamps = batch.timestamps
+        for i, fut in batch.futures:
+            if not fut.done():
                 offset = base_offset + i if base_offset >= 0 else -1
-                fut.set_result(RecordMetadata(topic, partition, offset, ts))
+                fut.set_result(RecordMetadata(topic, partition, offset, timestamps[i]))
         for gfut, start, count in batch.groups:
             if not gfut.done():
                 offset = base_offset + start if base_offset >= 0 else -1
@@ -569,8 +569,8 @@ class RecordAccumulator:
 
     @staticmethod
     def _fail_futures(batch: ProducerBatch, exc: BaseException) -> None:
-        for fut in batch.futures:
-            if fut is not None and not fut.done():
+        for _, fut in batch.futures:
+            if not fut.done():
                 fut.set_exception(exc)
         for gfut, _, _ in batch.groups:
             if not gfut.done():

@@ -1,9 +1,10 @@
 """One TCP connection to an agent: pipelined requests matched by correlation id.
 
-Requests are written whole (``writelines`` of the parts ``storage.protocol.encode_request``
-returns, so record batches are not copied) without waiting for earlier answers; at most
-``max.in.flight.requests.per.connection`` are outstanding (a semaphore). One reader task reads
-size-prefixed response frames and hands each to the waiting request by correlation id.
+Requests are written whole (``storage.protocol.sockio.FrameStream.send``: one ``sendmsg`` of
+the parts ``storage.protocol.encode_request`` returns, so record batches are not copied)
+without waiting for earlier answers; at most ``max.in.flight.requests.per.connection`` are
+outstanding (a semaphore). One reader task reads size-prefixed response frames (straight into
+their buffers) and hands each to the waiting request by correlation id.
 
 Deadlines and failures:
 
@@ -26,13 +27,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from storage.errors import MalformedFrameError, NetworkError, RequestTimedOutError, StrataError
-from storage.protocol import APIS, DEFAULT_MAX_FRAME, encode_request, parse_response, read_size
+from storage.protocol import APIS, DEFAULT_MAX_FRAME, encode_request, parse_response
 from storage.protocol.schema import Message
+from storage.protocol.sockio import FrameStream, tune
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
@@ -71,8 +74,10 @@ class Connection:
         self._sem = asyncio.Semaphore(max_in_flight)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
+        self._sock: socket.socket | None = None
+        self._transport: asyncio.Transport | None = None
+        self._stream: FrameStream | None = None
+        self._write_lock = asyncio.Lock()
         self._read_task: asyncio.Task[None] | None = None
         self._connect_lock = asyncio.Lock()
         self._closed: StrataError | None = None
@@ -88,7 +93,7 @@ class Connection:
 
     @property
     def connected(self) -> bool:
-        return self._writer is not None and self._closed is None
+        return self._sock is not None and self._closed is None
 
     @property
     def in_flight(self) -> int:
@@ -104,16 +109,16 @@ class Connection:
         return err
 
     async def connect(self) -> None:
-        if self._writer is not None and self._closed is None:
+        if self._sock is not None and self._closed is None:
             return
         async with self._connect_lock:
             if self._closed is not None:
                 raise self._closed_error()
-            if self._writer is not None:
+            if self._sock is not None:
                 return
             try:
                 async with asyncio.timeout(self.connect_timeout):
-                    reader, writer = await asyncio.open_connection(self.host, self.port)
+                    sock = await _open(self.host, self.port)
             except TimeoutError:
                 err = NetworkError(
                     f"connecting to {self.host}:{self.port} timed out after "
@@ -125,9 +130,18 @@ class Connection:
                 err = NetworkError(f"cannot connect to {self.host}:{self.port}: {exc}")
                 self._closed = err
                 raise err from None
-            self._reader, self._writer = reader, writer
+            reader = FrameStream(max_frame=self.max_frame)
+            try:
+                await asyncio.get_running_loop().create_connection(lambda: reader, sock=sock)
+            except OSError as exc:
+                sock.close()
+                err = NetworkError(f"cannot connect to {self.host}:{self.port}: {exc}")
+                self._closed = err
+                raise err from None
+            self._sock, self._transport, self._stream = sock, reader.transport, reader
             self._read_task = self._spawn(
-                self._read_loop(reader), f"strata-conn-read-{self.host}:{self.port}"
+                self._read_loop(reader),
+                f"strata-conn-read-{self.host}:{self.port}",
             )
             self.last_used = self._clock()
 
@@ -171,8 +185,8 @@ class Connection:
     async def _exchange(self, api_key: int, body: Message, expect_response: bool) -> Any:
         if self._closed is not None:
             raise self._closed_error()
-        writer = self._writer
-        assert writer is not None
+        sock, stream = self._sock, self._stream
+        assert sock is not None and stream is not None
         correlation_id = next(self._ids) & 0x7FFFFFFF
         parts = encode_request(api_key, correlation_id, self.client_id, body)
         fut: asyncio.Future[Any] | None = None
@@ -180,9 +194,15 @@ class Connection:
             fut = asyncio.get_running_loop().create_future()
             self._pending[correlation_id] = fut
         try:
-            writer.writelines(parts)
-            await writer.drain()
-        except (OSError, RuntimeError) as exc:
+            async with self._write_lock:  # one request's parts at a time on the socket
+                if self._closed is not None:
+                    raise self._closed_error()
+                try:
+                    await stream.send(sock, parts)
+                except asyncio.CancelledError:  # part of a frame may be out: the stream is lost
+                    self._fail(NetworkError(f"a request to {self.host}:{self.port} was cancelled"))
+                    raise
+        except (OSError, ValueError) as exc:  # ValueError: the socket was closed meanwhile
             self._fail(NetworkError(f"writing to {self.host}:{self.port} failed: {exc}"))
             raise self._closed_error() from None
         if fut is None:
@@ -192,12 +212,11 @@ class Connection:
         finally:
             self._pending.pop(correlation_id, None)
 
-    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+    async def _read_loop(self, frames: FrameStream) -> None:
         error: StrataError | None = None
         try:
             while True:
-                size = read_size(await reader.readexactly(4), self.max_frame)
-                frame = parse_response(await reader.readexactly(size))
+                frame = parse_response(await frames.read_body(await frames.read_size()))
                 fut = self._pending.pop(frame.correlation_id, None)
                 if fut is not None and not fut.done():
                     fut.set_result(frame)
@@ -221,14 +240,37 @@ class Connection:
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(exc)
-        if self._writer is not None:
-            self._writer.close()
         task = self._read_task
         if task is not None and task is not asyncio.current_task() and not task.done():
             task.cancel()
+        if self._transport is not None:
+            self._transport.close()  # closes the socket
+        elif self._sock is not None:
+            self._sock.close()
 
     async def close(self) -> None:
         self._fail(NetworkError(f"connection to {self.host}:{self.port} was closed by the client"))
-        if self._writer is not None:
-            with contextlib.suppress(OSError, RuntimeError):
-                await self._writer.wait_closed()
+        task = self._read_task
+        if task is not None and task is not asyncio.current_task():
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+
+async def _open(host: str, port: int) -> socket.socket:
+    """A connected, tuned TCP socket to the first address of ``host`` that accepts."""
+    loop = asyncio.get_running_loop()
+    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    error: OSError = OSError(f"no address for {host}")
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        try:
+            tune(sock)
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            error = exc
+        except BaseException:
+            sock.close()
+            raise
+    raise error

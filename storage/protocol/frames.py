@@ -166,7 +166,7 @@ class FrameSplitter:
             raise FrameTooLargeError(size, self.max_frame)
 
 
-def read_size(prefix: bytes, max_frame: int) -> int:
+def read_size(prefix: bytes | memoryview, max_frame: int) -> int:
     """The size in a 4-byte frame prefix, checked against ``max_frame`` (for stream readers)."""
     if len(prefix) != _SIZE.size:
         raise MalformedFrameError(f"a frame size prefix is 4 bytes, not {len(prefix)}")

@@ -1,0 +1,203 @@
+"""Frames over a TCP socket: received with one copy, sent with none.
+
+asyncio's streams cost two extra copies per frame on the way in (``StreamReader`` appends what
+the transport read to its buffer, ``readexactly`` slices it out again) and one on the way out
+(``writelines`` joins the parts before writing). For 1 MiB produce requests and fetch
+responses those copies were a fifth of the agent's event loop (py-spy, docs/benchmarks.md).
+
+:class:`FrameStream` (an ``asyncio.BufferedProtocol``) reads size-prefixed frames: small
+ones are cut out of a fixed staging buffer (``stage_bytes``; many small frames per ``recv``),
+a large one gets a buffer of its own that the kernel fills directly (``recv_into``) after what
+the staging buffer already held.
+:meth:`FrameStream.send` writes a list of buffers with ``sendmsg`` (scatter-gather, no join);
+what the socket does not take at once goes through the transport's buffer.
+
+Sizes are checked by ``storage.protocol.frames.read_size`` before anything is read toward a
+frame; the end of the stream inside a frame raises ``asyncio.IncompleteReadError`` (as
+``readexactly`` does). Deadlines are the callers' (``asyncio.timeout`` around each call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from typing import Any
+
+import numpy as np
+
+from storage.protocol.frames import read_size
+
+#: most buffers one ``sendmsg`` takes (Linux IOV_MAX)
+IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+STAGE_BYTES = 64 << 10
+
+
+def tune(sock: socket.socket) -> None:
+    """Non-blocking with Nagle off (what asyncio's transports set up for TCP)."""
+    sock.setblocking(False)
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class FrameStream(asyncio.BufferedProtocol):
+    """Size-prefixed frames in (straight into their buffers), buffers out (``sendmsg``).
+
+    The protocol side (``get_buffer``/``buffer_updated``, called by the event loop) fills the
+    staging buffer, or the buffer of the large frame being read; the coroutine side
+    (:meth:`read_size`, :meth:`read_body`) waits for what it needs. While nobody reads and the
+    staging buffer is full, reading is paused (TCP backpressure): per connection at most
+    ``stage_bytes`` plus the frame being read are held.
+    """
+
+    def __init__(self, *, max_frame: int, stage_bytes: int = STAGE_BYTES) -> None:
+        self.max_frame = max_frame
+        self.transport: asyncio.Transport | None = None
+        self._stage = bytearray(stage_bytes)
+        self._view = memoryview(self._stage)
+        self._start = 0
+        self._end = 0
+        self._target: memoryview | None = None  # the large frame being received
+        self._filled = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._eof = False
+        self._error: BaseException | None = None
+        self._writable = asyncio.Event()
+        self._writable.set()
+
+    # ---- protocol side ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._target is not None:
+            return self._target[self._filled :]
+        if self._end == len(self._stage) and self._start:  # move the unread tail to the front
+            have = self._end - self._start
+            self._view[:have] = self._view[self._start : self._end]
+            self._start, self._end = 0, have
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._target is not None:
+            self._filled += nbytes
+            if self._filled == len(self._target):
+                self._target = None  # complete: the next bytes go to the staging buffer
+        else:
+            self._end += nbytes
+            if self._end == len(self._stage) and not self._start and not self._paused:
+                self._paused = True  # full and unread: stop taking bytes off the socket
+                assert self.transport is not None
+                self.transport.pause_reading()
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self._eof = True
+        self._wake()
+        return True  # half-closed: answers to what was read can still be written
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._eof = True
+        self._error = exc
+        self._wake()
+        self._writable.set()  # senders fail on the closed transport instead of waiting
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._writable.clear()
+
+    def resume_writing(self) -> None:
+        self._writable.set()
+
+    # ---- coroutine side --------------------------------------------------------------------
+    async def send(self, sock: socket.socket, parts: list[Any]) -> int:
+        """Write every buffer of ``parts`` in order; returns the bytes sent.
+
+        One ``sendmsg`` (scatter-gather, no join) when the transport has nothing queued; what
+        the kernel does not take at once goes through the transport's buffer (copied), and
+        the call waits while that buffer is over its high-water mark. One sender at a time
+        per connection (callers that share one hold a lock).
+        """
+        assert self.transport is not None
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        total = sum(len(v) for v in views)
+        i = 0
+        if not self.transport.get_write_buffer_size() and not self.transport.is_closing():
+            while i < len(views):
+                batch = views[i : i + IOV_MAX]
+                try:
+                    sent = sock.sendmsg(batch)
+                except (BlockingIOError, InterruptedError):
+                    break
+                full = sent < sum(len(v) for v in batch)
+                while sent:
+                    if sent >= len(views[i]):
+                        sent -= len(views[i])
+                        i += 1
+                    else:
+                        views[i] = views[i][sent:]
+                        sent = 0
+                if full:
+                    break  # the kernel took less than offered: its buffer is full
+        if i < len(views):
+            self.transport.writelines(views[i:])
+        await self._writable.wait()
+        return total
+
+    async def _wait(self, partial: Any, expected: int) -> None:
+        if self._eof:
+            if self._error is not None:
+                raise ConnectionResetError(str(self._error)) from self._error
+            raise asyncio.IncompleteReadError(bytes(partial), expected)
+        if self._paused:
+            self._paused = False
+            assert self.transport is not None
+            self.transport.resume_reading()
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def _staged(self, need: int) -> None:
+        """Wait until the staging buffer holds ``need`` unread bytes (``need`` <= its size)."""
+        while self._end - self._start < need:
+            if len(self._stage) - self._start < need:
+                have = self._end - self._start
+                self._view[:have] = self._view[self._start : self._end]
+                self._start, self._end = 0, have
+            await self._wait(self._view[self._start : self._end], need)
+
+    async def read_size(self) -> int:
+        """The next frame's size (its 4-byte prefix read and checked against ``max_frame``)."""
+        await self._staged(4)
+        size = read_size(self._view[self._start : self._start + 4], self.max_frame)
+        self._start += 4
+        return size
+
+    async def read_body(self, size: int) -> bytes | np.ndarray:
+        """The ``size`` bytes of the frame whose size :meth:`read_size` returned."""
+        if size <= len(self._stage) // 2:
+            await self._staged(size)
+            frame = bytes(self._view[self._start : self._start + size])
+            self._start += size
+            return frame
+        have = min(self._end - self._start, size)
+        buf = np.empty(size, dtype=np.uint8)  # not zeroed: every byte is received into it
+        view = memoryview(buf)  # type: ignore[arg-type]
+        view[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        if self._start == self._end:
+            self._start = self._end = 0
+        self._target, self._filled = (view, have) if have < size else (None, have)
+        try:
+            while self._filled < size:
+                await self._wait(view[: self._filled], size)
+        finally:
+            self._target = None
+        return buf
