@@ -16,7 +16,26 @@ from storage.errors import FrameTooLargeError
 from storage.protocol.sockio import STAGE_BYTES, FrameStream, tune
 
 
-async def _pair(max_frame: int = 64 << 20) -> tuple[FrameStream, socket.socket, FrameStream]:
+class _Watched(FrameStream):
+    """A FrameStream that tells when it stopped writing (transport full) or reading."""
+
+    def __init__(self, **kw: int) -> None:
+        super().__init__(**kw)
+        self.paused = asyncio.Event()
+        self.stopped_reading = asyncio.Event()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self.paused.set()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        super().buffer_updated(nbytes)
+        assert self.transport is not None
+        if not self.transport.is_reading():
+            self.stopped_reading.set()
+
+
+async def _pair(max_frame: int = 64 << 20) -> tuple[_Watched, socket.socket, _Watched]:
     """(receiving stream, sending socket, sending stream) over a loopback TCP connection."""
     loop = asyncio.get_running_loop()
     listener = socket.create_server(("127.0.0.1", 0))
@@ -28,9 +47,9 @@ async def _pair(max_frame: int = 64 << 20) -> tuple[FrameStream, socket.socket, 
     server, _ = await accepted
     listener.close()
     tune(server)
-    inbound = FrameStream(max_frame=max_frame)
+    inbound = _Watched(max_frame=max_frame)
     await loop.connect_accepted_socket(lambda: inbound, server)
-    outbound = FrameStream(max_frame=max_frame)
+    outbound = _Watched(max_frame=max_frame)
     await loop.create_connection(lambda: outbound, sock=client)
     return inbound, client, outbound
 
@@ -108,9 +127,14 @@ def test_a_stream_nobody_reads_stops_taking_bytes() -> None:
         inbound, client, outbound = await _pair()
         small = _frame(b"y" * 100)  # 104 bytes a frame; nobody calls read_* on inbound
         sender = asyncio.create_task(_flood(outbound, client, small))
-        done, _ = await asyncio.wait({sender}, timeout=0.5)
-        assert not done  # blocked: the receiver paused reading, the kernel buffers are full
-        assert inbound.transport is not None and inbound.transport.is_reading() is False
+        async with asyncio.timeout(30):  # the kernel's buffers fill, then the transport's
+            await outbound.paused.wait()
+            await inbound.stopped_reading.wait()  # its staging buffer is full and unread
+        assert outbound.writing_paused
+        assert inbound.transport is not None and outbound.transport is not None
+        high = outbound.transport.get_write_buffer_limits()[1]
+        assert outbound.transport.get_write_buffer_size() <= high + 104  # send() waits
+        assert not sender.done()
         # reading resumes the flow
         for _ in range(2000):
             assert await inbound.read_body(await inbound.read_size()) == b"y" * 100

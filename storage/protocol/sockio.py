@@ -108,6 +108,11 @@ class FrameStream(asyncio.BufferedProtocol):
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    @property
+    def writing_paused(self) -> bool:
+        """The transport's send buffer is over its high-water mark (``send`` waits)."""
+        return not self._writable.is_set()
+
     def pause_writing(self) -> None:
         self._writable.clear()
 
