@@ -34,7 +34,7 @@ from storage.protocol import (
     parse_request,
 )
 from storage.protocol.messages import ApiKey
-from storage.protocol.sockio import FrameStream, tune
+from storage.protocol.sockio import FrameStream
 
 log = logging.getLogger(__name__)
 
@@ -143,25 +143,24 @@ class AgentServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            tune(sock)
-            reader = FrameStream(max_frame=self.max_frame_bytes)
+            stream = FrameStream(sock, max_frame=self.max_frame_bytes)
             try:
-                await loop.connect_accepted_socket(lambda r=reader: r, sock)  # type: ignore[misc]
+                await loop.connect_accepted_socket(lambda: stream, sock)  # noqa: B023 (called at once)
             except OSError as exc:
                 log.warning("connection from %s lost at once: %s", peer, exc)
                 sock.close()
                 continue
-            task = asyncio.create_task(self._on_connection(reader, sock, peer), name=f"conn:{peer}")
+            task = asyncio.create_task(self._on_connection(stream, peer), name=f"conn:{peer}")
             self.connections.add(task)
             task.add_done_callback(self.connections.discard)
 
-    async def _on_connection(self, reader: FrameStream, sock: socket.socket, peer: Any) -> None:
+    async def _on_connection(self, stream: FrameStream, peer: Any) -> None:
         queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
         writer_task = asyncio.create_task(
-            self._write_responses(queue, reader, sock), name=f"conn-writer:{peer}"
+            self._write_responses(queue, stream, peer), name=f"conn-writer:{peer}"
         )
         try:
-            await self._read_requests(reader, queue)
+            await self._read_requests(stream, queue)
         except (MalformedFrameError, UnsupportedVersionError) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
@@ -173,8 +172,8 @@ class AgentServer:
                 writer_task.cancel()
             with contextlib.suppress(Exception, asyncio.CancelledError):
                 await writer_task
-            assert reader.transport is not None
-            reader.transport.close()
+            assert stream.transport is not None
+            stream.transport.close()
 
     async def _read_requests(self, frames: FrameStream, queue: asyncio.Queue[Any]) -> None:
         while True:
@@ -237,12 +236,28 @@ class AgentServer:
         return encode_response(request.correlation_id, response)
 
     async def _write_responses(
-        self, queue: asyncio.Queue[Any], stream: FrameStream, sock: socket.socket
+        self, queue: asyncio.Queue[Any], stream: FrameStream, peer: Any
     ) -> None:
+        """Write each answer in request order. A client that takes none of an answer for
+        ``idle_timeout`` is disconnected; the queue is still drained, so the reader, which
+        then sees the connection closed, is never left waiting for room in it."""
+        assert stream.transport is not None
+        writing = True
         while (fut := await queue.get()) is not None:
             parts = await fut
-            if parts is _NO_RESPONSE:
+            if parts is _NO_RESPONSE or not writing:
                 continue
-            sent = await stream.send(sock, parts)
+            try:
+                async with asyncio.timeout(self.idle_timeout):
+                    sent = await stream.send(parts)
+            except TimeoutError:
+                log.warning(
+                    "closing connection from %s: it read no response for %.0f s",
+                    peer,
+                    self.idle_timeout,
+                )
+                stream.transport.close()
+                writing = False
+                continue
             if self.observer is not None:
                 self.observer.bytes_out(sent)

@@ -35,7 +35,7 @@ from typing import Any
 from storage.errors import MalformedFrameError, NetworkError, RequestTimedOutError, StrataError
 from storage.protocol import APIS, DEFAULT_MAX_FRAME, encode_request, parse_response
 from storage.protocol.schema import Message
-from storage.protocol.sockio import FrameStream, tune
+from storage.protocol.sockio import FrameStream
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
 
@@ -74,8 +74,6 @@ class Connection:
         self._sem = asyncio.Semaphore(max_in_flight)
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[Any]] = {}
-        self._sock: socket.socket | None = None
-        self._transport: asyncio.Transport | None = None
         self._stream: FrameStream | None = None
         self._write_lock = asyncio.Lock()
         self._read_task: asyncio.Task[None] | None = None
@@ -93,7 +91,7 @@ class Connection:
 
     @property
     def connected(self) -> bool:
-        return self._sock is not None and self._closed is None
+        return self._stream is not None and self._closed is None
 
     @property
     def in_flight(self) -> int:
@@ -109,16 +107,16 @@ class Connection:
         return err
 
     async def connect(self) -> None:
-        if self._sock is not None and self._closed is None:
+        if self._stream is not None and self._closed is None:
             return
         async with self._connect_lock:
             if self._closed is not None:
                 raise self._closed_error()
-            if self._sock is not None:
+            if self._stream is not None:
                 return
             try:
                 async with asyncio.timeout(self.connect_timeout):
-                    sock = await _open(self.host, self.port)
+                    stream = await _open(self.host, self.port, self.max_frame)
             except TimeoutError:
                 err = NetworkError(
                     f"connecting to {self.host}:{self.port} timed out after "
@@ -130,17 +128,9 @@ class Connection:
                 err = NetworkError(f"cannot connect to {self.host}:{self.port}: {exc}")
                 self._closed = err
                 raise err from None
-            reader = FrameStream(max_frame=self.max_frame)
-            try:
-                await asyncio.get_running_loop().create_connection(lambda: reader, sock=sock)
-            except OSError as exc:
-                sock.close()
-                err = NetworkError(f"cannot connect to {self.host}:{self.port}: {exc}")
-                self._closed = err
-                raise err from None
-            self._sock, self._transport, self._stream = sock, reader.transport, reader
+            self._stream = stream
             self._read_task = self._spawn(
-                self._read_loop(reader),
+                self._read_loop(stream),
                 f"strata-conn-read-{self.host}:{self.port}",
             )
             self.last_used = self._clock()
@@ -185,8 +175,8 @@ class Connection:
     async def _exchange(self, api_key: int, body: Message, expect_response: bool) -> Any:
         if self._closed is not None:
             raise self._closed_error()
-        sock, stream = self._sock, self._stream
-        assert sock is not None and stream is not None
+        stream = self._stream
+        assert stream is not None
         correlation_id = next(self._ids) & 0x7FFFFFFF
         parts = encode_request(api_key, correlation_id, self.client_id, body)
         fut: asyncio.Future[Any] | None = None
@@ -198,11 +188,11 @@ class Connection:
                 if self._closed is not None:
                     raise self._closed_error()
                 try:
-                    await stream.send(sock, parts)
+                    await stream.send(parts)
                 except asyncio.CancelledError:  # part of a frame may be out: the stream is lost
                     self._fail(NetworkError(f"a request to {self.host}:{self.port} was cancelled"))
                     raise
-        except (OSError, ValueError) as exc:  # ValueError: the socket was closed meanwhile
+        except OSError as exc:
             self._fail(NetworkError(f"writing to {self.host}:{self.port} failed: {exc}"))
             raise self._closed_error() from None
         if fut is None:
@@ -243,10 +233,8 @@ class Connection:
         task = self._read_task
         if task is not None and task is not asyncio.current_task() and not task.done():
             task.cancel()
-        if self._transport is not None:
-            self._transport.close()  # closes the socket
-        elif self._sock is not None:
-            self._sock.close()
+        if self._stream is not None and self._stream.transport is not None:
+            self._stream.transport.close()  # closes the socket
 
     async def close(self) -> None:
         self._fail(NetworkError(f"connection to {self.host}:{self.port} was closed by the client"))
@@ -256,17 +244,22 @@ class Connection:
                 await task
 
 
-async def _open(host: str, port: int) -> socket.socket:
-    """A connected, tuned TCP socket to the first address of ``host`` that accepts."""
+async def _open(host: str, port: int, max_frame: int) -> FrameStream:
+    """A frame stream over a TCP connection to the first address of ``host`` that accepts."""
     loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    try:  # a numeric address needs no lookup (and no resolver thread), as in asyncio
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+    except socket.gaierror:
+        infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     error: OSError = OSError(f"no address for {host}")
     for family, kind, proto, _, address in infos:
         sock = socket.socket(family, kind, proto)
         try:
-            tune(sock)
+            sock.setblocking(False)
             await loop.sock_connect(sock, address)
-            return sock
+            stream = FrameStream(sock, max_frame=max_frame)
+            await loop.create_connection(lambda: stream, sock=sock)  # noqa: B023 (called at once)
+            return stream
         except OSError as exc:
             sock.close()
             error = exc

@@ -1,26 +1,32 @@
 """FrameStream over real loopback sockets: frames of every size arrive whole and in order,
 parts are sent in order however little the kernel takes at once, an oversized size field is
 refused before its body is read, the end of the stream inside a frame is an
-IncompleteReadError, and a connection nobody reads from stops taking bytes."""
+IncompleteReadError, and a connection nobody reads from stops taking bytes (and the agent's
+server disconnects a client that reads no answer within its idle timeout)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import struct
+from types import SimpleNamespace
 
 import pytest
 
+from broker_agents.server import AgentServer
 from storage.errors import FrameTooLargeError
-from storage.protocol.sockio import STAGE_BYTES, FrameStream, tune
+from storage.protocol import encode_request, encode_response
+from storage.protocol import messages as m
+from storage.protocol.sockio import STAGE_BYTES, FrameStream
 
 
 class _Watched(FrameStream):
     """A FrameStream that tells when it stopped writing (transport full) or reading."""
 
-    def __init__(self, **kw: int) -> None:
-        super().__init__(**kw)
+    def __init__(self, sock: socket.socket, **kw: int) -> None:
+        super().__init__(sock, **kw)
         self.paused = asyncio.Event()
         self.stopped_reading = asyncio.Event()
 
@@ -35,23 +41,22 @@ class _Watched(FrameStream):
             self.stopped_reading.set()
 
 
-async def _pair(max_frame: int = 64 << 20) -> tuple[_Watched, socket.socket, _Watched]:
-    """(receiving stream, sending socket, sending stream) over a loopback TCP connection."""
+async def _pair(max_frame: int = 64 << 20) -> tuple[_Watched, _Watched]:
+    """(receiving stream, sending stream) over a loopback TCP connection."""
     loop = asyncio.get_running_loop()
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     client = socket.socket()
-    tune(client)
+    client.setblocking(False)
     accepted = asyncio.ensure_future(loop.sock_accept(listener))
     await loop.sock_connect(client, listener.getsockname())
     server, _ = await accepted
     listener.close()
-    tune(server)
-    inbound = _Watched(max_frame=max_frame)
+    inbound = _Watched(server, max_frame=max_frame)
     await loop.connect_accepted_socket(lambda: inbound, server)
-    outbound = _Watched(max_frame=max_frame)
+    outbound = _Watched(client, max_frame=max_frame)
     await loop.create_connection(lambda: outbound, sock=client)
-    return inbound, client, outbound
+    return inbound, outbound
 
 
 def _close(*streams: FrameStream) -> None:
@@ -69,11 +74,11 @@ def test_frames_of_every_size_arrive_whole_and_in_order() -> None:
     bodies = [os.urandom(n) for n in sizes]
 
     async def run() -> None:
-        inbound, client, outbound = await _pair()
+        inbound, outbound = await _pair()
 
         async def send() -> None:
             for body in bodies:
-                await outbound.send(client, _frame(body))
+                await outbound.send(_frame(body))
 
         sender = asyncio.create_task(send())
         got = []
@@ -91,8 +96,8 @@ def test_many_parts_larger_than_the_socket_buffer_go_out_in_order() -> None:
     body = b"".join(parts)
 
     async def run() -> None:
-        inbound, client, outbound = await _pair()
-        sender = asyncio.create_task(outbound.send(client, [struct.pack("<i", len(body)), *parts]))
+        inbound, outbound = await _pair()
+        sender = asyncio.create_task(outbound.send([struct.pack("<i", len(body)), *parts]))
         got = await inbound.read_body(await inbound.read_size())
         assert await sender == 4 + len(body)
         assert bytes(got) == body
@@ -103,13 +108,13 @@ def test_many_parts_larger_than_the_socket_buffer_go_out_in_order() -> None:
 
 def test_oversized_size_field_is_refused_and_eof_inside_a_frame_is_incomplete() -> None:
     async def run() -> None:
-        inbound, client, outbound = await _pair(max_frame=1000)
-        await outbound.send(client, [struct.pack("<i", 1001)])
+        inbound, outbound = await _pair(max_frame=1000)
+        await outbound.send([struct.pack("<i", 1001)])
         with pytest.raises(FrameTooLargeError):
             await inbound.read_size()
-        inbound2, client2, outbound2 = await _pair()
-        await outbound2.send(client2, [struct.pack("<i", 200_000), b"x" * 1000])
-        client2.shutdown(socket.SHUT_WR)
+        inbound2, outbound2 = await _pair()
+        await outbound2.send([struct.pack("<i", 200_000), b"x" * 1000])
+        outbound2.sock.shutdown(socket.SHUT_WR)
         size = await inbound2.read_size()
         with pytest.raises(asyncio.IncompleteReadError) as err:
             await inbound2.read_body(size)
@@ -124,9 +129,9 @@ def test_a_stream_nobody_reads_stops_taking_bytes() -> None:
     transport buffer fills and ``send`` waits instead of queueing without bound."""
 
     async def run() -> None:
-        inbound, client, outbound = await _pair()
+        inbound, outbound = await _pair()
         small = _frame(b"y" * 100)  # 104 bytes a frame; nobody calls read_* on inbound
-        sender = asyncio.create_task(_flood(outbound, client, small))
+        sender = asyncio.create_task(_flood(outbound, small))
         async with asyncio.timeout(30):  # the kernel's buffers fill, then the transport's
             await outbound.paused.wait()
             await inbound.stopped_reading.wait()  # its staging buffer is full and unread
@@ -141,8 +146,56 @@ def test_a_stream_nobody_reads_stops_taking_bytes() -> None:
         sender.cancel()
         _close(outbound, inbound)
 
-    async def _flood(stream: FrameStream, sock: socket.socket, frame: list[bytes]) -> None:
+    async def _flood(stream: FrameStream, frame: list[bytes]) -> None:
         while True:
-            await stream.send(sock, frame)
+            await stream.send(frame)
+
+    asyncio.run(run())
+
+
+def test_agent_server_disconnects_a_client_that_reads_no_response() -> None:
+    """A client that sends requests and never reads the answers is closed after the server's
+    idle timeout, instead of holding a writer (and its queued answers) forever."""
+    answer = m.FetchResponse(
+        [m.FetchTopicResult("t", [m.FetchPartitionResult(0, 0, 0, 0, 1, 0, bytes(1 << 20))])]
+    )
+
+    async def big_answer(_: object) -> m.FetchResponse:
+        return answer
+
+    async def run() -> None:
+        server = AgentServer(
+            SimpleNamespace(handlers={m.ApiKey.API_VERSIONS: big_answer}),
+            max_frame_bytes=1 << 20,
+            idle_timeout=1.0,
+        )
+        host, port = await server.start("127.0.0.1", 0)
+        loop = asyncio.get_running_loop()
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.setblocking(False)
+        try:
+            await loop.sock_connect(client, (host, port))
+            request = b"".join(
+                encode_request(m.ApiKey.API_VERSIONS, 1, "c", m.ApiVersionsRequest())
+            )
+            await loop.sock_sendall(client, request)  # one answer read whole: served
+            got, size = 0, sum(memoryview(p).nbytes for p in encode_response(1, answer))
+            while got < size:
+                got += len(await loop.sock_recv(client, 1 << 20))
+            for _ in range(20):  # then 20 MiB of answers nobody reads; the kernel holds a few
+                await loop.sock_sendall(client, request)
+            (conn,) = server.connections
+            async with asyncio.timeout(30):
+                await asyncio.wait({conn})  # the server ends the connection by itself
+            assert not server.connections
+            # what the client then reads ends (EOF or reset), it does not hang
+            async with asyncio.timeout(30):
+                with contextlib.suppress(ConnectionError):
+                    while await loop.sock_recv(client, 1 << 20):
+                        pass
+        finally:
+            client.close()
+            await server.stop()
 
     asyncio.run(run())

@@ -33,13 +33,6 @@ IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 STAGE_BYTES = 64 << 10
 
 
-def tune(sock: socket.socket) -> None:
-    """Non-blocking with Nagle off (what asyncio's transports set up for TCP)."""
-    sock.setblocking(False)
-    if sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
 class FrameStream(asyncio.BufferedProtocol):
     """Size-prefixed frames in (straight into their buffers), buffers out (``sendmsg``).
 
@@ -50,7 +43,10 @@ class FrameStream(asyncio.BufferedProtocol):
     ``stage_bytes`` plus the frame being read are held.
     """
 
-    def __init__(self, *, max_frame: int, stage_bytes: int = STAGE_BYTES) -> None:
+    def __init__(
+        self, sock: socket.socket, *, max_frame: int, stage_bytes: int = STAGE_BYTES
+    ) -> None:
+        self.sock = sock  # the transport's own socket, for sendmsg
         self.max_frame = max_frame
         self.transport: asyncio.Transport | None = None
         self._stage = bytearray(stage_bytes)
@@ -74,11 +70,15 @@ class FrameStream(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
             return self._target[self._filled :]
-        if self._end == len(self._stage) and self._start:  # move the unread tail to the front
-            have = self._end - self._start
-            self._view[:have] = self._view[self._start : self._end]
-            self._start, self._end = 0, have
+        if self._end == len(self._stage):
+            self._compact()  # not paused, so something was taken from the front
         return self._view[self._end :]
+
+    def _compact(self) -> None:
+        """Move the unread bytes of the staging buffer to its front."""
+        have = self._end - self._start
+        self._view[:have] = self._view[self._start : self._end]
+        self._start, self._end = 0, have
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._target is not None:
@@ -120,7 +120,7 @@ class FrameStream(asyncio.BufferedProtocol):
         self._writable.set()
 
     # ---- coroutine side --------------------------------------------------------------------
-    async def send(self, sock: socket.socket, parts: list[Any]) -> int:
+    async def send(self, parts: list[Any]) -> int:
         """Write every buffer of ``parts`` in order; returns the bytes sent.
 
         One ``sendmsg`` (scatter-gather, no join) when the transport has nothing queued; what
@@ -136,7 +136,7 @@ class FrameStream(asyncio.BufferedProtocol):
             while i < len(views):
                 batch = views[i : i + IOV_MAX]
                 try:
-                    sent = sock.sendmsg(batch)
+                    sent = self.sock.sendmsg(batch)
                 except (BlockingIOError, InterruptedError):
                     break
                 full = sent < sum(len(v) for v in batch)
@@ -173,9 +173,7 @@ class FrameStream(asyncio.BufferedProtocol):
         """Wait until the staging buffer holds ``need`` unread bytes (``need`` <= its size)."""
         while self._end - self._start < need:
             if len(self._stage) - self._start < need:
-                have = self._end - self._start
-                self._view[:have] = self._view[self._start : self._end]
-                self._start, self._end = 0, have
+                self._compact()
             await self._wait(self._view[self._start : self._end], need)
 
     async def read_size(self) -> int:
@@ -185,7 +183,7 @@ class FrameStream(asyncio.BufferedProtocol):
         self._start += 4
         return size
 
-    async def read_body(self, size: int) -> bytes | np.ndarray:
+    async def read_body(self, size: int) -> bytes | memoryview:
         """The ``size`` bytes of the frame whose size :meth:`read_size` returned."""
         if size <= len(self._stage) // 2:
             await self._staged(size)
@@ -193,8 +191,7 @@ class FrameStream(asyncio.BufferedProtocol):
             self._start += size
             return frame
         have = min(self._end - self._start, size)
-        buf = np.empty(size, dtype=np.uint8)  # not zeroed: every byte is received into it
-        view = memoryview(buf)  # type: ignore[arg-type]
+        view = np.empty(size, dtype=np.uint8).data  # not zeroed: every byte is received into it
         view[:have] = self._view[self._start : self._start + have]
         self._start += have
         if self._start == self._end:
@@ -205,4 +202,4 @@ class FrameStream(asyncio.BufferedProtocol):
                 await self._wait(view[: self._filled], size)
         finally:
             self._target = None
-        return buf
+        return view
