@@ -69,6 +69,22 @@ def _frame(body: bytes) -> list[bytes]:
     return [struct.pack("<i", len(body)), body]
 
 
+def test_both_ends_send_small_frames_at_once_nagle_off() -> None:
+    """Small answers must not wait for the peer's delayed ACK (40 ms on Linux): both the
+    accepted end (the agent's; asyncio leaves Nagle on there, its ``proto`` being 0) and the
+    connecting end have TCP_NODELAY."""
+
+    async def run() -> None:
+        inbound, outbound = await _pair()
+        try:
+            for stream in (inbound, outbound):
+                assert stream.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        finally:
+            _close(inbound, outbound)
+
+    asyncio.run(run())
+
+
 def test_frames_of_every_size_arrive_whole_and_in_order() -> None:
     sizes = [0, 1, 7, STAGE_BYTES // 2, STAGE_BYTES // 2 + 1, STAGE_BYTES, 3 << 20, 5, 1 << 20]
     bodies = [os.urandom(n) for n in sizes]

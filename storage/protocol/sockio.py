@@ -66,6 +66,11 @@ class FrameStream(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        # Nagle off. asyncio does this only for sockets whose ``proto`` is IPPROTO_TCP; an
+        # accepted socket (``socket.create_server``) reports 0 and would otherwise hold each
+        # small answer until the peer's delayed ACK (tens of ms per produce request).
+        if self.sock.family in (socket.AF_INET, socket.AF_INET6):
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
