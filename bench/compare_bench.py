@@ -5,7 +5,7 @@ Run with ``make bench-compare`` (``python -m bench.compare_bench [--write-docs]`
 
 * **limits**: the disk's sequential write rate with ``fdatasync`` (``dd``, best of 3), 4 KiB
   write+``fdatasync`` per second, loopback TCP bandwidth (one connection, 1 MiB writes);
-* **Strata**: produce 100 B / 1 KiB / 10 KiB, tuned for throughput (linger 5 ms, 1 MiB batches;
+* **Strata**: produce 100 B / 1 KiB / 10 KiB, tuned for throughput (linger 5 ms, 1 MiB batches, 4 MiB requests;
   per-message ``send`` and bulk ``send_batch``) with acks=1 on one agent and acks=all, RF=3 on
   three agents; latency tuned (linger 0) at a fixed moderate rate: produce→ack and
   produce→consume p50/p99/p99.9; consume from the agent's disk and from the object tier
@@ -162,6 +162,7 @@ def _throughput_config(bootstrap: str, acks: int | str) -> dict[str, Any]:
         "acks": acks,
         "linger.ms": 5,
         "batch.size": MiB,
+        "max.request.size": 4 * MiB,  # a partition's queued batches travel together
         "buffer.memory": 256 * MiB,
         "max.in.flight.requests.per.connection": 5,
     }
@@ -898,7 +899,7 @@ def render(r: dict[str, Any]) -> str:
         f"**{lim['fsyncs_per_s']:,.0f}** 4 KiB write+fdatasync per second; loopback TCP **{lim['loopback_mb_per_s']:,.0f} MB/s** (one connection).",
         "",
         "**Produce throughput** (one producer process; Strata topics have "
-        f"{r['partitions']} partitions, `fsync.policy=always`; linger 5 ms, 1 MiB batches):",
+        f"{r['partitions']} partitions, `fsync.policy=always`; linger 5 ms, 1 MiB batches, 4 MiB requests):",
         "",
         "| system | 100 B msgs/s | 100 B MB/s | 1 KiB msgs/s | 1 KiB MB/s | 10 KiB msgs/s | 10 KiB MB/s | 1 KiB ÷ disk |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",

@@ -152,6 +152,9 @@ class BufferPool:
             fut.set_result(None)
 
 
+_ENCODE_ERRORS = (StrataError, ValueError, TypeError, OverflowError)
+
+
 class ProducerBatch:
     """Records of one partition on their way to the leader (see the module docstring)."""
 
@@ -482,33 +485,41 @@ class RecordAccumulator:
         self, tps: Iterable[TopicPartition], max_bytes: int | None = None
     ) -> list[ProducerBatch]:
         """Take the head batch of each ready partition in ``tps`` (encoding it if it is new),
-        up to ``max_bytes`` in all (at least one batch), and mute those partitions."""
+        and the closed batches queued behind it, up to ``max_bytes`` in all (at least one
+        batch), and mute those partitions. A partition's batches are taken in order and travel
+        in one request: it never has more than one request in flight, so a retry cannot land
+        behind a later batch."""
         limit = self.max_request_size if max_bytes is None else max_bytes
         taken: list[ProducerBatch] = []
         total = 0
+        cutoff = self.clock() + _EPSILON
         for tp in tps:
             queue = self._queues.get(tp)
-            if not queue or tp in self._muted:
+            if not queue or tp in self._muted or queue[0].retry_at > cutoff:
                 continue
-            batch = queue[0]
-            if batch.retry_at > self.clock() + _EPSILON:
-                continue
-            was_closed = batch.closed
-            try:
-                data = batch.encode(self._encoder, self.compression)
-            except (StrataError, ValueError, TypeError, OverflowError) as exc:
+            first, full = True, False
+            while queue and (first or queue[0].closed):
+                batch = queue[0]
+                was_closed = batch.closed
+                try:
+                    data = batch.encode(self._encoder, self.compression)
+                except _ENCODE_ERRORS as exc:
+                    queue.popleft()
+                    self._finish(batch)
+                    self._fail_futures(batch, exc)
+                    continue
+                if not was_closed and self._on_batch_closed is not None:
+                    self._on_batch_closed(tp)
+                if taken and total + len(data) > limit:
+                    full = True
+                    break
                 queue.popleft()
-                self._finish(batch)
-                self._fail_futures(batch, exc)
-                continue
-            if not was_closed and self._on_batch_closed is not None:
-                self._on_batch_closed(tp)
-            if taken and total + len(data) > limit:
+                self._muted.add(tp)
+                taken.append(batch)
+                total += len(data)
+                first = False
+            if full:
                 break
-            queue.popleft()
-            self._muted.add(tp)
-            taken.append(batch)
-            total += len(data)
         return taken
 
     def reenqueue(self, batch: ProducerBatch, retry_at: float, error: BaseException) -> None:

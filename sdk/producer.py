@@ -16,14 +16,17 @@ linger deadline, a response, a retry falling due, new metadata) it:
 2. asks the accumulator which partitions are ready and looks up each one's leader (an unknown
    leader asks for a metadata refresh and the partition waits);
 3. for every leader agent with fewer than ``max.in.flight.requests.per.connection`` produce
-   requests outstanding, drains one head batch per ready partition (up to
-   ``max.request.size``) into a single ProduceRequest — several partitions per request — and
+   requests outstanding, drains each ready partition's head batch and the full batches queued
+   behind it (up to ``max.request.size`` in all) into a single ProduceRequest — several
+   partitions per request, a partition's batches back to back in its records field — and
    sends it from a short task of its own, so a slow agent never holds up the others.
 
-A response completes each batch at its base offset (record *i* gets ``base_offset + i``). A
-retriable error (``NotLeaderError``, ``NetworkError``, ``RequestTimedOutError``, ...) puts the
-batch back at the head of its partition — the partition stays muted while a batch of it is in
-flight, so order within a partition holds across retries — after an exponential backoff with
+A response completes a partition's batches from its base offset, in order (record *i* of the
+first batch gets ``base_offset + i``, the next batch follows on). A retriable error
+(``NotLeaderError``, ``NetworkError``, ``RequestTimedOutError``, ...) puts the batches back at
+the head of their partition, in their order — a partition stays muted while a request with its
+batches is in flight, so order within a partition holds across retries — after an exponential
+backoff with
 jitter (``retry.backoff.ms`` .. ``retry.backoff.max.ms``), and errors that suggest stale
 leadership also refresh metadata. A batch fails for good on a non-retriable error, after
 ``retries`` retries, or when its ``delivery.timeout.ms`` would pass. With ``acks=0`` the
@@ -197,9 +200,17 @@ class Sender:
         self._acc.wakeup.set()
 
     def request_for(self, batches: Sequence[ProducerBatch]) -> ProduceRequest:
-        topics: dict[str, list[ProducePartition]] = defaultdict(list)
+        """One ProducePartition per partition; a partition's batches (in queue order) go back
+        to back in its ``records`` field."""
+        records: dict[TopicPartition, list[bytes]] = {}
         for b in batches:
-            topics[b.tp.topic].append(ProducePartition(b.tp.partition, b.encoded))
+            assert b.encoded is not None
+            records.setdefault(b.tp, []).append(b.encoded)
+        topics: dict[str, list[ProducePartition]] = defaultdict(list)
+        for tp, encoded in records.items():
+            topics[tp.topic].append(
+                ProducePartition(tp.partition, encoded[0] if len(encoded) == 1 else encoded)
+            )
         return ProduceRequest(
             acks=self.config.acks,
             timeout_ms=self.config.request_timeout_ms,
@@ -209,15 +220,14 @@ class Sender:
     async def _produce(self, agent_id: int, batches: list[ProducerBatch]) -> None:
         acks = self.config.acks
         settled: set[int] = set()
+        retry: list[tuple[ProducerBatch, StrataError]] = []
         try:
             try:
                 response: ProduceResponse | None = await self._cluster.send(
                     agent_id, self.request_for(batches), expect_response=acks != 0
                 )
             except StrataError as exc:
-                for b in batches:
-                    self.retry_or_fail(b, exc)
-                    settled.add(id(b))
+                retry = [(b, exc) for b in batches]
                 return
             if response is None:
                 for b in batches:
@@ -225,27 +235,38 @@ class Sender:
                     settled.add(id(b))
                 return
             results = {(t.name, r.partition): r for t in response.topics for r in t.partitions}
+            next_base: dict[TopicPartition, int] = {}
             for b in batches:
                 r = results.get(b.tp)
                 if r is None:
-                    self.retry_or_fail(
-                        b,
-                        UnknownTopicOrPartitionError(
-                            f"agent {agent_id} did not answer for {b.tp.topic}[{b.tp.partition}]"
-                        ),
+                    retry.append(
+                        (
+                            b,
+                            UnknownTopicOrPartitionError(
+                                f"agent {agent_id} did not answer for {b.tp.topic}[{b.tp.partition}]"
+                            ),
+                        )
                     )
                 elif r.error_code == 0:
-                    self._acc.complete(b, r.base_offset)
+                    # a partition's batches were stored back to back from its base offset
+                    base = next_base.get(b.tp, r.base_offset)
+                    next_base[b.tp] = base + b.record_count
+                    self._acc.complete(b, base)
+                    settled.add(id(b))
                 else:
-                    self.retry_or_fail(b, from_wire(r.error_code, r.error_message))
-                settled.add(id(b))
+                    retry.append((b, from_wire(r.error_code, r.error_message)))
         except BaseException as exc:
             failure = exc if isinstance(exc, Exception) else ProducerClosedError("producer stopped")
             for b in batches:
                 if id(b) not in settled:
                     self._acc.fail(b, failure)
+            retry = []
             raise
         finally:
+            # last batch first: a retried batch goes back to the head of its queue, so a
+            # partition's batches end up there in their original order
+            for b, err in reversed(retry):
+                self.retry_or_fail(b, err)
             self.request_done(agent_id)
 
     def retry_or_fail(self, batch: ProducerBatch, exc: StrataError) -> None:

@@ -111,7 +111,10 @@ def test_a_batch_closes_at_batch_size_and_is_ready_without_linger() -> None:
         assert all(b.size <= acc.batch_size for b in batches)
         assert acc.ready(clock.now)[0] == [TP]  # full batches do not wait for linger
         drained = acc.drain([TP])
-        assert [b.record_count for b in drained] == [3]
+        # the closed batches go together (one request per partition in flight); the open one
+        # waits for its linger
+        assert [b.record_count for b in drained] == [3, 3]
+        assert [b.record_count for b in acc.batches(TP)] == [1]
 
     run(go)
 
@@ -193,27 +196,31 @@ def test_order_within_a_partition_survives_retries() -> None:
         clock = Clock()
         two = 2 * estimate_size(b"r00", None, None, None)
         acc = make(clock, batch_size=BATCH_OVERHEAD + two, linger_ms=0)
-        futures = [await acc.append(TP, b"r%02d" % i) for i in range(4)]
-        assert [b.record_count for b in acc.batches(TP)] == [2, 2]
+        futures = [await acc.append(TP, b"r%02d" % i) for i in range(6)]
+        assert [b.record_count for b in acc.batches(TP)] == [2, 2, 2]
 
-        (first,) = acc.drain([TP])
+        third = acc.batches(TP)[2]
+        size = len(acc.batches(TP)[0].encode(encode_batch, batch_compression()))
+        # a request with room for two batches: the third waits behind them (muted partition)
+        first, second = acc.drain([TP], max_bytes=2 * size)
         assert acc.is_muted(TP)
-        assert acc.ready(clock.now)[0] == []  # the second batch waits behind the first
+        assert acc.ready(clock.now)[0] == []
         assert acc.drain([TP]) == []
 
+        # both fail; the sender puts them back last first, so they keep their order
+        acc.reenqueue(second, clock.now + 0.1, NotLeaderError())
         acc.reenqueue(first, clock.now + 0.1, NotLeaderError())
         assert not acc.is_muted(TP)
         ready, wait = acc.ready(clock.now)
         assert ready == [] and wait == pytest.approx(0.1)  # backing off, still at the head
         clock.now += 0.1
-        (again,) = acc.drain(acc.ready(clock.now)[0])
-        assert again is first and first.attempts == 1
-
-        acc.complete(first, 0)
-        (second,) = acc.drain(acc.ready(clock.now)[0])
-        acc.complete(second, 2)
+        again = acc.drain(acc.ready(clock.now)[0])
+        assert again == [first, second, third]
+        assert first.attempts == second.attempts == 1
+        for base, batch in zip((0, 2, 4), again, strict=True):
+            acc.complete(batch, base)
         offsets = [(await f).offset for f in futures]
-        assert offsets == [0, 1, 2, 3]
+        assert offsets == [0, 1, 2, 3, 4, 5]
 
     run(go)
 

@@ -185,3 +185,53 @@ def test_blocking_wrappers(agent: Cluster) -> None:
         c.seek(("z", 0), 0)
         first = c.poll(10)
         assert first is not None and (first.partition, first.offset) == (0, 0)
+
+
+def test_a_partitions_queued_batches_travel_together_in_order(agent: Cluster) -> None:
+    """With small batches and one partition, batches queue up behind the one in flight; they
+    go in the next request together (far fewer requests than batches) and are stored back to
+    back: every run's reported offsets match what a consumer reads, in send order."""
+    handle = agent.agents[1]
+
+    def produce_requests() -> float:
+        return sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in scrape_metrics(handle.metrics_url).splitlines()
+            if line.startswith('strata_requests_total{api="produce"}')
+        )
+
+    values = [b"%06d" % i + bytes(94) for i in range(10_000)]
+
+    async def run() -> None:
+        config = {
+            "bootstrap.servers": agent.bootstrap,
+            "linger.ms": 0,
+            "batch.size": 4096,
+            "max.request.size": 1 << 20,
+        }
+        async with Producer(config) as producer:
+            futures = [
+                await producer.send_batch("z", values[i : i + 500], partition=1)
+                for i in range(0, len(values), 500)
+            ]
+            await producer.flush()
+        runs = [r for f in futures for r in f.result()]
+        assert sum(r.record_count for r in runs) == len(values)
+        expected = [o for r in runs for o in range(r.base_offset, r.base_offset + r.record_count)]
+        assert expected == list(range(len(values)))  # one partition: offsets in send order
+
+        async with Consumer({"bootstrap.servers": agent.bootstrap}) as c:
+            c.assign([("z", 1)])
+            c.seek_to_beginning(TopicPartition("z", 1))
+            got = []
+            async with asyncio.timeout(30):
+                while len(got) < len(values):
+                    for records in (await c.getmany(timeout_ms=500)).values():
+                        got.extend(records)
+        assert [r.offset for r in got] == list(range(len(values)))
+        assert [r.value for r in got] == values
+
+    before = produce_requests()
+    asyncio.run(run())
+    batches = len(values) * 100 // 4096  # at least this many 4 KiB batches were filled
+    assert produce_requests() - before < batches / 4

@@ -20,6 +20,10 @@ from storage.protocol.messages import (
     AgentInfo,
     MetadataResponse,
     PartitionMetadata,
+    ProducePartitionResult,
+    ProduceRequest,
+    ProduceResponse,
+    ProduceTopicResult,
     TopicMetadata,
 )
 
@@ -223,5 +227,41 @@ def test_metadata_never_goes_back_to_an_older_leader_epoch() -> None:
         assert cluster.leader_epoch("t", 0) == 5
         cluster.apply_metadata(metadata({0: 1, 1: 1, 2: 2}, epoch=6))
         assert cluster.leader_for("t", 0) == 1
+
+    asyncio.run(go())
+
+
+def test_a_partitions_queued_batches_share_one_request_and_keep_their_order() -> None:
+    """Closed batches queued behind a partition's head go in the same request, back to back
+    in its records field: stored from the answered base offset in order; on a retriable error
+    they all go back to the head of the queue in their original order."""
+
+    async def go() -> None:
+        sender, acc, cluster, clock = setup(**{"batch.size": 100, "max.request.size": 1 << 20})
+        tp = TopicPartition("t", 0)
+        futures = [await acc.append(tp, b"v%d" % i) for i in range(3)]  # one batch each
+        ((agent, batches),), _ = sender.plan(clock.now)
+        assert [b.record_count for b in batches] == [1, 1, 1]
+        request = sender.request_for(batches)
+        (part,) = request.topics[0].partitions
+        assert part.records == [b.encoded for b in batches]
+        answers = iter([(NotLeaderError.code, -1), (0, 40)])
+        sent: list[Any] = []
+
+        async def send(agent_id: int, body: ProduceRequest, expect_response: bool) -> Any:
+            sent.append(body)
+            code, base = next(answers)
+            result = ProducePartitionResult(0, code, "moved" if code else None, base, 0, 1, 1)
+            return ProduceResponse([ProduceTopicResult("t", [result])])
+
+        cluster.send = send  # type: ignore[method-assign]
+        await sender._produce(agent, batches)
+        assert list(acc.batches(tp)) == batches  # all back, in order
+        clock.now += 0.1
+        ((agent, again),), _ = sender.plan(clock.now)
+        assert again == batches
+        await sender._produce(agent, again)
+        assert [(await f).offset for f in futures] == [40, 41, 42]
+        assert len(sent) == 2
 
     asyncio.run(go())

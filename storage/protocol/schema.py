@@ -90,8 +90,13 @@ class _Bytes:
     min_size = 4
 
     def encode(self, value: Any, out: list[Any]) -> None:
+        """A bytes-like value, or a list of them sent back to back as one field (no join)."""
         if value is None:
             out.append(_LEN32.pack(-1))
+            return
+        if isinstance(value, list):
+            out.append(_LEN32.pack(sum(memoryview(v).nbytes for v in value)))
+            out.extend(value)
             return
         out.append(_LEN32.pack(memoryview(value).nbytes))
         out.append(value)
