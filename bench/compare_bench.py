@@ -246,10 +246,10 @@ def _e2e(received: list[float], value: bytes) -> None:
 
 
 def settle_writeback() -> None:
-    """Write back the dirty pages the throughput runs left (``sync``) before a latency run,
-    for every system alike: at a moderate rate a system does not sit on gigabytes of dirty
-    page cache, and the kernel flushing them would otherwise land in whichever fsync (or
-    write) the latency run happens to make meanwhile."""
+    """Write back the dirty pages earlier runs left (``sync``) before every throughput and
+    latency run, for every system alike: otherwise the kernel flushing the previous run's
+    (or the previous benchmark's) gigabytes lands in whichever fsync or write the next run
+    makes, and each row would measure its predecessor too."""
     os.sync()
 
 
@@ -343,8 +343,11 @@ def _strata_produce_all(
         )
         asyncio.run(_warm(bootstrap, topic, args.partitions, acks))
         n = _count(size, args.scale)
+        settle_writeback()
+        sent = asyncio.run(strata_send(bootstrap, topic, n, size, acks, args.seconds))
+        settle_writeback()
         out[str(size)] = {
-            "send": asyncio.run(strata_send(bootstrap, topic, n, size, acks, args.seconds)),
+            "send": sent,
             "send_batch": asyncio.run(
                 strata_send_batch(bootstrap, topic, n, size, acks, args.seconds)
             ),
@@ -793,6 +796,7 @@ async def run_peer(client: Any, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"produce": {}}
     async with client:
         for size in SIZES:
+            settle_writeback()
             r = await client.produce(_count(size, args.scale), size, args.seconds)
             if isinstance(client, RabbitPeer):
                 client.produced[size] = r["messages"]
