@@ -26,9 +26,8 @@ first batch gets ``base_offset + i``, the next batch follows on). A retriable er
 (``NotLeaderError``, ``NetworkError``, ``RequestTimedOutError``, ...) puts the batches back at
 the head of their partition, in their order — a partition stays muted while a request with its
 batches is in flight, so order within a partition holds across retries — after an exponential
-backoff with
-jitter (``retry.backoff.ms`` .. ``retry.backoff.max.ms``), and errors that suggest stale
-leadership also refresh metadata. A batch fails for good on a non-retriable error, after
+backoff with jitter (``retry.backoff.ms`` .. ``retry.backoff.max.ms``), and errors that suggest
+stale leadership also refresh metadata. A batch fails for good on a non-retriable error, after
 ``retries`` retries, or when its ``delivery.timeout.ms`` would pass. With ``acks=0`` the
 futures resolve once the request is written, with offset -1.
 
