@@ -75,11 +75,15 @@ def owned_now(log: Path) -> list[int] | None:
     return owned[-1]["parts"] if owned else None
 
 
-def wait_until(check: Any, what: str, within: float = 30.0) -> None:
+def wait_until(
+    check: Any, what: str, within: float = 30.0, logs: dict[str, Path] | None = None
+) -> None:
+    """Poll ``check``; on timeout the error shows the last events of each member's ``logs``."""
     deadline = time.monotonic() + within
     while not check():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            tails = "".join(f"\n  {n}: {events(log)[-6:]}" for n, log in (logs or {}).items())
+            raise AssertionError(f"timed out waiting for {what}{tails}")
         time.sleep(0.05)
 
 
@@ -144,19 +148,26 @@ def test_group_of_consumer_processes_rebalances_without_double_owners_or_loss(
     try:
         for name in ("c1", "c2", "c3"):
             members[name] = start_member(cluster, tmp_path, name, "events")
-        wait_until(lambda: balanced(["c1", "c2", "c3"]), "3 members share 12 partitions")
+        logs = {n: log for n, (_, log) in members.items()}
+        wait_until(lambda: balanced(["c1", "c2", "c3"]), "3 members share 12 partitions", logs=logs)
         members["c4"] = start_member(cluster, tmp_path, "c4", "events")
-        wait_until(lambda: balanced(["c1", "c2", "c3", "c4"]), "4 members share 12 partitions")
+        logs["c4"] = members["c4"][1]
+        wait_until(
+            lambda: balanced(["c1", "c2", "c3", "c4"]), "4 members share 12 partitions", logs=logs
+        )
         time.sleep(0.5)  # steady consumption under 4 members
         cluster.processes.kill(members["c2"][0].pid, signal.SIGKILL)
         ended["c2"] = time.time()
         members["c2"][0].wait(10)
         wait_until(
-            lambda: balanced(["c1", "c3", "c4"]), "c2's partitions move", SESSION_MS / 1000 + 15
+            lambda: balanced(["c1", "c3", "c4"]),
+            "c2's partitions move",
+            SESSION_MS / 1000 + 15,
+            logs=logs,
         )
         cluster.processes.stop(members["c3"][0].pid)
         ended["c3"] = time.time()
-        wait_until(lambda: balanced(["c1", "c4"]), "c3's partitions move")
+        wait_until(lambda: balanced(["c1", "c4"]), "c3's partitions move", logs=logs)
         producer.stop.set()
         producer.thread.join(30)
         ends = end_offsets(cluster.bootstrap, "events", partitions)
