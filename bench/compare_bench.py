@@ -245,12 +245,44 @@ def _e2e(received: list[float], value: bytes) -> None:
     received.append(time.perf_counter() - STAMP.unpack_from(value)[0])
 
 
-def settle_writeback() -> None:
-    """Write back the dirty pages earlier runs left (``sync``) before every throughput and
-    latency run, for every system alike: otherwise the kernel flushing the previous run's
-    (or the previous benchmark's) gigabytes lands in whichever fsync or write the next run
-    makes, and each row would measure its predecessor too."""
+#: the quiet-disk check of ``settle_writeback``: this many seconds of 1 KiB appends, each
+#: fdatasync'ed, all faster than QUIET_MS, within at most SETTLE_LIMIT_S
+QUIET_WINDOW_S = 2.0
+QUIET_MS = 10.0
+SETTLE_LIMIT_S = 60.0
+_settle_dir = ROOT / "var" / "bench"
+
+
+def settle_writeback() -> float:
+    """Before every throughput and latency run, for every system alike: write back the dirty
+    pages earlier runs left (``sync``), then wait until the disk is quiet — a window of
+    ``QUIET_WINDOW_S`` in which 1 KiB append+``fdatasync`` probes all take under ``QUIET_MS``
+    (up to ``SETTLE_LIMIT_S``). Otherwise the kernel's write-back of the previous run (or of the
+    previous benchmark of ``make bench``), and the discards of files just deleted (this disk
+    is mounted with ``discard``: for ~20 s after the Spark benchmark deleted its data, single
+    fdatasyncs took up to 114 ms), land in the next run's fsyncs and each row measures its
+    predecessor too. Returns the seconds waited after the ``sync``."""
     os.sync()
+    _settle_dir.mkdir(parents=True, exist_ok=True)
+    path = _settle_dir / f"settle-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    start = time.monotonic()
+    try:
+        block, pos, window = os.urandom(1024), 0, time.monotonic()
+        while time.monotonic() - start < SETTLE_LIMIT_S:
+            t = time.perf_counter()
+            os.pwrite(fd, block, pos)
+            os.fdatasync(fd)
+            pos += len(block)
+            if (time.perf_counter() - t) * 1000 > QUIET_MS:
+                window = time.monotonic()  # a slow one: the window starts again
+            elif time.monotonic() - window >= QUIET_WINDOW_S:
+                break
+            time.sleep(0.001)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return time.monotonic() - start
 
 
 async def strata_latency(
@@ -1037,6 +1069,8 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.perf_counter()
     args.dir.mkdir(parents=True, exist_ok=True)
+    global _settle_dir
+    _settle_dir = args.dir  # the quiet-disk probe writes where the systems under test do
     work = Path(tempfile.mkdtemp(dir=args.dir, prefix="compare-"))
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
