@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -94,14 +93,6 @@ class AgentMetrics:
         self.uploaded_bytes = Counter(
             "strata_tier_uploaded_bytes", "Bytes of segment objects uploaded", registry=r
         )
-        self.gc_pause_seconds = Histogram(
-            "strata_gc_pause_seconds",
-            "Duration of each garbage collection of the agent process (everything stops)",
-            ["generation"],
-            buckets=LATENCY_BUCKETS,
-            registry=r,
-        )
-        self._gc_started = 0.0
         r.register(_StateCollector(agent))
         self._server: asyncio.Server | None = None
 
@@ -120,14 +111,6 @@ class AgentMetrics:
     def observe_fsync(self, seconds: float) -> None:
         self.fsync_seconds.observe(seconds)
 
-    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
-        """``gc.callbacks`` hook: time each collection (a pause of the whole agent)."""
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            pause = time.perf_counter() - self._gc_started
-            self.gc_pause_seconds.labels(str(info["generation"])).observe(pause)
-
     def observe_upload(self, seconds: float, nbytes: int) -> None:
         self.upload_seconds.observe(seconds)
         self.uploaded_bytes.inc(nbytes)
@@ -139,13 +122,10 @@ class AgentMetrics:
     async def start(self, host: str, port: int) -> int:
         """Serve ``GET /metrics`` on ``host:port`` (0: any free port); return the port."""
         self._server = await asyncio.start_server(self._serve, host, port)
-        gc.callbacks.append(self._on_gc)
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound
 
     async def stop(self) -> None:
-        with contextlib.suppress(ValueError):
-            gc.callbacks.remove(self._on_gc)
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
