@@ -257,7 +257,8 @@ def settle_writeback() -> float:
     """Before every throughput and latency run, for every system alike: write back the dirty
     pages earlier runs left (``sync``), then wait until the disk is quiet — a window of
     ``QUIET_WINDOW_S`` in which 1 KiB append+``fdatasync`` probes all take under ``QUIET_MS``
-    (up to ``SETTLE_LIMIT_S``). Otherwise the kernel's write-back of the previous run (or of the
+    (or 10x the median of the first probes, on a disk where every fdatasync is slow), up to
+    ``SETTLE_LIMIT_S``. Otherwise the kernel's write-back of the previous run (or of the
     previous benchmark of ``make bench``), and the discards of files just deleted (this disk
     is mounted with ``discard``: for ~20 s after the Spark benchmark deleted its data, single
     fdatasyncs took up to 114 ms), land in the next run's fsyncs and each row measures its
@@ -269,12 +270,18 @@ def settle_writeback() -> float:
     start = time.monotonic()
     try:
         block, pos, window = os.urandom(1024), 0, time.monotonic()
+        first: list[float] = []
+        quiet_ms = QUIET_MS
         while time.monotonic() - start < SETTLE_LIMIT_S:
             t = time.perf_counter()
             os.pwrite(fd, block, pos)
             os.fdatasync(fd)
             pos += len(block)
-            if (time.perf_counter() - t) * 1000 > QUIET_MS:
+            took = (time.perf_counter() - t) * 1000
+            if len(first) < 21:  # a disk whose every fdatasync is slow is quiet at 10x its median
+                first.append(took)
+                quiet_ms = max(QUIET_MS, 10 * sorted(first)[len(first) // 2])
+            if took > quiet_ms:
                 window = time.monotonic()  # a slow one: the window starts again
             elif time.monotonic() - window >= QUIET_WINDOW_S:
                 break
