@@ -250,10 +250,9 @@ def _e2e(received: list[float], value: bytes) -> None:
 QUIET_WINDOW_S = 2.0
 QUIET_MS = 10.0
 SETTLE_LIMIT_S = 60.0
-_settle_dir = ROOT / "var" / "bench"
 
 
-def settle_writeback() -> float:
+def settle_writeback(directory: Path) -> None:
     """Before every throughput and latency run, for every system alike: write back the dirty
     pages earlier runs left (``sync``), then wait until the disk is quiet — a window of
     ``QUIET_WINDOW_S`` in which 1 KiB append+``fdatasync`` probes all take under ``QUIET_MS``
@@ -262,10 +261,10 @@ def settle_writeback() -> float:
     previous benchmark of ``make bench``), and the discards of files just deleted (this disk
     is mounted with ``discard``: for ~20 s after the Spark benchmark deleted its data, single
     fdatasyncs took up to 114 ms), land in the next run's fsyncs and each row measures its
-    predecessor too. Returns the seconds waited after the ``sync``."""
+    predecessor too. The probes write in ``directory``, on the disk the systems under test
+    use; a wait longer than one quiet window is printed."""
     os.sync()
-    _settle_dir.mkdir(parents=True, exist_ok=True)
-    path = _settle_dir / f"settle-{os.getpid()}"
+    path = directory / f"settle-{os.getpid()}"
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     start = time.monotonic()
     try:
@@ -289,7 +288,9 @@ def settle_writeback() -> float:
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)
-    return time.monotonic() - start
+    waited = time.monotonic() - start
+    if waited > QUIET_WINDOW_S + 1:
+        print(f"disk busy: waited {waited:.1f} s for a quiet window", flush=True)
 
 
 async def strata_latency(
@@ -382,9 +383,9 @@ def _strata_produce_all(
         )
         asyncio.run(_warm(bootstrap, topic, args.partitions, acks))
         n = _count(size, args.scale)
-        settle_writeback()
+        settle_writeback(args.dir)
         sent = asyncio.run(strata_send(bootstrap, topic, n, size, acks, args.seconds))
-        settle_writeback()
+        settle_writeback(args.dir)
         out[str(size)] = {
             "send": sent,
             "send_batch": asyncio.run(
@@ -835,14 +836,14 @@ async def run_peer(client: Any, args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"produce": {}}
     async with client:
         for size in SIZES:
-            settle_writeback()
+            settle_writeback(args.dir)
             r = await client.produce(_count(size, args.scale), size, args.seconds)
             if isinstance(client, RabbitPeer):
                 client.produced[size] = r["messages"]
             out["produce"][str(size)] = r
             print(f"{client.name} {size} B: {r}", flush=True)
         out["consume"] = await client.consume(1024)
-        settle_writeback()
+        settle_writeback(args.dir)
         out["latency"] = await client.latency(args.rate, args.latency_seconds, 1024)
     return out
 
@@ -1076,8 +1077,6 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.perf_counter()
     args.dir.mkdir(parents=True, exist_ok=True)
-    global _settle_dir
-    _settle_dir = args.dir  # the quiet-disk probe writes where the systems under test do
     work = Path(tempfile.mkdtemp(dir=args.dir, prefix="compare-"))
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
@@ -1104,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
             result["strata_acks1"] = _strata_produce_all(boot, connect, 1, 1, args, "a1")
             asyncio.run(_create_topic(connect, "lat", args.partitions, 1, {}))
             asyncio.run(_warm(boot, "lat", args.partitions, 1))
-            settle_writeback()
+            settle_writeback(args.dir)
             lat = asyncio.run(
                 strata_latency(
                     boot, "lat", args.partitions, args.rate, args.latency_seconds, 1024, 1
@@ -1137,7 +1136,7 @@ def main(argv: list[str] | None = None) -> int:
                 _create_topic(connect, "lat", args.partitions, 3, {"min.insync.replicas": 2})
             )
             asyncio.run(_warm(boot, "lat", args.partitions, "all"))
-            settle_writeback()
+            settle_writeback(args.dir)
             lat = asyncio.run(
                 strata_latency(
                     boot, "lat", args.partitions, args.rate, args.latency_seconds, 1024, "all"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
-import ctypes.util
 import json
 import logging
 import signal
@@ -40,9 +39,8 @@ def keep_freed_memory(mmap_threshold: int = 8 << 20, trim_threshold: int = 64 <<
     ``trim_threshold`` bytes of free heap top stay mapped. Returns False where the C library
     has no ``mallopt`` (not glibc); nothing changes then.
     """
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
+    try:  # the C library the process already runs on (no ``find_library`` subprocess)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]

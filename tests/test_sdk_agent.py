@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,16 @@ def agent(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -
         c.create_topic(name, 2)
         c.wait_for_leaders(name)
     return c
+
+
+async def _read(consumer: Consumer, count: int) -> list[Any]:
+    """``count`` records from the consumer's assignment (30 s at most)."""
+    got: list[Any] = []
+    async with asyncio.timeout(30):
+        while len(got) < count:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                got.extend(records)
+    return got
 
 
 def test_round_trip_at_every_acks_level_and_compression(agent: Cluster) -> None:
@@ -72,11 +83,7 @@ def test_round_trip_at_every_acks_level_and_compression(agent: Cluster) -> None:
 
         async with Consumer({"bootstrap.servers": boot, "auto.offset.reset": "earliest"}) as c:
             c.assign([("t", 0)])
-            got = []
-            async with asyncio.timeout(30):
-                while len(got) < len(sent):
-                    for records in (await c.getmany(timeout_ms=500)).values():
-                        got.extend(records)
+            got = await _read(c, len(sent))
         assert [r.offset for r in got] == list(range(len(sent)))
         for r, (_, _, (value, key, headers, tags, ts)) in zip(got, sent, strict=True):
             assert (r.value, r.key, r.timestamp) == (value, key, ts)
@@ -194,11 +201,8 @@ def test_a_partitions_queued_batches_travel_together_in_order(agent: Cluster) ->
     handle = agent.agents[1]
 
     def produce_requests() -> float:
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in scrape_metrics(handle.metrics_url).splitlines()
-            if line.startswith('strata_requests_total{api="produce"}')
-        )
+        page = scrape_metrics(handle.metrics_url)
+        return metric_value(page, 'strata_requests_total{api="produce"}')
 
     values = [b"%06d" % i + bytes(94) for i in range(10_000)]
 
@@ -223,11 +227,7 @@ def test_a_partitions_queued_batches_travel_together_in_order(agent: Cluster) ->
         async with Consumer({"bootstrap.servers": agent.bootstrap}) as c:
             c.assign([("z", 1)])
             c.seek_to_beginning(TopicPartition("z", 1))
-            got = []
-            async with asyncio.timeout(30):
-                while len(got) < len(values):
-                    for records in (await c.getmany(timeout_ms=500)).values():
-                        got.extend(records)
+            got = await _read(c, len(values))
         assert [r.offset for r in got] == list(range(len(values)))
         assert [r.value for r in got] == values
 
