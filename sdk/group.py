@@ -107,6 +107,7 @@ class GroupClient:
         self.owned: set[TopicPartition] = set()
         self.coordinator: int | None = None
         self._need_join = asyncio.Event()
+        self._joining = False  # a join/sync round is in flight
         self._polled = asyncio.Event()
         self.rebalances = 0
 
@@ -199,6 +200,14 @@ class GroupClient:
                 self.coordinator = None
                 attempt += 1
                 continue
+            if self._joining or (self.generation, self.member_id) != (
+                req.generation_id,
+                req.member_id,
+            ):
+                # the commit spoke for a generation we are already leaving or have left: the
+                # join in flight (or done) answers the error; rejoining once more for it would
+                # start yet another rebalance, whose members' commits fail the same way (a storm)
+                raise err
             if isinstance(err, RebalanceInProgressError | IllegalGenerationError):
                 self._need_join.set()
             if isinstance(err, UnknownMemberIdError):
@@ -350,6 +359,13 @@ class GroupClient:
         return cp.encode(sub)
 
     async def _join_and_sync(self) -> None:
+        self._joining = True
+        try:
+            await self._join_and_sync_once()
+        finally:
+            self._joining = False
+
+    async def _join_and_sync_once(self) -> None:
         cfg = self.config
         self._need_join.clear()
         if not self.cooperative:

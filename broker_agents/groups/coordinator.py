@@ -645,11 +645,19 @@ class GroupCoordinator:
                     error = exc
                     group.offsets.clear()  # re-read: an admin reset or another coordinator
                     if group.version >= 0:
-                        _, version = await self.store.get_state(group.group_id)
+                        try:
+                            _, version = await self.store.get_state(group.group_id)
+                        except MetadataError as again:
+                            error = again  # ZooKeeper unreachable: answer, let clients retry
+                            break
                         if version != group.version:
                             error = NotCoordinatorError(f"group {group.group_id!r} moved")
                             break
                     await asyncio.sleep(0.01 * (attempt + 1))
+                except Exception as exc:  # a bug: answer the commits, keep the flusher alive
+                    log.exception("group %s: offset flush failed", group.group_id)
+                    error = CoordinatorNotAvailableError(f"offsets not written: {exc!r}")
+                    break
         for pending in batch:
             if pending.done.done():
                 continue
