@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import signal
 import time
@@ -136,4 +137,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    # the SDK's membership trail (joins, generations, failed heartbeats) goes to the process
+    # log the harness keeps (processes/<name>.log), for when a group test fails
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     asyncio.run(main(parse()))
