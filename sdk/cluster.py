@@ -96,7 +96,8 @@ class Cluster:
         self._topic_errors: dict[str, StrataError] = {}
         self._topics: set[str] = set()
         self.controller_id = -1
-        self._pool: dict[tuple[str, int], Connection] = {}
+        #: (address, channel) -> connection; see ``send``
+        self._pool: dict[tuple[tuple[str, int], str], Connection] = {}
         self._refresh_lock = asyncio.Lock()
         self._update_requested = asyncio.Event()
         self._changed = asyncio.Event()
@@ -313,10 +314,10 @@ class Cluster:
                 await asyncio.sleep(self.config.retry_backoff_ms / 1000)
 
     # ---- connections ---------------------------------------------------------------------
-    async def _connection(self, address: tuple[str, int]) -> Connection:
+    async def _connection(self, address: tuple[str, int], channel: str = "") -> Connection:
         if self._closed:
             raise NetworkError("the client is closed")
-        conn = self._pool.get(address)
+        conn = self._pool.get((address, channel))
         if conn is None or conn.closed:
             conn = Connection(
                 address[0],
@@ -329,7 +330,7 @@ class Cluster:
                 spawn=self._spawn_reader,
                 clock=self._clock,
             )
-            self._pool[address] = conn
+            self._pool[(address, channel)] = conn
         await conn.connect()
         return conn
 
@@ -342,12 +343,12 @@ class Cluster:
             coro.close()
             raise IllegalStateError(f"the client is closing: {exc}") from None
 
-    async def connection_for(self, agent_id: int) -> Connection:
+    async def connection_for(self, agent_id: int, channel: str = "") -> Connection:
         address = self._agents.get(agent_id)
         if address is None:
             self.request_update()
             raise LeaderNotAvailableError(f"agent {agent_id} is not in the metadata")
-        return await self._connection(address)
+        return await self._connection(address, channel)
 
     async def send(
         self,
@@ -356,10 +357,17 @@ class Cluster:
         *,
         request_timeout: float | None = None,
         expect_response: bool = True,
+        channel: str = "",
     ) -> Any:
-        """One request to one agent; network trouble also asks for fresh metadata."""
+        """One request to one agent; network trouble also asks for fresh metadata.
+
+        An agent answers a connection's requests in the order they were sent, so a request
+        that waits at the agent (a JoinGroup until the rebalance completes, a long-poll
+        fetch) holds up the answers behind it. Requests that may wait long and are not the
+        data path go on their own ``channel`` (a separate connection to the same agent), as
+        Kafka clients talk to the group coordinator on a connection of its own."""
         try:
-            conn = await self.connection_for(agent_id)
+            conn = await self.connection_for(agent_id, channel)
             return await conn.request(
                 body, request_timeout=request_timeout, expect_response=expect_response
             )
@@ -369,15 +377,15 @@ class Cluster:
 
     def in_flight(self, agent_id: int) -> int:
         address = self._agents.get(agent_id)
-        conn = self._pool.get(address) if address else None
+        conn = self._pool.get((address, "")) if address else None
         return 0 if conn is None or conn.closed else conn.in_flight
 
     async def close_idle(self) -> None:
         now = self._clock()
         limit = self.config.connections_max_idle_ms / 1000
-        for address, conn in list(self._pool.items()):
+        for key, conn in list(self._pool.items()):
             if conn.closed or conn.idle_for(now) >= limit:
-                del self._pool[address]
+                del self._pool[key]
                 await conn.close()
 
     async def close(self) -> None:

@@ -62,6 +62,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: the group's requests go on a connection of their own (``Cluster.send``): a JoinGroup waits
+#: at the coordinator until the rebalance completes, and must not hold up the fetches' answers
+GROUP_CHANNEL = "group"
+
 _REDISCOVER = (
     NotCoordinatorError,
     CoordinatorNotAvailableError,
@@ -154,7 +158,7 @@ class GroupClient:
             assert self.coordinator is not None
             try:
                 return await self.cluster.send(
-                    self.coordinator, body, request_timeout=request_timeout
+                    self.coordinator, body, request_timeout=request_timeout, channel=GROUP_CHANNEL
                 )
             except StrataError as exc:
                 if not isinstance(exc, _REDISCOVER) and not exc.retriable:

@@ -6,6 +6,7 @@ The acceptance test with consumer *processes* is ``tests/test_groups_acceptance.
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 from sdk import Consumer, Producer, TopicPartition
 from sdk.group import OffsetAndMetadata
 from storage.errors import IllegalGenerationError, UnknownMemberIdError, from_wire
+from storage.protocol import consumer as cp
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient
 from tests.harness import ProcessGroup, ZooKeeperChroot
@@ -205,5 +207,100 @@ def test_admin_lists_describes_resets_and_deletes_an_inactive_group(cluster: Clu
                 await admin.describe("g")
         finally:
             await zk.stop()
+
+    asyncio.run(run())
+
+
+def test_cooperative_member_keeps_fetching_while_its_join_waits_for_a_laggard(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """A JoinGroup can wait at the coordinator for seconds (until every member rejoined or the
+    rebalance timeout passed). A cooperative member keeps the partitions that stay put and
+    must keep fetching them meanwhile, even when the coordinator also leads them: the group's
+    requests must not hold up the fetches' responses (one agent here, so it is both)."""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    cluster.start_agent(1, *GROUP_CONFIGS)
+    cluster.create_topic("t", 2)
+    cluster.wait_for_leaders("t")
+    rebalance_ms = 6000
+
+    async def run() -> None:
+        a = Consumer(
+            consumer_config(
+                cluster,
+                "g",
+                **{
+                    "partition.assignment.strategy": "cooperative-sticky",
+                    "max.poll.interval.ms": rebalance_ms,
+                    "fetch.max.wait.ms": 100,
+                },
+            )
+        )
+        await a.start()
+        received: list[float] = []  # when records of partition 0 arrived
+        stop = asyncio.Event()
+
+        async def consume() -> None:
+            loop = asyncio.get_running_loop()
+            while not stop.is_set():
+                got = await a.getmany(timeout_ms=100)
+                if got.get(TopicPartition("t", 0)):
+                    received.append(loop.time())
+
+        async def produce_steadily() -> None:
+            async with Producer({"bootstrap.servers": cluster.bootstrap, "acks": 1}) as p:
+                while not stop.is_set():
+                    await p.send_and_wait("t", b"x", partition=0)
+                    await asyncio.sleep(0.05)
+
+        try:
+            a.subscribe(["t"])
+            tasks = [asyncio.create_task(consume()), asyncio.create_task(produce_steadily())]
+            await until(lambda: len(a.assignment()) == 2, "a owns both partitions")
+            # a second member that joins once and then never rejoins (a stuck process)
+            coordinator = a._group.coordinator if a._group else None
+            assert coordinator is not None
+            reg = cluster.agents[coordinator]
+            laggard = await WireClient.connect(reg.host, reg.port)
+            meta = cp.encode(cp.ConsumerSubscription(["t"], [], -1))
+            joined = await laggard.call(
+                m.ApiKey.JOIN_GROUP,
+                m.JoinGroupRequest(
+                    "g",
+                    10_000,
+                    rebalance_ms,
+                    "",
+                    None,
+                    m.CONSUMER_PROTOCOL_TYPE,
+                    [m.JoinGroupProtocol("cooperative-sticky", meta)],
+                ),
+                wait_s=20,
+            )
+            assert joined.error_code == 0
+            # a gives partition 1 up (cooperative: it goes to the laggard next generation)
+            # and rejoins at once; that join waits for the laggard until the rebalance
+            # timeout drops it, and then a gets partition 1 back
+            first = a.group_generation
+            await until(lambda: len(a.assignment()) == 1, "a revoked partition 1")
+            revoked_at = asyncio.get_running_loop().time()
+            await until(
+                lambda: len(a.assignment()) == 2 and a.group_generation > first + 1,
+                "the laggard dropped and partition 1 back with a",
+                within=rebalance_ms / 1000 + 15,
+            )
+            back_at = asyncio.get_running_loop().time()
+            await laggard.close()
+            stop.set()
+            await asyncio.gather(*tasks)
+        finally:
+            await a.close()
+        assert back_at - revoked_at > 3, "the join did not wait for the laggard"
+        window = [t for t in received if revoked_at <= t <= back_at]
+        times = [revoked_at, *window, back_at]
+        longest = max(later - t for t, later in itertools.pairwise(times))
+        assert longest < 1.5, (
+            f"partition 0 got no records for {longest:.1f} s while a's join waited "
+            f"({back_at - revoked_at:.1f} s)"
+        )
 
     asyncio.run(run())
