@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import publish
+from bench.common import publish, settle_writeback
 from bench.peers import (
     Peer,
     PeerUnavailable,
@@ -243,54 +243,6 @@ async def _paced(
 
 def _e2e(received: list[float], value: bytes) -> None:
     received.append(time.perf_counter() - STAMP.unpack_from(value)[0])
-
-
-#: the quiet-disk check of ``settle_writeback``: this many seconds of 1 KiB appends, each
-#: fdatasync'ed, all faster than QUIET_MS, within at most SETTLE_LIMIT_S
-QUIET_WINDOW_S = 2.0
-QUIET_MS = 10.0
-SETTLE_LIMIT_S = 60.0
-
-
-def settle_writeback(directory: Path) -> None:
-    """Before every throughput and latency run, for every system alike: write back the dirty
-    pages earlier runs left (``sync``), then wait until the disk is quiet — a window of
-    ``QUIET_WINDOW_S`` in which 1 KiB append+``fdatasync`` probes all take under ``QUIET_MS``
-    (or 10x the median of the first probes, on a disk where every fdatasync is slow), up to
-    ``SETTLE_LIMIT_S``. Otherwise the kernel's write-back of the previous run (or of the
-    previous benchmark of ``make bench``), and the discards of files just deleted (this disk
-    is mounted with ``discard``: for ~20 s after the Spark benchmark deleted its data, single
-    fdatasyncs took up to 114 ms), land in the next run's fsyncs and each row measures its
-    predecessor too. The probes write in ``directory``, on the disk the systems under test
-    use; a wait longer than one quiet window is printed."""
-    os.sync()
-    path = directory / f"settle-{os.getpid()}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-    start = time.monotonic()
-    try:
-        block, pos, window = os.urandom(1024), 0, time.monotonic()
-        first: list[float] = []
-        quiet_ms = QUIET_MS
-        while time.monotonic() - start < SETTLE_LIMIT_S:
-            t = time.perf_counter()
-            os.pwrite(fd, block, pos)
-            os.fdatasync(fd)
-            pos += len(block)
-            took = (time.perf_counter() - t) * 1000
-            if len(first) < 21:  # a disk whose every fdatasync is slow is quiet at 10x its median
-                first.append(took)
-                quiet_ms = max(QUIET_MS, 10 * sorted(first)[len(first) // 2])
-            if took > quiet_ms:
-                window = time.monotonic()  # a slow one: the window starts again
-            elif time.monotonic() - window >= QUIET_WINDOW_S:
-                break
-            time.sleep(0.001)
-    finally:
-        os.close(fd)
-        path.unlink(missing_ok=True)
-    waited = time.monotonic() - start
-    if waited > QUIET_WINDOW_S + 1:
-        print(f"disk busy: waited {waited:.1f} s for a quiet window", flush=True)
 
 
 async def strata_latency(

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import publish
+from bench.common import publish, settle_writeback
 from infra.agents import start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Producer
@@ -212,12 +212,16 @@ def main(argv: list[str] | None = None) -> int:
             "partitions": args.partitions,
             "fsync": args.fsync,
             "size": args.size,
-            "throughput": asyncio.run(throughput(agent.address, args.messages, args.size)),
-            "throughput_batched": asyncio.run(
-                throughput_batched(agent.address, args.messages, args.size)
-            ),
-            "latency": asyncio.run(latency(agent.address, args.rate, args.seconds, args.size)),
         }
+        # each run starts on a quiet disk (bench.common.settle_writeback), as in bench-compare
+        settle_writeback(args.dir)
+        result["throughput"] = asyncio.run(throughput(agent.address, args.messages, args.size))
+        settle_writeback(args.dir)
+        result["throughput_batched"] = asyncio.run(
+            throughput_batched(agent.address, args.messages, args.size)
+        )
+        settle_writeback(args.dir)
+        result["latency"] = asyncio.run(latency(agent.address, args.rate, args.seconds, args.size))
     finally:
         if agent is not None:
             agent.stop()

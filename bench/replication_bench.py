@@ -21,7 +21,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import publish
+from bench.common import publish, settle_writeback
 from bench.produce_bench import TOPIC, latency, throughput_batched
 from infra.agents import AgentProcess, start_agent
 from infra.zookeeper import start_zookeeper
@@ -113,14 +113,12 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": args.seconds,
         }
         for acks, label in ((1, "1"), ("all", "all")):
-            result[label] = {
-                "throughput": asyncio.run(
-                    throughput_batched(bootstrap, args.messages, 1024, acks=acks)
-                ),
-                "latency": asyncio.run(
-                    latency(bootstrap, args.rate, args.seconds, 1024, acks=acks)
-                ),
-            }
+            # each run starts on a quiet disk (bench.common.settle_writeback)
+            settle_writeback(args.dir)
+            put = asyncio.run(throughput_batched(bootstrap, args.messages, 1024, acks=acks))
+            settle_writeback(args.dir)
+            lat = asyncio.run(latency(bootstrap, args.rate, args.seconds, 1024, acks=acks))
+            result[label] = {"throughput": put, "latency": lat}
     finally:
         for a in agents:
             a.stop()
