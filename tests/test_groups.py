@@ -6,15 +6,25 @@ The acceptance test with consumer *processes* is ``tests/test_groups_acceptance.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
+from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
 from sdk import Consumer, Producer, TopicPartition
 from sdk.group import OffsetAndMetadata
-from storage.errors import IllegalGenerationError, UnknownMemberIdError, from_wire
+from storage.errors import (
+    CoordinatorNotAvailableError,
+    IllegalGenerationError,
+    UnknownMemberIdError,
+    from_wire,
+)
+from storage.metadata import AsyncZooKeeper
 from storage.protocol import consumer as cp
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient
@@ -302,5 +312,59 @@ def test_cooperative_member_keeps_fetching_while_its_join_waits_for_a_laggard(
             f"partition 0 got no records for {longest:.1f} s while a's join waited "
             f"({back_at - revoked_at:.1f} s)"
         )
+
+    asyncio.run(run())
+
+
+def test_offset_flusher_answers_its_commits_and_lives_on_after_an_unexpected_error(
+    zk_chroot: ZooKeeperChroot,
+) -> None:
+    """A coordinator in this process on the real ZooKeeper; its offset store's write is
+    wrapped to fail once with an error nobody expects (a bug below the flusher). The commit
+    it was writing gets a retriable error instead of hanging, and the next commit is written."""
+
+    async def run() -> None:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        agent = SimpleNamespace(
+            agent_id=1,
+            zk=zk,
+            view=SimpleNamespace(agents={1: None}),
+            partitions=SimpleNamespace(session_ok=True),
+        )
+        coordinator = GroupCoordinator(cast(Any, agent), CoordinatorSettings())
+        runner = asyncio.create_task(coordinator.run())
+        real = coordinator.store.write_offsets
+        calls = 0
+
+        async def fails_once(*args: Any, **kwargs: Any) -> dict[str, int]:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("injected: a bug below the flusher")
+            return await real(*args, **kwargs)
+
+        coordinator.store.write_offsets = fails_once  # type: ignore[method-assign]
+
+        def commit(offset: int) -> m.OffsetCommitRequest:
+            part = m.OffsetCommitPartition(0, offset, None)
+            return m.OffsetCommitRequest("g", -1, "", None, [m.OffsetCommitTopic("t", [part])])
+
+        try:
+            first = await asyncio.wait_for(coordinator.offset_commit(commit(5)), 10)
+            second = await asyncio.wait_for(coordinator.offset_commit(commit(7)), 10)
+            fetched = await coordinator.offset_fetch(
+                m.OffsetFetchRequest("g", [m.OffsetFetchTopic("t", [0])])
+            )
+            assert not runner.done()
+        finally:
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+            await zk.stop()
+        assert first.topics[0].partitions[0].error_code == CoordinatorNotAvailableError.code
+        assert from_wire(CoordinatorNotAvailableError.code).retriable
+        assert second.topics[0].partitions[0].error_code == 0
+        assert fetched.topics[0].partitions[0].offset == 7
 
     asyncio.run(run())
