@@ -197,9 +197,10 @@ def test_group_of_consumer_processes_rebalances_without_double_owners_or_loss(
         assert not doubles, f"generation {gen}: partitions with two owners {doubles}"
     # no rebalance storm: each of the 4 joins takes at most two generations (cooperative:
     # assign what is free, then hand over what was revoked), the kill, the leave and the final
-    # stop one each: 11. A commit failing for a generation the member was already leaving
-    # used to start yet another rebalance (17-19 generations here, 291 in a bad run)
-    assert max(by_generation) <= 12, f"rebalance storm: generations {sorted(by_generation)}"
+    # stop one each: 11 (7-10 seen, also with two CPU hogs beside the test), 3 to spare for a
+    # slow machine. A commit failing for a generation the member was already leaving used to
+    # start yet another rebalance (17-23 generations here, 291 in a bad run)
+    assert max(by_generation) <= 14, f"rebalance storm: generations {sorted(by_generation)}"
     # records are only ever processed by the partition's owner of that generation
     for name, (_, log) in members.items():
         for e in events(log):
