@@ -112,6 +112,8 @@ class GroupClient:
         self.coordinator: int | None = None
         self._need_join = asyncio.Event()
         self._joining = False  # a join/sync round is in flight
+        #: the generation commits speak for while a cooperative revocation runs (the new one)
+        self._revoking_in: int | None = None
         self._polled = asyncio.Event()
         self.rebalances = 0
 
@@ -188,9 +190,10 @@ class GroupClient:
         subscribed = bool(self.topics)
         attempt = 0
         while True:
+            generation = self.generation if self._revoking_in is None else self._revoking_in
             req = m.OffsetCommitRequest(
                 self.group_id,
-                self.generation if subscribed else m.NO_GENERATION,
+                generation if subscribed else m.NO_GENERATION,
                 self.member_id if subscribed else "",
                 self.config.group_instance_id if subscribed else None,
                 [m.OffsetCommitTopic(t, ps) for t, ps in topics.items()],
@@ -417,7 +420,15 @@ class GroupClient:
             new = {TopicPartition(tp.topic, p) for tp in got.partitions for p in tp.partitions}
         revoked = self.owned - new
         if revoked:
-            await self._revoke(revoked)
+            # the group is in the new generation now: commits made while revoking (auto-commit,
+            # on_partitions_revoked) speak for it, or the coordinator would refuse them; no one
+            # else owns the revoked partitions in it. ``generation`` (what records are handed
+            # out under) moves on only once they are gone from the assignment.
+            self._revoking_in = join.generation_id
+            try:
+                await self._revoke(revoked)
+            finally:
+                self._revoking_in = None
             self._need_join.set()  # cooperative: their new owners get them next generation
         added = new - self.owned
         self.generation = join.generation_id

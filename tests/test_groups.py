@@ -21,6 +21,7 @@ from sdk.group import OffsetAndMetadata
 from storage.errors import (
     CoordinatorNotAvailableError,
     IllegalGenerationError,
+    StrataError,
     UnknownMemberIdError,
     from_wire,
 )
@@ -366,5 +367,48 @@ def test_offset_flusher_answers_its_commits_and_lives_on_after_an_unexpected_err
         assert from_wire(CoordinatorNotAvailableError.code).retriable
         assert second.topics[0].partitions[0].error_code == 0
         assert fetched.topics[0].partitions[0].offset == 7
+
+    asyncio.run(run())
+
+
+def test_cooperative_revocation_commits_what_was_processed(cluster: Cluster) -> None:
+    """``on_partitions_revoked`` is where a member commits what it processed of the partitions
+    it gives up; in a cooperative rebalance that runs after the new generation's SyncGroup, so
+    the commit must speak for the new generation (and the next owner starts there)."""
+    cluster.create_topic("t", 4)
+    cluster.wait_for_leaders("t")
+    asyncio.run(produce(cluster, "t", 50, 4))
+    cooperative = {"partition.assignment.strategy": "cooperative-sticky"}
+
+    async def run() -> None:
+        outcomes: list[BaseException | None] = []
+        a = Consumer(consumer_config(cluster, "g", **cooperative))
+
+        class CommitOnRevoke:
+            async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+                try:
+                    await a.commit()  # every assigned partition's position, the revoked too
+                    outcomes.append(None)
+                except StrataError as exc:
+                    outcomes.append(exc)
+
+        await a.start()
+        b = Consumer(consumer_config(cluster, "g", **cooperative))
+        try:
+            a.subscribe(["t"], listener=CommitOnRevoke())
+            read = 0
+            async with asyncio.timeout(20):
+                while read < 200:
+                    read += sum(len(r) for r in (await a.getmany(timeout_ms=200)).values())
+            await b.start()
+            b.subscribe(["t"])
+            await until(lambda: len(b.assignment()) == 2, "b got its share")
+            assert outcomes == [None], outcomes
+            for tp in b.assignment():
+                committed = await b.committed(tp)
+                assert committed is not None and committed.offset == 50, (tp, committed)
+        finally:
+            await b.close()
+            await a.close()
 
     asyncio.run(run())
