@@ -61,6 +61,7 @@ bench: bench-venv bench-storage bench-produce bench-replication bench-groups ben
 
 lint: venv
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 	$(PY) -m mypy
 
 clean:
