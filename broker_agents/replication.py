@@ -4,9 +4,11 @@ For every leader this agent follows partitions of, one named task keeps a connec
 leader and long-polls it with a Fetch request (``replica_id`` = this agent) for all those
 partitions from each local log end. Batches come back exactly as the leader stored them and
 are appended with the leader's base offset and leader epoch (the CRC is checked again; the
-body was deep-checked by the leader). A batch that does not start at the local log end is a
-divergence: the follower truncates to the leader's high watermark when it is ahead of it
-(the simple pre-KIP-101 rule; epoch-based truncation arrives with the replication issue).
+body was deep-checked by the leader). Before fetching a partition (at start, and after every
+leadership change) the follower asks the leader where its latest leader epoch ended and cuts
+its log there (KIP-101, ``_truncate_by_epoch``), so what it wrote in an epoch the leader does
+not have is gone before it appends; an OFFSET_OUT_OF_RANGE answer with the follower ahead of
+the leader's high watermark still truncates to it.
 """
 
 from __future__ import annotations
