@@ -204,6 +204,9 @@ class Cluster:
         candidates: list[tuple[str, int]] = list(self._agents.values())
         self._rng.shuffle(candidates)
         candidates += [a for a in self.config.addresses if a not in candidates]
+        # least loaded first (Kafka's rule): the agent answers a connection's requests in order,
+        # so behind a long-poll fetch or an acks=all produce the answer would wait for them
+        candidates.sort(key=self._load)
         request = MetadataRequest(topics=sorted(self._topics))
         errors = []
         for address in candidates:
@@ -375,10 +378,14 @@ class Cluster:
             self.request_update()
             raise
 
+    def _load(self, address: tuple[str, int]) -> int:
+        """Requests in flight on the data connection to ``address`` (0 when there is none)."""
+        conn = self._pool.get((address, ""))
+        return 0 if conn is None or conn.closed else conn.in_flight
+
     def in_flight(self, agent_id: int) -> int:
         address = self._agents.get(agent_id)
-        conn = self._pool.get((address, "")) if address else None
-        return 0 if conn is None or conn.closed else conn.in_flight
+        return 0 if address is None else self._load(address)
 
     async def close_idle(self) -> None:
         now = self._clock()

@@ -190,3 +190,33 @@ def test_send_batch_stores_runs_where_its_metadata_says(cluster: Cluster) -> Non
         assert key == k
         if k is not None:
             assert p == to_positive(murmur2(k)) % PARTITIONS
+
+
+def test_metadata_refresh_does_not_wait_behind_a_long_poll(cluster: Cluster) -> None:
+    """An agent answers a connection's requests in order, so a Metadata request sent after a
+    long-poll Fetch on the same connection waits for the poll. A refresh asks an agent with
+    nothing in flight first (Kafka's least-loaded node), so a consumer waiting for new records
+    still learns about leadership changes at once."""
+    cluster.create_topic("quiet", 1)
+    cluster.wait_for_leaders("quiet")
+    poll_ms = 3000
+
+    async def run() -> list[float]:
+        config = {"bootstrap.servers": cluster.bootstrap, "fetch.max.wait.ms": poll_ms}
+        async with Consumer(config) as consumer:
+            tp = TopicPartition("quiet", 0)
+            consumer.assign([tp])
+            consumer.seek_to_end(tp)
+            await consumer.position(tp)
+            await consumer.getmany(timeout_ms=200)  # the fetcher is long-polling the leader now
+            client = consumer._cluster
+            assert client is not None
+            took = []
+            for _ in range(12):
+                start = time.perf_counter()
+                await client._refresh()
+                took.append(time.perf_counter() - start)
+        return took
+
+    took = asyncio.run(run())
+    assert max(took) < poll_ms / 1000 / 2, [round(t, 3) for t in took]
