@@ -284,6 +284,7 @@ class GroupClient:
                 await self._polled.wait()
                 continue
             if self._need_join.is_set():
+                self._joining = True
                 try:
                     await self._join_and_sync()
                 except FencedInstanceIdError:
@@ -291,6 +292,8 @@ class GroupClient:
                 except StrataError as exc:
                     log.info("group %s: join failed: %s", self.group_id, exc)
                     await asyncio.sleep(cfg.retry_backoff_ms / 1000)
+                finally:
+                    self._joining = False
                 continue
             if cfg.enable_auto_commit and loop.time() >= next_commit:
                 next_commit = loop.time() + cfg.auto_commit_interval_ms / 1000
@@ -366,13 +369,6 @@ class GroupClient:
         return cp.encode(sub)
 
     async def _join_and_sync(self) -> None:
-        self._joining = True
-        try:
-            await self._join_and_sync_once()
-        finally:
-            self._joining = False
-
-    async def _join_and_sync_once(self) -> None:
         cfg = self.config
         self._need_join.clear()
         if not self.cooperative:

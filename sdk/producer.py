@@ -207,9 +207,7 @@ class Sender:
             records.setdefault(b.tp, []).append(b.encoded)
         topics: dict[str, list[ProducePartition]] = defaultdict(list)
         for tp, encoded in records.items():
-            topics[tp.topic].append(
-                ProducePartition(tp.partition, encoded[0] if len(encoded) == 1 else encoded)
-            )
+            topics[tp.topic].append(ProducePartition(tp.partition, encoded))
         return ProduceRequest(
             acks=self.config.acks,
             timeout_ms=self.config.request_timeout_ms,

@@ -157,6 +157,15 @@ def test_encode_request_returns_parts_without_copying_records() -> None:
     assert read_size(parts[0], DEFAULT_MAX_FRAME) == sum(len(p) for p in parts[1:])
 
 
+def test_a_bytes_field_given_as_parts_is_the_same_bytes_on_the_wire_without_a_join() -> None:
+    first, second = bytes(range(256)) * 3, b"\x07" * 200
+    joined = m.ProduceRequest(1, 0, [m.ProduceTopic("t", [m.ProducePartition(0, first + second)])])
+    split = m.ProduceRequest(1, 0, [m.ProduceTopic("t", [m.ProducePartition(0, [first, second])])])
+    parts = encode_request(ApiKey.PRODUCE, 1, None, split)
+    assert any(p is first for p in parts) and any(p is second for p in parts)
+    assert b"".join(parts) == b"".join(encode_request(ApiKey.PRODUCE, 1, None, joined))
+
+
 # --- the splitter fed three ways ---------------------------------------------------------------
 
 

@@ -91,7 +91,7 @@ def test_one_request_per_leader_with_several_partitions() -> None:
             ("t", [0, 1])
         ]
         assert all(
-            p.records == b.encoded
+            p.records == [b.encoded]
             for b, p in zip(
                 sorted(batches, key=lambda b: b.tp.partition),
                 sorted(request.topics[0].partitions, key=lambda p: p.partition),
