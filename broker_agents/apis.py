@@ -124,7 +124,8 @@ class Apis:
         return m.ProduceResponse(out)
 
     def _append(self, p: Partition, records: Any, acks: int) -> tuple[int, int]:
-        """Check every batch, then append them all; (first offset, end offset). Synchronous."""
+        """Check every batch (and idempotent producers' sequences), then append them all;
+        (first offset, end offset). Synchronous."""
         if records is None or len(records) == 0:
             raise CorruptBatchError("produce request without record batches")
         limit = p.config.max_message_bytes
@@ -132,6 +133,10 @@ class Apis:
         for h, pos in iter_batches(records):
             view = records[pos : pos + h.size]
             batches.append((view, check_batch(view, max_size=limit, deep=True)))
+        # idempotent producers: a retry of a stored batch gets its first offsets back
+        duplicate = p.log.producers.check_run(h for _, h in batches)
+        if duplicate is not None:
+            return duplicate.base_offset, duplicate.last_offset + 1
         first = -1
         end = -1
         for view, checked in batches:  # every batch checked before any is stored

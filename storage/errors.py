@@ -29,6 +29,9 @@ at one boundary per adapter and never leak out.
     ├── NotEnoughReplicasError         retriable
     ├── NotEnoughReplicasAfterAppendError  retriable: the ISR shrank while acks=all waited
     ├── NetworkError                   retriable: connection refused, reset or timed out
+    ├── OutOfOrderSequenceError        retriable: an idempotent batch skipped a sequence number
+    ├── DuplicateSequenceError         an idempotent batch repeated outside a one-batch run
+    ├── InvalidProducerEpochError      an idempotent batch of an older producer epoch
     ├── GroupError                     consumer groups (Kafka's group error codes)
     │   ├── CoordinatorNotAvailableError  retriable: no live coordinator / loading
     │   ├── NotCoordinatorError        retriable: ask FindCoordinator again
@@ -198,6 +201,27 @@ class NotEnoughReplicasAfterAppendError(StrataError):
 class NetworkError(StrataError):
     code = 13
     retriable = True
+
+
+class OutOfOrderSequenceError(StrataError):
+    """The batch's first sequence number is not the one after the producer's last batch (an
+    earlier batch of the producer is missing: it failed, or is still being retried)."""
+
+    code = 45
+    retriable = True
+
+
+class DuplicateSequenceError(StrataError):
+    """A batch repeats one already stored, but arrived in a run with other batches: the
+    agent can answer a duplicate's original offset only when it is sent alone."""
+
+    code = 46
+
+
+class InvalidProducerEpochError(StrataError):
+    """The batch carries an older epoch of its producer id than the partition has seen."""
+
+    code = 47
 
 
 class GroupError(StrataError):

@@ -21,6 +21,7 @@ from storage.errors import (
     BatchTooLargeError,
     CorruptBatchError,
     NotLeaderError,
+    OutOfOrderSequenceError,
     UnknownTopicOrPartitionError,
     UnsupportedVersionError,
 )
@@ -146,6 +147,25 @@ def test_message_over_max_message_bytes_is_refused(agent: AgentHandle) -> None:
     result = _produce(agent, encode_batch([bytes(70_000)]))
     assert result.error_code == BatchTooLargeError.code
     assert _stored(agent) == before
+
+
+def test_a_retried_idempotent_batch_gets_its_first_offset_and_is_stored_once(
+    agent: AgentHandle,
+) -> None:
+    _seed(agent)
+
+    def idempotent(seq: int, values: list[bytes]) -> bytes:
+        return encode_batch(values, producer_id=99, producer_epoch=0, base_sequence=seq)
+
+    first = _produce(agent, idempotent(0, [b"a", b"b"]))
+    assert (first.error_code, first.base_offset) == (0, 3)
+    again = _produce(agent, idempotent(0, [b"a", b"b"]))  # the response was lost: a retry
+    assert (again.error_code, again.base_offset) == (0, 3)
+    gap = _produce(agent, idempotent(5, [b"e"]))  # sequences 2-4 never arrived
+    assert gap.error_code == OutOfOrderSequenceError.code
+    nxt = _produce(agent, idempotent(2, [b"c"]))
+    assert (nxt.error_code, nxt.base_offset) == (0, 5)
+    assert [r["value"] for r in _stored(agent)] == [b"one", b"two", b"three", b"a", b"b", b"c"]
 
 
 def test_unknown_topic_or_partition(agent: AgentHandle) -> None:

@@ -41,7 +41,7 @@ import bisect
 import dataclasses
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +62,7 @@ from storage.errors import (
 )
 from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
 from storage.wal.index import SparseIndex
+from storage.wal.producers import ProducerStateTable
 from storage.wal.segment import INDEX_SUFFIX, LOG_SUFFIX, QUARANTINE_SUFFIX, Segment
 
 Clock = Callable[[], float]  # seconds since the epoch
@@ -127,10 +128,18 @@ class PartitionLog:
         self.flushed_offset = segments[-1].next_offset if segments else 0
         #: (leader epoch, first offset written in it), ascending: the leader-epoch cache
         self.epochs: list[tuple[int, int]] = []
-        for seg in segments:
+        #: idempotent producers' last batches (``storage.wal.producers``)
+        self.producers = ProducerStateTable()
+        self.producers.rebuild(self._walk_epochs(), clock())
+
+    def _walk_epochs(self) -> Iterator[BatchHeader]:
+        """Every stored batch's header, oldest first, filling the leader-epoch cache on the way."""
+        self.epochs.clear()
+        for seg in self._segments:
             for h, _ in seg.walk(0):
                 if not self.epochs or self.epochs[-1][0] != h.leader_epoch:
                     self.epochs.append((h.leader_epoch, h.base_offset))
+                yield h
 
     # ---- opening -----------------------------------------------------------------------
     @classmethod
@@ -262,6 +271,7 @@ class PartitionLog:
         active.append([STAMP.pack(base, h.batch_length, leader_epoch), view[16:]], stamped, h.size)
         if not self.epochs or self.epochs[-1][0] != leader_epoch:
             self.epochs.append((leader_epoch, base))
+        self.producers.update(stamped, now)
         return AppendInfo(base, stamped.last_offset, h.max_timestamp, h.size)
 
     def roll(self) -> Segment:
@@ -417,6 +427,8 @@ class PartitionLog:
         end = self.log_end_offset
         while self.epochs and self.epochs[-1][1] >= end:
             self.epochs.pop()
+        # the producers' last batches may be gone: replay what is left (truncation is rare)
+        self.producers.rebuild((h for seg in self._segments for h, _ in seg.walk(0)), self._clock())
         self.flushed_offset = min(self.flushed_offset, self.log_end_offset)
         return self.log_end_offset
 
