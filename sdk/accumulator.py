@@ -13,12 +13,17 @@ close is under way.
 
 The sender (``sdk.producer``) asks :meth:`RecordAccumulator.ready` which partitions are ready
 and :meth:`~RecordAccumulator.drain`\\ s their head batches, grouped by leader agent. Draining
-encodes a batch — once, with ``storage.codec.encode_batch`` over the collected lists — drops the
-lists, and *mutes* the partition: while one batch of a partition is in flight, no other batch of
-that partition is sent. A batch that fails with a retriable error goes back to the *head* of its
-queue (:meth:`~RecordAccumulator.reenqueue`) with a retry time; only then is the partition
-unmuted. So batches of a partition reach the leader in the order they were created, however
-often they are retried, and a retried batch is sent as the very bytes encoded the first time.
+encodes a batch — once, with ``storage.codec.encode_batch`` over the collected lists — and drops
+the lists. A batch that fails with a retriable error goes back to the *head* of its queue
+(:meth:`~RecordAccumulator.reenqueue`) with a retry time, and is resent as the very bytes encoded
+the first time. Order within a partition holds in one of two ways:
+
+* without idempotence, a partition is *muted* while one request with its batches is in
+  flight: nothing else of it is sent until that request is answered;
+* with idempotence (``sdk.idempotence``) each batch carries sequence numbers, given when it
+  is first drained; up to five batches of a partition may be in flight, because the leader
+  refuses a batch whose predecessor is missing. Retried batches go back in sequence order and
+  are resent one at a time until they are through.
 
 Completion (:meth:`~RecordAccumulator.complete` / :meth:`~RecordAccumulator.fail`) resolves each
 record's future (offset = the batch's base offset + the record's index) and only then gives the
@@ -44,8 +49,9 @@ from itertools import accumulate, repeat
 from typing import Any
 
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
+from sdk.idempotence import MAX_IN_FLIGHT_BATCHES, SEQUENCE_MASK, Sequencer
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
-from storage.codec import HEADER_SIZE, Compression, encode_batch
+from storage.codec import HEADER_SIZE, Compression, encode_batch, with_producer
 from storage.errors import BatchTooLargeError, StrataError
 
 #: per record: timestamp (8), key, value, header-list and tag-list offsets (4 x 4: a list
@@ -74,6 +80,11 @@ def estimate_size(
     if tags:
         size += sum(4 + len(t.encode()) for t in tags)
     return size
+
+
+def _precedes(a: ProducerBatch, b: ProducerBatch) -> bool:
+    """Whether sequenced batch ``a`` comes before ``b`` (sequences wrap at 2**31)."""
+    return a.sequence >= 0 and 0 < (b.sequence - a.sequence) & SEQUENCE_MASK <= SEQUENCE_MASK // 2
 
 
 class BufferPool:
@@ -171,10 +182,14 @@ class ProducerBatch:
         "has_keys",
         "has_tags",
         "headers",
+        "in_flight",
         "keys",
         "last_error",
+        "producer_epoch",
+        "producer_id",
         "reserved",
         "retry_at",
+        "sequence",
         "size",
         "tags",
         "timestamps",
@@ -201,6 +216,9 @@ class ProducerBatch:
         self.closed = False
         self.encoded: bytes | None = None
         self.attempts = 0
+        self.in_flight = False
+        #: idempotent producers: the fields stamped in the header (-1: none, or not yet)
+        self.producer_id = self.producer_epoch = self.sequence = -1
         self.retry_at = 0.0
         self.last_error: BaseException | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -270,22 +288,48 @@ class ProducerBatch:
         self.groups.append((fut, start, n))
         return fut
 
-    def encode(self, encoder: Encoder, compression: Compression) -> bytes:
-        """The batch's bytes, encoded on the first call only; the record lists are dropped."""
+    def encode(
+        self, encoder: Encoder, compression: Compression, sequencer: Sequencer | None = None
+    ) -> bytes:
+        """The batch's bytes, encoded on the first call only; the record lists are dropped.
+        With a ``sequencer`` the batch takes the partition's next sequence numbers."""
         if self.encoded is None:
             self.closed = True
-            self.encoded = encoder(
-                self.values,
-                keys=self.keys if self.has_keys else None,
-                timestamps=self.timestamps,
-                headers=self.headers if self.has_headers else None,
-                tags=self.tags if self.has_tags else None,
-                compression=compression,
-            )
+            producer: dict[str, int] = {}
+            if sequencer is not None:
+                pid, epoch, seq = sequencer.assign(self.tp, self.record_count)
+                producer = {"producer_id": pid, "producer_epoch": epoch, "base_sequence": seq}
+            try:
+                self.encoded = self._encode(encoder, compression, producer)
+            except BaseException:
+                if sequencer is not None:  # never sent: give the sequences back
+                    sequencer.state(self.tp).next_sequence = producer["base_sequence"]
+                raise
+            if sequencer is not None:
+                self.producer_id, self.producer_epoch, self.sequence = pid, epoch, seq
             self.values = self.keys = []
             self.headers = []
             self.tags = []
         return self.encoded
+
+    def restamp(self, producer_id: int, epoch: int, sequence: int) -> None:
+        """Give an encoded batch new producer fields (a partition's sequences restarted)."""
+        assert self.encoded is not None
+        self.encoded = with_producer(self.encoded, producer_id, epoch, sequence)
+        self.producer_id, self.producer_epoch, self.sequence = producer_id, epoch, sequence
+
+    def _encode(
+        self, encoder: Encoder, compression: Compression, producer: dict[str, int]
+    ) -> bytes:
+        return encoder(
+            self.values,
+            keys=self.keys if self.has_keys else None,
+            timestamps=self.timestamps,
+            headers=self.headers if self.has_headers else None,
+            tags=self.tags if self.has_tags else None,
+            compression=compression,
+            **producer,
+        )
 
 
 class RecordAccumulator:
@@ -303,6 +347,7 @@ class RecordAccumulator:
         clock: Callable[[], float] = time.monotonic,
         encoder: Encoder = encode_batch,
         on_batch_closed: Callable[[TopicPartition], None] | None = None,
+        sequencer: Sequencer | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.linger = linger_ms / 1000
@@ -314,7 +359,14 @@ class RecordAccumulator:
         self._encoder = encoder
         self._on_batch_closed = on_batch_closed
         self._queues: dict[TopicPartition, deque[ProducerBatch]] = {}
-        self._muted: set[TopicPartition] = set()
+        #: idempotent producers: sequences (None: batches carry none, one request at a time)
+        self.sequencer = sequencer
+        #: batches in flight per partition
+        self._in_flight: dict[TopicPartition, int] = {}
+        #: partitions that had a batch retried: one batch at a time until the retries are done
+        self._recovering: set[TopicPartition] = set()
+        #: partitions whose sequences restart once nothing of theirs is in flight
+        self._needs_reset: set[TopicPartition] = set()
         self._incomplete: set[ProducerBatch] = set()
         self._flushing = 0
         self._closing = False
@@ -468,7 +520,7 @@ class RecordAccumulator:
         hurry = self._flushing > 0 or self._closing
         cutoff = now + _EPSILON
         for tp, queue in self._queues.items():
-            if not queue or tp in self._muted:
+            if not queue or not self._can_send(tp):
                 continue
             head = queue[0]
             if head.retry_at > cutoff:
@@ -481,28 +533,47 @@ class RecordAccumulator:
             wait = delay if wait is None else min(wait, delay)
         return ready, wait
 
+    def _can_send(self, tp: TopicPartition) -> bool:
+        n = self._in_flight.get(tp, 0)
+        if self.sequencer is None or tp in self._needs_reset:
+            return n == 0
+        return n < (1 if tp in self._recovering else MAX_IN_FLIGHT_BATCHES)
+
     def drain(
         self, tps: Iterable[TopicPartition], max_bytes: int | None = None
     ) -> list[ProducerBatch]:
         """Take the head batch of each ready partition in ``tps`` (encoding it if it is new),
         and the closed batches queued behind it, up to ``max_bytes`` in all (at least one
-        batch), and mute those partitions. A partition's batches are taken in order and travel
-        in one request: it never has more than one request in flight, so a retry cannot land
-        behind a later batch."""
+        batch). A partition's batches are taken in order.
+
+        Without a sequencer a partition has at most one request in flight, so a retry cannot
+        land behind a later batch. With one (idempotent producer) up to five batches of a
+        partition may be in flight: the leader refuses a batch whose predecessor is missing,
+        and it comes back to be resent in sequence order. A retried batch travels alone, as
+        the leader can answer a duplicate only then, and while a partition's retries last, it
+        has one batch in flight."""
         limit = self.max_request_size if max_bytes is None else max_bytes
         taken: list[ProducerBatch] = []
         total = 0
         cutoff = self.clock() + _EPSILON
+        sequencer = self.sequencer
         for tp in tps:
             queue = self._queues.get(tp)
-            if not queue or tp in self._muted or queue[0].retry_at > cutoff:
+            if not queue or not self._can_send(tp) or queue[0].retry_at > cutoff:
                 continue
+            if tp in self._needs_reset:
+                self._reset(tp, queue)
+            room = MAX_IN_FLIGHT_BATCHES - self._in_flight.get(tp, 0) if sequencer else 1 << 30
             first, full = True, False
-            while queue and (first or queue[0].closed):
+            while (
+                queue
+                and room
+                and (first or (queue[0].closed and not (sequencer and queue[0].attempts)))
+            ):
                 batch = queue[0]
                 was_closed = batch.closed
                 try:
-                    data = batch.encode(self._encoder, self.compression)
+                    data = batch.encode(self._encoder, self.compression, sequencer)
                 except _ENCODE_ERRORS as exc:
                     queue.popleft()
                     self._finish(batch)
@@ -514,29 +585,81 @@ class RecordAccumulator:
                     full = True
                     break
                 queue.popleft()
-                self._muted.add(tp)
+                batch.in_flight = True
+                self._in_flight[tp] = self._in_flight.get(tp, 0) + 1
                 taken.append(batch)
                 total += len(data)
+                room -= 1
                 first = False
+                if batch.attempts and sequencer is not None:
+                    break  # a retried batch goes alone
             if full:
                 break
         return taken
+
+    def _reset(self, tp: TopicPartition, queue: deque[ProducerBatch]) -> None:
+        """Restart ``tp``'s sequences under a new epoch and restamp its sequenced batches."""
+        assert self.sequencer is not None
+        self.sequencer.new_epoch(tp)
+        for batch in queue:
+            if batch.sequence >= 0:
+                pid, epoch, seq = self.sequencer.assign(tp, batch.record_count)
+                batch.restamp(pid, epoch, seq)
+        self._needs_reset.discard(tp)
+        self._recovering.discard(tp)
+
+    def _landed(self, batch: ProducerBatch) -> None:
+        """The batch is no longer in flight."""
+        if batch.in_flight:
+            batch.in_flight = False
+            left = self._in_flight[batch.tp] - 1
+            if left:
+                self._in_flight[batch.tp] = left
+            else:
+                del self._in_flight[batch.tp]
 
     def reenqueue(self, batch: ProducerBatch, retry_at: float, error: BaseException) -> None:
         """Put an in-flight batch back at the head of its queue, to be sent at ``retry_at``."""
         batch.attempts += 1
         batch.retry_at = retry_at
         batch.last_error = error
+        self._landed(batch)
         queue = self._queues.get(batch.tp)
         if queue is None:
             queue = self._queues[batch.tp] = deque()
-        queue.appendleft(batch)
-        self._muted.discard(batch.tp)
+        if batch.sequence >= 0:
+            # in sequence order among the retried batches at the head
+            self._recovering.add(batch.tp)
+            i = 0
+            while i < len(queue) and _precedes(queue[i], batch):
+                i += 1
+            queue.insert(i, batch)
+        else:
+            queue.appendleft(batch)
         self.wakeup.set()
+
+    def out_of_order(self, batch: ProducerBatch) -> None:
+        """The leader refused ``batch`` as out of sequence. If nothing of ours is missing
+        before it (it follows the last acknowledged batch), the partition must restart its
+        sequences; otherwise its predecessor is being retried and it simply follows."""
+        if self.sequencer is not None and self.sequencer.follows_last_acknowledged(
+            batch.tp, batch.producer_epoch, batch.sequence
+        ):
+            self._needs_reset.add(batch.tp)
 
     def complete(self, batch: ProducerBatch, base_offset: int) -> None:
         """The leader stored the batch at ``base_offset`` (-1: unknown, with acks=0)."""
-        self._muted.discard(batch.tp)
+        self._landed(batch)
+        tp = batch.tp
+        if batch.sequence >= 0:
+            assert self.sequencer is not None
+            self.sequencer.acknowledged(
+                tp, batch.producer_epoch, batch.sequence, batch.record_count
+            )
+            if tp in self._recovering and tp not in self._in_flight:
+                queue = self._queues.get(tp)
+                if not queue or not queue[0].attempts:
+                    self._recovering.discard(tp)  # every retried batch is through
         self._finish(batch)
         topic, partition = batch.tp
         timestamps = batch.timestamps
@@ -550,7 +673,8 @@ class RecordAccumulator:
                 gfut.set_result(RecordsMetadata(topic, partition, offset, count))
 
     def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
-        self._muted.discard(batch.tp)
+        self._landed(batch)
+        self._lost_sequence(batch)
         self._finish(batch)
         self._fail_futures(batch, exc)
 
@@ -567,9 +691,14 @@ class RecordAccumulator:
                 f"created (delivery.timeout.ms {self.delivery_timeout * 1000:.0f})"
             )
             exc.__cause__ = batch.last_error
+            self._lost_sequence(batch)
             self._finish(batch)
             self._fail_futures(batch, exc)
         return expired
+
+    def _lost_sequence(self, batch: ProducerBatch) -> None:
+        if batch.sequence >= 0:
+            self._needs_reset.add(batch.tp)  # its sequences will never arrive: a gap
 
     def _finish(self, batch: ProducerBatch) -> None:
         if batch in self._incomplete:
@@ -627,14 +756,15 @@ class RecordAccumulator:
         for batch in list(self._incomplete):
             self._finish(batch)
             self._fail_futures(batch, exc)
-        self._muted.clear()
+        self._in_flight.clear()
 
     def batches(self, tp: TopicPartition) -> Sequence[ProducerBatch]:
         """The queued batches of a partition, head first (for tests and introspection)."""
         return tuple(self._queues.get(tp, ()))
 
     def is_muted(self, tp: TopicPartition) -> bool:
-        return tp in self._muted
+        """Whether no batch of ``tp`` may be sent now (for tests and introspection)."""
+        return not self._can_send(tp)
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -642,5 +772,5 @@ class RecordAccumulator:
             "buffer_total": self.pool.total,
             "incomplete_batches": len(self._incomplete),
             "queued_batches": self.queued(),
-            "in_flight_partitions": len(self._muted),
+            "in_flight_partitions": len(self._in_flight),
         }

@@ -130,6 +130,8 @@ class ProducerConfig(ClientConfig):
     retries: int = Field(2_147_483_647, alias="retries", ge=0)
     delivery_timeout_ms: int = Field(120_000, alias="delivery.timeout.ms", ge=1)
     queue_buffering_max_messages: int = Field(100_000, alias="queue.buffering.max.messages", ge=1)
+    #: None: on unless acks=0 (Kafka 3's default); see ``sdk.idempotence``
+    enable_idempotence: bool | None = Field(None, alias="enable.idempotence")
 
     @field_validator("acks", mode="before")
     @classmethod
@@ -163,6 +165,21 @@ class ProducerConfig(ClientConfig):
                 f"linger.ms + request.timeout.ms ({floor})"
             )
         return self
+
+    @model_validator(mode="after")
+    def _idempotence_needs_acks_and_retries(self) -> Self:
+        if self.enable_idempotence and (self.acks == 0 or self.retries == 0):
+            raise InvalidConfigError(
+                f"invalid {type(self).__name__}: enable.idempotence needs acks 1 or all and "
+                f"retries > 0 (acks is {self.acks}, retries {self.retries})"
+            )
+        return self
+
+    @property
+    def idempotent(self) -> bool:
+        if self.enable_idempotence is None:
+            return self.acks != 0
+        return self.enable_idempotence
 
     @property
     def compression(self) -> Compression:

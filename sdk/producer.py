@@ -24,8 +24,9 @@ linger deadline, a response, a retry falling due, new metadata) it:
 A response completes a partition's batches from its base offset, in order (record *i* of the
 first batch gets ``base_offset + i``, the next batch follows on). A retriable error
 (``NotLeaderError``, ``NetworkError``, ``RequestTimedOutError``, ...) puts the batches back at
-the head of their partition, in their order — a partition stays muted while a request with its
-batches is in flight, so order within a partition holds across retries — after an exponential
+the head of their partition, in their order — see ``sdk.accumulator`` for how order within a
+partition holds across retries, and ``sdk.idempotence`` for the idempotent producer (the
+default unless ``acks=0``), whose retries are never stored twice — after an exponential
 backoff with jitter (``retry.backoff.ms`` .. ``retry.backoff.max.ms``), and errors that suggest
 stale leadership also refresh metadata. A batch fails for good on a non-retriable error, after
 ``retries`` retries, or when its ``delivery.timeout.ms`` would pass. With ``acks=0`` the
@@ -58,9 +59,15 @@ from sdk.backoff import ExponentialBackoff
 from sdk.cluster import STALE_METADATA_ERRORS, Cluster
 from sdk.config import ProducerConfig
 from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedError
+from sdk.idempotence import Sequencer
 from sdk.partitioner import DefaultPartitioner, partition_for_key
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
-from storage.errors import StrataError, UnknownTopicOrPartitionError, from_wire
+from storage.errors import (
+    OutOfOrderSequenceError,
+    StrataError,
+    UnknownTopicOrPartitionError,
+    from_wire,
+)
 from storage.protocol.messages import (
     ProducePartition,
     ProduceRequest,
@@ -269,6 +276,8 @@ class Sender:
     def retry_or_fail(self, batch: ProducerBatch, exc: StrataError) -> None:
         """Back to the head of its partition after a backoff, or fail it for good."""
         now = self._clock()
+        if isinstance(exc, OutOfOrderSequenceError):
+            self._acc.out_of_order(batch)
         if exc.retriable and batch.attempts < self.config.retries:
             if isinstance(exc, STALE_METADATA_ERRORS):
                 self._cluster.request_update()
@@ -341,6 +350,7 @@ class Producer:
             compression=cfg.compression,
             clock=self._clock,
             on_batch_closed=self._batch_closed,
+            sequencer=Sequencer() if cfg.idempotent else None,
         )
         self._sender = Sender(
             cfg, self._acc, self._cluster, self._spawn, clock=self._clock, backoff=self._backoff
@@ -632,4 +642,6 @@ class Producer:
         stats = self._acc.stats() if self._acc is not None else {}
         if self._sender is not None:
             stats["in_flight_requests"] = self._sender.in_flight
+        if self._acc is not None and self._acc.sequencer is not None:
+            stats["producer_id"] = self._acc.sequencer.producer_id
         return stats

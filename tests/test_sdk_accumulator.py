@@ -18,10 +18,11 @@ from sdk.accumulator import (
     estimate_size,
 )
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
+from sdk.idempotence import Sequencer
 from sdk.records import RecordMetadata, TopicPartition
-from storage.codec import decode_batch, encode_batch
+from storage.codec import check_batch, decode_batch, encode_batch
 from storage.codec.header import STAMP
-from storage.errors import BatchTooLargeError, NotLeaderError
+from storage.errors import BatchTooLargeError, NotLeaderError, OutOfOrderSequenceError
 
 T = TypeVar("T")
 TP = TopicPartition("t", 0)
@@ -475,3 +476,131 @@ def batch_compression() -> Any:
     from storage.codec import Compression
 
     return Compression.NONE
+
+
+# ---- idempotent producer: sequences, several batches in flight, resets ------------------
+def idempotent(clock: Clock, **kw: Any) -> RecordAccumulator:
+    """An accumulator with a sequencer and one record per batch."""
+    one = estimate_size(b"r00", None, None, None)
+    ids = iter([77, 88])
+    return make(
+        clock,
+        batch_size=BATCH_OVERHEAD + one,
+        linger_ms=0,
+        sequencer=Sequencer(lambda: next(ids)),
+        **kw,
+    )
+
+
+def producer_fields(batch: ProducerBatch) -> tuple[int, int, int]:
+    assert batch.encoded is not None
+    h = check_batch(batch.encoded)  # the CRC still matches after a restamp
+    return h.producer_id, h.producer_epoch, h.base_sequence
+
+
+def test_idempotent_batches_get_sequences_and_five_may_be_in_flight() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = idempotent(clock)
+        for i in range(7):
+            await acc.append(TP, b"r%02d" % i)
+        first = acc.drain([TP])
+        second = acc.drain([TP])  # a second request while the first is in flight
+        assert len(first) + len(second) == 5 and acc.is_muted(TP)
+        assert [producer_fields(b) for b in first + second] == [(77, 0, s) for s in range(5)]
+        for b in first:
+            acc.complete(b, 0)
+        assert [producer_fields(b) for b in acc.drain([TP])] == [(77, 0, 5), (77, 0, 6)]
+
+    run(go)
+
+
+def test_retried_batches_go_back_in_sequence_order_and_one_at_a_time() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = idempotent(clock)
+        for i in range(4):
+            await acc.append(TP, b"r%02d" % i)
+        a = acc.drain([TP], max_bytes=1)  # one batch per request: four requests
+        b, c, d = (
+            acc.drain([TP], max_bytes=1),
+            acc.drain([TP], max_bytes=1),
+            acc.drain([TP], max_bytes=1),
+        )
+        # the first failed; the others came back refused as out of order (their answers in order)
+        acc.reenqueue(a[0], clock.now, NotLeaderError())
+        for later in (b, c):
+            acc.out_of_order(later[0])
+            acc.reenqueue(later[0], clock.now, OutOfOrderSequenceError())
+        assert acc.is_muted(TP)  # d is still in flight: nothing goes before it is back
+        acc.out_of_order(d[0])
+        acc.reenqueue(d[0], clock.now, OutOfOrderSequenceError())
+        assert list(acc.batches(TP)) == [a[0], b[0], c[0], d[0]]
+        for expected in (a, b, c, d):  # retries travel alone, one in flight at a time
+            sent = acc.drain([TP])
+            assert sent == expected and acc.is_muted(TP)
+            acc.complete(sent[0], 0)
+        assert not acc.is_muted(TP) and [producer_fields(x) for x in a + d] == [
+            (77, 0, 0),
+            (77, 0, 3),
+        ]
+
+    run(go)
+
+
+def test_a_batch_lost_for_good_restarts_the_partitions_sequences() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = idempotent(clock)
+        futures = [await acc.append(TP, b"r%02d" % i) for i in range(3)]
+        a, b = acc.drain([TP], max_bytes=1), acc.drain([TP], max_bytes=1)
+        acc.fail(a[0], BatchTooLargeError(1, 0))  # sequence 0 will never be stored: a gap
+        acc.out_of_order(b[0])
+        acc.reenqueue(b[0], clock.now, OutOfOrderSequenceError())
+        again = acc.drain([TP])
+        # epoch 1 from sequence 0; the retried batch is restamped, the new one follows it
+        assert again == [b[0]] and producer_fields(b[0]) == (77, 1, 0)
+        acc.complete(b[0], 5)
+        (c,) = acc.drain([TP])
+        assert producer_fields(c) == (77, 1, 1)
+        with pytest.raises(BatchTooLargeError):
+            await futures[0]
+
+    run(go)
+
+
+def test_out_of_order_right_after_the_last_acknowledged_batch_restarts_the_sequences() -> None:
+    """The leader lost acknowledged records (acks=1 and a failover): only a reset helps."""
+
+    async def go() -> None:
+        clock = Clock()
+        acc = idempotent(clock)
+        for i in range(2):
+            await acc.append(TP, b"r%02d" % i)
+        (a,) = acc.drain([TP], max_bytes=1)
+        acc.complete(a, 0)
+        (b,) = acc.drain([TP])
+        acc.out_of_order(b)
+        acc.reenqueue(b, clock.now, OutOfOrderSequenceError())
+        assert acc.drain([TP]) == [b] and producer_fields(b) == (77, 1, 0)
+
+    run(go)
+
+
+def test_sequences_given_to_a_batch_that_cannot_be_encoded_are_not_lost() -> None:
+    async def go() -> None:
+        def broken_once(values: Any, **kw: Any) -> bytes:
+            if values == [b"bad"]:
+                raise ValueError("cannot encode")
+            return encode_batch(values, **kw)
+
+        clock = Clock()
+        acc = idempotent(clock, encoder=broken_once)
+        bad = await acc.append(TP, b"bad")
+        await acc.append(TP, b"r01")
+        (good,) = acc.drain([TP])
+        assert producer_fields(good) == (77, 0, 0)
+        with pytest.raises(ValueError):
+            await bad
+
+    run(go)

@@ -152,6 +152,16 @@ def test_delivery_timeout_must_cover_linger_and_request_timeout() -> None:
     assert ok.delivery_timeout_ms == 1000
 
 
+def test_idempotence_is_on_unless_acks_0_and_needs_acks_and_retries() -> None:
+    assert ProducerConfig.parse(BOOT).idempotent
+    assert ProducerConfig.parse(BOOT, acks="all").idempotent
+    assert not ProducerConfig.parse(BOOT, acks=0).idempotent
+    assert not ProducerConfig.parse(BOOT, **{"enable.idempotence": False}).idempotent
+    for bad in ({"acks": 0}, {"retries": 0}):
+        with pytest.raises(InvalidConfigError, match=r"enable\.idempotence"):
+            ProducerConfig.parse(BOOT, **{"enable.idempotence": True, **bad})
+
+
 def test_backoff_max_below_backoff_means_constant_backoff() -> None:
     c = ProducerConfig.parse({**BOOT, "retry.backoff.ms": 500, "retry.backoff.max.ms": 100})
     assert c.effective_backoff_max_ms == 500

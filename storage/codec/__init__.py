@@ -10,6 +10,7 @@ from storage.codec.batch import (
     decode_batches,
     encode_batch,
     iter_batches,
+    with_producer,
 )
 from storage.codec.body import HEADERS_TYPE, SCHEMA, TAGS_TYPE
 from storage.codec.header import (
@@ -37,4 +38,5 @@ __all__ = [
     "iter_batches",
     "read_header",
     "stamp",
+    "with_producer",
 ]

@@ -9,6 +9,7 @@ whole batches.
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -134,6 +135,19 @@ def encode_batch(
         crc = crc32c(p if isinstance(p, bytes) else memoryview(p), crc)
     CRC_FIELD.pack_into(header, CRC_OFFSET, crc)
     return b"".join([header, *parts])
+
+
+_PRODUCER_FIELDS = struct.Struct("<qh2xi")  # producer_id, producer_epoch, reserved, base_sequence
+_PRODUCER_OFFSET = 48
+
+
+def with_producer(batch: bytes, producer_id: int, producer_epoch: int, base_sequence: int) -> bytes:
+    """The same batch under other producer fields, its CRC recomputed (one pass over the
+    batch). An idempotent producer needs it only when it restarts a partition's sequences."""
+    buf = bytearray(batch)
+    _PRODUCER_FIELDS.pack_into(buf, _PRODUCER_OFFSET, producer_id, producer_epoch, base_sequence)
+    CRC_FIELD.pack_into(buf, CRC_OFFSET, crc32c(memoryview(buf)[CRC_START:]))
+    return bytes(buf)
 
 
 def check_batch(
