@@ -394,6 +394,38 @@ def test_damaged_body_words_raise_only_typed_errors(
     decodes_or_raises_typed(with_crc(bad))
 
 
+#: batches without headers and tags, whose deep check takes the fast path (few records, many)
+FLAT = [
+    encode_batch([b"first", None, b"third value"], keys=[b"k1", None, b""], timestamps=1),
+    encode_batch([b"v%d" % i for i in range(70)], keys=[b"k"] * 70, timestamps=1),
+]
+
+
+@given(
+    st.sampled_from(FLAT),
+    st.lists(
+        st.tuples(st.integers(HEADER_SIZE, 2000), st.integers(-(2**31), 2**31 - 1)), max_size=4
+    ),
+)
+def test_the_deep_check_of_a_flat_body_agrees_with_arrows_full_validation(
+    batch: bytes, damage: list[tuple[int, int]]
+) -> None:
+    """``check_batch(deep=True)`` skips Arrow for bodies without headers and tags; it must
+    refuse exactly what decoding with Arrow's full validation refuses."""
+    bad = bytearray(batch)
+    h = read_header(batch)
+    for pos, value in damage:
+        pos = HEADER_SIZE + (pos - HEADER_SIZE) % h.body_length & ~3
+        struct.pack_into("<i", bad, pos, value)
+    damaged = with_crc(bad)
+    try:
+        check_batch(damaged, deep=True)
+        fast_ok = True
+    except StrataError:
+        fast_ok = False
+    assert fast_ok == (decodes_or_raises_typed(damaged) is not None)
+
+
 @GARBAGE_SETTINGS
 @given(
     st.binary(max_size=300),

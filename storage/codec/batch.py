@@ -22,6 +22,7 @@ from storage.codec.body import (
     DIRECTORY_SIZE,
     N_BUFFERS,
     SCHEMA,
+    check_flat_body,
     decode_body,
     encode_body,
 )
@@ -201,7 +202,10 @@ def check_batch(
             f"compressed body claims {h.raw_body_length} bytes raw", position=pos
         )
     if deep:
-        decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=True)
+        if h.compression == Compression.NONE and not any(lengths[7:N_BUFFERS]):
+            check_flat_body(buf, pos + HEADER_SIZE, lengths, h.record_count)
+        else:
+            decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=True)
     return h
 
 

@@ -248,6 +248,49 @@ def _list_length(offsets: pa.Buffer, n: int, what: str) -> int:
     return count
 
 
+_I32 = np.dtype("<i4")
+_OFFSETS = [struct.Struct(f"<{i + 1}i") for i in range(64)]
+
+
+def _offsets(n: int) -> struct.Struct:
+    return _OFFSETS[n]
+
+
+def check_flat_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> None:
+    """What ``decode_body(..., validate=True)`` proves, for an uncompressed body whose header
+    and tag buffers (7-14) are all empty — the common batch — in a few numpy calls instead of
+    building Arrow arrays (~15 us instead of ~95 us per batch). ``buf[start:]`` is the body,
+    ``lengths`` its directory, already checked against the body length (``check_batch``).
+
+    Keys and values are binary, so what Arrow's full validation checks of them is the
+    validity bitmap's size and, for the offsets, that they are ``n + 1`` int32 starting at 0
+    or more, never decreasing, and ending within the data buffer.
+    """
+    pos = start + DIRECTORY_SIZE + padded(lengths[0])
+    for what, (v, o, d) in (("key", lengths[1:4]), ("value", lengths[4:7])):
+        if v and v != (n + 7) // 8:
+            raise CorruptBatchError(f"{what} validity bitmap has {v} bytes for {n} records")
+        at = pos + padded(v)
+        if o == 0:
+            if d:
+                raise CorruptBatchError(f"{what} data without offsets")
+        elif o != 4 * (n + 1):
+            raise CorruptBatchError(f"{what} offsets have {o} bytes for {n} entries")
+        else:
+            if n < 64:  # a few ints: cheaper in Python than numpy's per-call overhead
+                small = _offsets(n).unpack_from(buf, at)
+                bad = small[0] < 0 or small[n] > d or list(small) != sorted(small)
+            else:
+                offsets = np.frombuffer(buf, dtype=_I32, count=n + 1, offset=at)
+                bad = offsets[0] < 0 or offsets[n] > d or bool((np.diff(offsets) < 0).any())
+            if bad:
+                raise CorruptBatchError(
+                    f"malformed record batch body: {what} offsets are not non-decreasing "
+                    f"within [0, {d}]"
+                )
+        pos = at + padded(o) + padded(d)
+
+
 def decode_body(
     body: pa.Buffer, n: int, base_offset: int, *, validate: bool = True
 ) -> pa.RecordBatch:

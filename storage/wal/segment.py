@@ -176,8 +176,10 @@ class Segment:
         self.next_offset = h.next_offset
 
     def fsync(self) -> None:
-        with storage_errors(f"fsync of {self.path} failed"):
+        try:
             os.fsync(self.fd)
+        except OSError as exc:  # (not ``storage_errors``: its message would be built per call)
+            raise StorageError(f"fsync of {self.path} failed: {exc.strerror or exc}") from exc
 
     def truncate(self, position: int) -> None:
         """Cut the file at ``position`` (a batch boundary) and rebuild the in-memory state."""
