@@ -28,7 +28,7 @@ from broker_agents.partitions import PartitionManager
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.server import AgentServer
 from broker_agents.tiering import Tiering
-from storage.errors import MetadataError, NodeExistsError
+from storage.errors import MetadataError, NodeExistsError, StorageError
 from storage.metadata import (
     AgentRegistration,
     AsyncZooKeeper,
@@ -96,6 +96,9 @@ class Agent:
         self.fetchers = ReplicaFetchers(self)
         self.isr = IsrMaintenance(self)
         self.registration: AgentRegistration | None = None
+        #: partitions whose local log cannot be opened here (published in the registration)
+        self.offline: set[tuple[str, int]] = set()
+        self._agent_watches: dict[int, Callable[[], None]] = {}
         self._pending: dict[tuple[str, int], PartitionState | None] = {}
         self._changed = asyncio.Event()
         self._watched_topics: dict[str, list[Callable[[], None]]] = {}
@@ -208,6 +211,14 @@ class Agent:
         task.add_done_callback(self._background.discard)
 
     async def _agents_changed(self, children: list[str], generation: int) -> None:
+        ids = {int(c) for c in children}
+        for gone in set(self._agent_watches) - ids:
+            self._agent_watches.pop(gone)()
+        for new in ids - set(self._agent_watches):
+            # a registration changes in place when its agent marks a replica offline
+            self._agent_watches[new] = self.zk.watch_data(
+                agent_path(new), functools.partial(self._agent_updated, new)
+            )
         agents = {}
         for child in children:
             try:
@@ -220,6 +231,18 @@ class Agent:
         self.view.agents = agents
         self.controller.poke()
         self.fetchers.update()
+
+    def _agent_updated(self, agent_id: int, data: bytes | None, stat: object = None) -> None:
+        if data is None or agent_id not in self.view.agents:
+            return  # gone, or not yet read: the children watch handles both
+        try:
+            reg = load(AgentRegistration, data)
+        except Exception as exc:
+            log.error("unreadable registration of agent %d: %s", agent_id, exc)
+            return
+        if reg != self.view.agents.get(agent_id):
+            self.view.agents = {**self.view.agents, agent_id: reg}
+            self.controller.poke()
 
     def _controller_changed(self, data: bytes | None, stat: object) -> None:
         if data is None:
@@ -294,13 +317,45 @@ class Agent:
                         self.view.topics[topic] = spec
                     except Exception:
                         continue
+                key = (topic, partition)
                 try:
                     await self.partitions.apply(
                         topic, partition, state, spec.config if spec else None
                     )
+                except StorageError as exc:
+                    # the local log cannot be opened (a quarantined segment, a disk error):
+                    # tell the controller, which moves leadership and the ISR away from us
+                    log.error("%s-%d is offline on this agent: %s", topic, partition, exc)
+                    await self._set_offline(key, state is not None)
+                    continue
                 except Exception:
                     log.exception("cannot apply the state of %s-%d", topic, partition)
+                    continue
+                if key in self.offline and (
+                    state is None
+                    or self.agent_id not in state.replicas
+                    or key in self.partitions.partitions
+                ):
+                    await self._set_offline(key, False)  # deleted, moved away, or opened
             self.fetchers.update()
+
+    async def _set_offline(self, key: tuple[str, int], offline: bool) -> None:
+        """Add or remove ``key`` from the offline replicas in our registration."""
+        if (key in self.offline) == offline:
+            return
+        if offline:
+            self.offline.add(key)
+        else:
+            self.offline.discard(key)
+        assert self.registration is not None
+        self.registration = self.registration.model_copy(
+            update={"offline": tuple(sorted(self.offline))}
+        )
+        try:
+            await self.store.update_agent(self.registration)
+        except MetadataError as exc:
+            # a session loss re-registers with ``self.registration``, which has the change
+            log.warning("cannot publish the offline replicas %s: %s", sorted(self.offline), exc)
 
 
 class _Stop(Exception):

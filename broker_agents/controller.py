@@ -16,7 +16,11 @@ While in charge, the controller reconciles on every change of ``/agents`` or ``/
   alive (epoch + 1). With none alive it goes offline (leader -1), unless the topic enables
   ``unclean.leader.election.enable``, which takes any live replica. (The ISR is the replica
   set until replication tracking lands; see the replication issue.)
-* an offline partition whose replica comes back gets it as leader (epoch + 1).
+* an offline partition whose replica comes back gets it as leader (epoch + 1);
+* an agent that cannot open a partition's local log (a quarantined segment, a disk error)
+  lists it as *offline* in its registration (``/agents/<id>``); for that partition the
+  controller treats the agent as dead: it loses leadership to another in-sync replica and
+  leaves the ISR (Kafka's offline replicas). It is a replica again once it opens the log.
 
 Every write is a compare-and-set on the znode version; losing a race means re-reading on the
 next pass. A controller whose ZooKeeper session is suspended stops reconciling.
@@ -113,6 +117,11 @@ class Controller:
         live = sorted(self.agent.view.agents)
         if not live:
             return
+        # replicas whose agent cannot open their log count as dead for that partition only
+        offline: dict[tuple[str, int], set[int]] = {}
+        for agent_id, reg in self.agent.view.agents.items():
+            for key in reg.offline:
+                offline.setdefault(key, set()).add(agent_id)
         for name in await store.list_topics():
             try:
                 spec, _ = await store.get_topic(name)
@@ -124,17 +133,20 @@ class Controller:
             start = zlib.crc32(name.encode())
             for p in range(spec.partitions):
                 current = states.get(p)
+                usable = live
+                if (name, p) in offline:
+                    usable = [a for a in live if a not in offline[(name, p)]]
                 if current is None:
                     await self._create(name, p, spec.replication_factor, live, start)
                 elif current[0].adding or current[0].removing:
-                    await self._advance_reassignment(name, p, current[0], current[1], live)
+                    await self._advance_reassignment(name, p, current[0], current[1], usable)
                 else:
                     await self._maybe_elect(
                         name,
                         p,
                         current[0],
                         current[1],
-                        live,
+                        usable,
                         spec.config.unclean_leader_election_enable,
                     )
 

@@ -223,7 +223,12 @@ class _StateCollector(Collector):
         unuploaded.add_metric([], sum(agent.tiering.pending.values()))
         up = GaugeMetricFamily("strata_agent_session_ok", "1 while the ZooKeeper session is good")
         up.add_metric([], 1 if agent.partitions.session_ok else 0)
-        yield from (led, hosted, isr, replicas, under, hw, leo, unuploaded, up)
+        offline = GaugeMetricFamily(
+            "strata_offline_replicas",
+            "Partitions this agent should host but whose local log it cannot open",
+        )
+        offline.add_metric([], len(agent.offline))
+        yield from (led, hosted, isr, replicas, under, hw, leo, unuploaded, up, offline)
         yield from _group_lag(agent)
 
 

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NodeExistsError
 
 from storage.codec import decode_batch, decode_batches, encode_batch, iter_batches
 from storage.errors import StrataError
+from storage.metadata.models import ControllerInfo, dump
+from storage.metadata.store import AGENTS, CONTROLLER
 from storage.protocol import messages as m
 from tests.cluster import SESSION_TIMEOUT_MS, Cluster, WireClient, fetch_request, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
@@ -151,3 +156,93 @@ def test_a_restarted_agent_rejoins_as_a_follower_and_catches_up(cluster: Cluster
     cluster.start_agent(follower)
     _wait_replicated(cluster, TOPIC, 0, values, [follower])
     assert _read_all(cluster, leader, TOPIC, 0) == values
+
+
+def test_a_leader_that_cannot_open_its_log_hands_the_partition_to_an_in_sync_replica(
+    cluster: Cluster, zk_client: KazooClient
+) -> None:
+    """All three agents crash at once, so the partition's state still names its leader and a
+    full ISR. While they restart, the test holds the controller seat, so that the controller
+    elected afterwards sees all three alive — the leader included. The leader's copy fails
+    recovery (a damaged batch with good ones after it is corruption, not a torn tail: the
+    segment is quarantined); the agent lists the replica as offline in its registration, and
+    the controller moves leadership to another in-sync replica, which serves every record,
+    and drops the agent from the ISR. Then the repair of docs/operations.md brings it back."""
+    values = [b"v%04d" % i for i in range(200)]
+    leader = cluster.wait_for_leaders(TOPIC)[0].leader_id
+    for i in range(0, len(values), 20):
+        assert _produce(cluster, leader, TOPIC, 0, values[i : i + 20]).error_code == 0
+    others = [a for a in cluster.agents if a != leader]
+    _wait_replicated(cluster, TOPIC, 0, values, others)
+    _wait_isr(cluster, lambda isr: len(isr) == 3, "the ISR did not fill up")
+    for agent_id in list(cluster.agents):
+        cluster.kill(agent_id)
+
+    directory = cluster.data_root / f"agent-{leader}" / f"{TOPIC}-0"
+    segment = sorted(directory.glob("*.log"))[-1]  # the active segment: always scanned at open
+    data = bytearray(segment.read_bytes())
+    positions = [pos for _, pos in iter_batches(bytes(data))]
+    assert len(positions) == 10
+    data[positions[5] + 100] ^= 0xFF  # inside a batch's body: its CRC fails
+    segment.write_bytes(bytes(data))
+
+    # the dead controller's seat frees when its session expires; take it before anyone else
+    seat = ControllerInfo(agent_id=999, epoch=1_000_000)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            zk_client.create(CONTROLLER, dump(seat), ephemeral=True)
+            break
+        except NodeExistsError:
+            assert time.monotonic() < deadline, "the old controller's seat did not free up"
+            time.sleep(0.05)
+    for agent_id in sorted(cluster.agents):
+        cluster.start_agent(agent_id)
+    while len(zk_client.get_children(AGENTS)) < 3:
+        assert time.monotonic() < deadline + 30, "the agents did not register"
+        time.sleep(0.05)
+    zk_client.delete(CONTROLLER)
+
+    state = _wait_isr(
+        cluster,
+        lambda isr: leader not in isr,
+        f"partition 0 still has agent {leader} in its ISR",
+        require_leader_not=leader,
+    )
+    deadline = time.monotonic() + 20
+    # readable once the other in-sync follower has fetched from the new leader (high watermark)
+    while (got := _read_all(cluster, state.leader_id, TOPIC, 0)) != values:
+        assert len(got) < len(values) and time.monotonic() < deadline, got[:3]
+        time.sleep(0.05)
+    more = _produce(cluster, state.leader_id, TOPIC, 0, [b"after"])
+    assert (more.error_code, more.base_offset) == (0, len(values))
+    assert list(directory.glob("*.quarantined"))  # the damaged copy is kept for an operator
+
+    # the repair in docs/operations.md: stop the agent, move the directory out, start it
+    cluster.stop(leader)
+    directory.rename(cluster.data_root / "damaged-copy")
+    cluster.start_agent(leader)
+    _wait_isr(cluster, lambda isr: leader in isr, "the repaired replica did not rejoin the ISR")
+    _wait_replicated(cluster, TOPIC, 0, [*values, b"after"], [leader])
+
+
+def _wait_isr(
+    cluster: Cluster,
+    condition: Callable[[list[int]], bool],
+    failure: str,
+    *,
+    require_leader_not: int = -1,
+) -> m.PartitionMetadata:
+    """Poll partition 0's metadata until it has a leader (not ``require_leader_not``) and its
+    ISR meets ``condition``."""
+    deadline = time.monotonic() + 60
+    while True:
+        state = cluster.metadata([TOPIC]).topics[0].partitions[0]
+        if (
+            state.error_code == 0
+            and state.leader_id not in (require_leader_not, -1)
+            and condition(state.isr)
+        ):
+            return state
+        assert time.monotonic() < deadline, f"{failure}: {state}"
+        time.sleep(0.05)

@@ -105,6 +105,9 @@ class AgentRegistration(BaseModel):
     host: str
     port: int = Field(ge=1, le=65535)
     started_ms: int
+    #: (topic, partition) whose local log this agent cannot open (a quarantined segment, a
+    #: disk error): for those the controller counts the agent as dead — Kafka's offline replica
+    offline: tuple[tuple[str, int], ...] = ()
 
 
 class ControllerInfo(BaseModel):

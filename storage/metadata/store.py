@@ -78,6 +78,10 @@ class MetadataStore:
     async def register_agent(self, reg: AgentRegistration) -> None:
         await self.zk.create(agent_path(reg.agent_id), dump(reg), ephemeral=True)
 
+    async def update_agent(self, reg: AgentRegistration) -> None:
+        """Rewrite this agent's own registration (its ephemeral node)."""
+        await self.zk.set(agent_path(reg.agent_id), dump(reg))
+
     async def list_agents(self) -> dict[int, AgentRegistration]:
         out = {}
         for child in await self.zk.get_children(AGENTS):
