@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -116,6 +117,37 @@ def _list_child(arr: pa.Array | None, n: int) -> tuple[Any, pa.Array | None]:
     return offsets, arr.values.slice(first, last - first)
 
 
+#: up to this many records, plain lists of bytes are laid out without pyarrow (whose
+#: per-call overhead is most of the cost of encoding one record: a producer with linger 0)
+SMALL_BATCH = 16
+_BYTES_OR_NONE = frozenset({bytes, type(None)})
+
+
+def _small_binary_parts(col: list[bytes | None], n: int) -> tuple[Any, Any, Any]:
+    """``_binary_parts(pa.array(col, pa.binary()), n)`` for a short list of bytes/None."""
+    if len(col) != n:
+        raise ValueError(f"column has {len(col)} entries, expected {n}")
+    validity: Any = _EMPTY
+    if None in col:
+        bits = 0
+        for i, v in enumerate(col):
+            if v is not None:
+                bits |= 1 << i
+        validity = bits.to_bytes((n + 7) // 8, "little")
+    data = b"".join([v for v in col if v])
+    if not data:
+        return validity, _EMPTY, _EMPTY
+    offsets = _OFFSET_STRUCTS[n].pack(0, *accumulate([len(v) if v else 0 for v in col]))
+    return validity, offsets, data
+
+
+_OFFSET_STRUCTS = [struct.Struct(f"<{i + 1}i") for i in range(SMALL_BATCH + 1)]
+
+
+def _small(col: Any) -> bool:
+    return type(col) is list and len(col) <= SMALL_BATCH and set(map(type, col)) <= _BYTES_OR_NONE
+
+
 def encode_body(
     n: int,
     timestamps: np.ndarray,
@@ -129,9 +161,14 @@ def encode_body(
         raise ValueError(f"{timestamps.shape[0]} timestamps for {n} records")
     if keys is None:
         key_parts: tuple[Any, Any, Any] = (bytes((n + 7) // 8), _EMPTY, _EMPTY)  # all null
+    elif _small(keys):
+        key_parts = _small_binary_parts(keys, n)
     else:
         key_parts = _binary_parts(_as_array(keys, pa.binary()), n)
-    value_parts = _binary_parts(_as_array(values, pa.binary()), n)
+    if _small(values):
+        value_parts = _small_binary_parts(values, n)
+    else:
+        value_parts = _binary_parts(_as_array(values, pa.binary()), n)
 
     header_list, pairs = _list_child(
         None if headers is None else _as_array(headers, HEADERS_TYPE), n
