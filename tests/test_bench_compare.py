@@ -11,6 +11,7 @@ def _fake() -> dict[str, object]:
         "rate": 1000,
         "achieved_rate": 999.0,
         "ack": _pcts([0.001] * 10),
+        "ack_with_consumer": _pcts([0.003] * 10),
         "e2e": _pcts([0.002] * 10),
     }
     peer = {"produce": produce, "consume": _rate(1000, 1024, 0.01), "latency": lat}
@@ -65,6 +66,9 @@ def test_render_quotes_ratios_targets_and_unavailable_peers() -> None:
     assert "RabbitMQ streams | not measured: did not start" in text
     assert "Shared machine" in text and "peak **200 MiB**" in text
     assert "**10.0x** the acks=1 rate" in text
+    assert "produce→ack ≤ 5 ms with acks=1: met (1.00 ms)" in text
+    assert "With a consumer in the producer's event loop: 3.00 and 3.00 ms" in text
+    assert "| Redis Streams | 1.00 | 1.00 | 1.00 | 2.00 | 2.00 | 2.00 | 3.00 / 3.00 | 999 |" in text
 
 
 def test_percentiles_and_private_keys() -> None:
