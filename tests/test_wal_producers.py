@@ -114,7 +114,7 @@ def test_impossible_producer_fields_are_refused() -> None:
         table.check_run([header(bad)])
 
 
-def test_state_is_rebuilt_from_the_log_on_open_and_after_truncation(tmp_path: Path) -> None:
+def test_state_is_rebuilt_from_the_log_on_open_and_trimmed_by_truncation(tmp_path: Path) -> None:
     with PartitionLog.open(tmp_path, config()) as log:
         for i in range(6):
             append(log, batch(2 * i, pad=1500))
@@ -138,3 +138,13 @@ def test_the_table_is_bounded_by_count_and_by_idle_time() -> None:
     assert table.check_run([header(batch(6, pid=0))]) is None
     table.update(header(batch(0, pid=9)), now=1103.5)  # 2 and 3 idle for over 100 s
     assert len(table) == 2
+
+
+def test_a_producer_whose_batches_were_all_truncated_away_starts_afresh(tmp_path: Path) -> None:
+    with PartitionLog.open(tmp_path, config()) as log:
+        append(log, batch(0, pid=1))
+        append(log, batch(0, pid=2))
+        append(log, batch(2, pid=2))
+        log.truncate_to(2)  # producer 2's batches are gone; producer 1's is kept
+        assert append(log, batch(0, pid=2)) == 2  # stored again: it is no longer in the log
+        assert append(log, batch(0, pid=1)) == 0  # still recognised as a retry

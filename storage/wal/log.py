@@ -427,8 +427,7 @@ class PartitionLog:
         end = self.log_end_offset
         while self.epochs and self.epochs[-1][1] >= end:
             self.epochs.pop()
-        # the producers' last batches may be gone: replay what is left (truncation is rare)
-        self.producers.rebuild((h for seg in self._segments for h, _ in seg.walk(0)), self._clock())
+        self.producers.truncate(end)
         self.flushed_offset = min(self.flushed_offset, self.log_end_offset)
         return self.log_end_offset
 

@@ -19,8 +19,8 @@ Rules for a batch of producer ``p`` with epoch ``e`` and sequences ``[first, las
   offsets); ``first`` right after the last batch's ``last`` -> accepted; else
   ``OutOfOrderSequenceError``.
 
-The table is rebuilt from the batch headers of the local log when the log opens or is
-truncated (the headers are replicated with the batches, so a follower that becomes leader has
+The table is rebuilt from the batch headers of the local log when the log opens, and trimmed
+when it is truncated (the headers are replicated with the batches, so a follower that becomes leader has
 the same state), and updated by every append, a leader's and a follower's alike. Producers
 idle for :data:`EXPIRATION_S` are forgotten (a rebuild counts as activity), and at most :data:`MAX_PRODUCERS` are kept per
 partition (the least recently used goes first): the table is bounded.
@@ -177,6 +177,17 @@ class ProducerStateTable:
             if len(producers) <= self.max_producers and oldest.last_seen > now - self.expiration_s:
                 return
             producers.popitem(last=False)
+
+    def truncate(self, end_offset: int) -> None:
+        """Forget the batches at or above ``end_offset`` (the log was cut there). A producer
+        left without batches is forgotten: its next batch is accepted whatever its sequence,
+        which is right, since its later batches are no longer stored."""
+        for pid in list(self._producers):
+            batches = self._producers[pid].batches
+            while batches and batches[-1][2] >= end_offset:
+                batches.pop()
+            if not batches:
+                del self._producers[pid]
 
     def rebuild(self, headers: Iterable[BatchHeader], now: float) -> None:
         """Forget everything and replay the stored batches' headers, oldest first."""
