@@ -100,6 +100,8 @@ class Agent:
         self.offline: set[tuple[str, int]] = set()
         self._agent_watches: dict[int, Callable[[], None]] = {}
         self._pending: dict[tuple[str, int], PartitionState | None] = {}
+        #: backoff of partitions whose state failed to apply (see ``_retry_later``)
+        self._retry_delay: dict[tuple[str, int], float] = {}
         self._changed = asyncio.Event()
         self._watched_topics: dict[str, list[Callable[[], None]]] = {}
         self._watched_partitions: set[tuple[str, int]] = set()
@@ -327,10 +329,15 @@ class Agent:
                     # tell the controller, which moves leadership and the ISR away from us
                     log.error("%s-%d is offline on this agent: %s", topic, partition, exc)
                     await self._set_offline(key, state is not None)
+                    self._retry_later(key)
                     continue
                 except Exception:
+                    # e.g. ZooKeeper unavailable while a new leader reads its manifest: without
+                    # a retry the partition would stay unhosted until its state changes again
                     log.exception("cannot apply the state of %s-%d", topic, partition)
+                    self._retry_later(key)
                     continue
+                self._retry_delay.pop(key, None)
                 if key in self.offline and (
                     state is None
                     or self.agent_id not in state.replicas
@@ -338,6 +345,19 @@ class Agent:
                 ):
                     await self._set_offline(key, False)  # deleted, moved away, or opened
             self.fetchers.update()
+
+    def _retry_later(self, key: tuple[str, int]) -> None:
+        """Apply ``key``'s latest state again after a backoff (1 s, doubling up to 30 s)."""
+        delay = self._retry_delay.get(key, 0.5) * 2
+        self._retry_delay[key] = min(delay, 30.0)
+
+        def again() -> None:
+            state = self.partitions.latest.get(key)
+            if state is not None and key not in self._pending:  # else newer news is queued
+                self._pending[key] = state
+                self._changed.set()
+
+        asyncio.get_running_loop().call_later(self._retry_delay[key], again)
 
     async def _set_offline(self, key: tuple[str, int], offline: bool) -> None:
         """Add or remove ``key`` from the offline replicas in our registration."""
