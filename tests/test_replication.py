@@ -14,7 +14,7 @@ import pytest
 
 from sdk import Consumer, Producer, TopicPartition
 from storage.codec import decode_batch, decode_batches, encode_batch, iter_batches
-from storage.errors import NotEnoughReplicasError, StrataError
+from storage.errors import NotEnoughReplicasError, RequestTimedOutError, StrataError
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
@@ -259,6 +259,40 @@ def test_acks_all_needs_min_insync_replicas_while_acks_1_still_works(cluster: Cl
         return [] if records is None else decode_batches(records).column("value").to_pylist()
 
     assert asyncio.run(read()) == [b"one"]  # with an ISR of one, the high watermark is the log end
+
+
+def test_acks_all_answers_request_timed_out_while_an_in_sync_follower_is_frozen(
+    cluster: Cluster,
+) -> None:
+    """A frozen follower (SIGSTOP) stays in the ISR until its session expires, so the high
+    watermark cannot cover a new batch: acks=all answers REQUEST_TIMED_OUT after the request's
+    timeout_ms, well before the session expiry would have let the ISR shrink."""
+    cluster.create_topic(TOPIC, 1, 3, {"min.insync.replicas": 2})
+    cluster.wait_for_leaders(TOPIC)
+    st = _wait_isr(cluster, 3)
+    leader = cluster.agents[st.leader_id]
+    frozen = next(r for r in st.replicas if r != st.leader_id)
+    cluster.kill(frozen, signal.SIGSTOP)
+    try:
+
+        async def run() -> tuple[m.ProducePartitionResult, float]:
+            client = await WireClient.connect(leader.host, leader.port)
+            try:
+                started = time.monotonic()
+                resp = await client.call(
+                    m.ApiKey.PRODUCE,
+                    produce_request(TOPIC, 0, encode_batch([b"late"]), acks=-1, timeout_ms=300),
+                )
+                return resp.topics[0].partitions[0], time.monotonic() - started
+            finally:
+                await client.close()
+
+        result, took = asyncio.run(run())
+    finally:
+        cluster.kill(frozen, signal.SIGCONT)
+    assert result.error_code == RequestTimedOutError.code
+    assert "300 ms" in (result.error_message or "")
+    assert 0.3 <= took < 3.0
 
 
 def _reassign(cluster: Cluster, partition: int, target: list[int]) -> None:
