@@ -98,6 +98,7 @@ class Agent:
         self.registration: AgentRegistration | None = None
         #: partitions whose local log cannot be opened here (published in the registration)
         self.offline: set[tuple[str, int]] = set()
+        self._published_offline: tuple[tuple[str, int], ...] = ()
         self._agent_watches: dict[int, Callable[[], None]] = {}
         self._pending: dict[tuple[str, int], PartitionState | None] = {}
         #: backoff of partitions whose state failed to apply (see ``_retry_later``)
@@ -361,21 +362,22 @@ class Agent:
 
     async def _set_offline(self, key: tuple[str, int], offline: bool) -> None:
         """Add or remove ``key`` from the offline replicas in our registration."""
-        if (key in self.offline) == offline:
-            return
         if offline:
             self.offline.add(key)
         else:
             self.offline.discard(key)
+        wanted = tuple(sorted(self.offline))
+        if wanted == self._published_offline:
+            return
         assert self.registration is not None
-        self.registration = self.registration.model_copy(
-            update={"offline": tuple(sorted(self.offline))}
-        )
+        self.registration = self.registration.model_copy(update={"offline": wanted})
         try:
             await self.store.update_agent(self.registration)
+            self._published_offline = wanted
         except MetadataError as exc:
-            # a session loss re-registers with ``self.registration``, which has the change
-            log.warning("cannot publish the offline replicas %s: %s", sorted(self.offline), exc)
+            # tried again with the partition's next retry; a session loss re-registers with
+            # ``self.registration``, which has the change
+            log.warning("cannot publish the offline replicas %s: %s", list(wanted), exc)
 
 
 class _Stop(Exception):
