@@ -13,6 +13,11 @@ agent's memory does not grow with the number of producers pushing at it.
 
 A request whose header parses but whose API is unknown or whose body does not parse gets an
 error response (``UNSUPPORTED_VERSION`` / ``INVALID_REQUEST``) and the connection stays open.
+
+Idle connections: a watchdog task per connection aborts it when a read (the next frame's size,
+or the rest of a frame) or a write (a client that takes no answer) has waited longer than
+``idle_timeout``. One sleeping task per connection instead of a timer armed and cancelled
+around every read and write: that was a measurable part of an agent's CPU per request.
 """
 
 from __future__ import annotations
@@ -39,6 +44,17 @@ from storage.protocol.sockio import FrameStream
 log = logging.getLogger(__name__)
 
 _NO_RESPONSE = object()
+
+
+class _Activity:
+    """When the connection's pending read and write started waiting (None: not waiting)."""
+
+    __slots__ = ("reading", "writable", "writing")
+
+    def __init__(self) -> None:
+        self.reading: float | None = None
+        self.writing: float | None = None
+        self.writable = True  # False once the client was cut off for not reading
 
 
 class ServerObserver(Protocol):
@@ -156,16 +172,21 @@ class AgentServer:
 
     async def _on_connection(self, stream: FrameStream, peer: Any) -> None:
         queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
+        activity = _Activity()
         writer_task = asyncio.create_task(
-            self._write_responses(queue, stream, peer), name=f"conn-writer:{peer}"
+            self._write_responses(queue, stream, peer, activity), name=f"conn-writer:{peer}"
+        )
+        watchdog = asyncio.create_task(
+            self._watch_idle(stream, peer, activity), name=f"conn-idle:{peer}"
         )
         try:
-            await self._read_requests(stream, queue)
+            await self._read_requests(stream, queue, activity)
         except (MalformedFrameError, UnsupportedVersionError) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         finally:
+            watchdog.cancel()
             with contextlib.suppress(asyncio.QueueFull):
                 queue.put_nowait(None)
             if queue.full():
@@ -175,14 +196,40 @@ class AgentServer:
             assert stream.transport is not None
             stream.transport.close()
 
-    async def _read_requests(self, frames: FrameStream, queue: asyncio.Queue[Any]) -> None:
+    async def _watch_idle(self, stream: FrameStream, peer: Any, activity: _Activity) -> None:
+        """Abort the connection once a read or a write has waited over ``idle_timeout``."""
+        loop = asyncio.get_running_loop()
+        assert stream.transport is not None
         while True:
-            async with asyncio.timeout(self.idle_timeout):
-                size = await frames.read_size()
+            await asyncio.sleep(self.idle_timeout / 4)
+            too_old = loop.time() - self.idle_timeout
+            if activity.writing is not None and activity.writing < too_old:
+                log.warning(
+                    "closing connection from %s: it read no response for %.0f s",
+                    peer,
+                    self.idle_timeout,
+                )
+                activity.writable = False  # the writer drains its queue without writing
+                stream.transport.abort()
+                return
+            if activity.reading is not None and activity.reading < too_old:
+                activity.writable = False
+                stream.transport.abort()  # the reader sees the end of the stream
+                return
+
+    async def _read_requests(
+        self, frames: FrameStream, queue: asyncio.Queue[Any], activity: _Activity
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            activity.reading = loop.time()
+            size = await frames.read_size()
+            activity.reading = None
             held = await self.budget.acquire(size)
             try:
-                async with asyncio.timeout(self.idle_timeout):
-                    frame = await frames.read_body(size)
+                activity.reading = loop.time()
+                frame = await frames.read_body(size)
+                activity.reading = None
                 if self.observer is not None:
                     self.observer.bytes_in(4 + size)
                 request = parse_request(frame)
@@ -236,28 +283,26 @@ class AgentServer:
         return encode_response(request.correlation_id, response)
 
     async def _write_responses(
-        self, queue: asyncio.Queue[Any], stream: FrameStream, peer: Any
+        self, queue: asyncio.Queue[Any], stream: FrameStream, peer: Any, activity: _Activity
     ) -> None:
         """Write each answer in request order. A client that takes none of an answer for
-        ``idle_timeout`` is disconnected; the queue is still drained, so the reader, which
-        then sees the connection closed, is never left waiting for room in it."""
-        assert stream.transport is not None
-        writing = True
+        ``idle_timeout`` is disconnected (by ``_watch_idle``); the queue is still drained, so
+        the reader, which then sees the connection closed, is never left waiting for room in
+        it."""
+        loop = asyncio.get_running_loop()
         while (fut := await queue.get()) is not None:
             parts = await fut
-            if parts is _NO_RESPONSE or not writing:
+            if parts is _NO_RESPONSE or not activity.writable:
                 continue
+            activity.writing = loop.time()
             try:
-                async with asyncio.timeout(self.idle_timeout):
-                    sent = await stream.send(parts)
-            except TimeoutError:
-                log.warning(
-                    "closing connection from %s: it read no response for %.0f s",
-                    peer,
-                    self.idle_timeout,
-                )
-                stream.transport.close()
-                writing = False
+                sent = await stream.send(parts)
+            except (ConnectionError, OSError):
+                activity.writable = False
                 continue
+            finally:
+                activity.writing = None
+            if not activity.writable:
+                continue  # cut off while this answer waited
             if self.observer is not None:
                 self.observer.bytes_out(sent)

@@ -215,3 +215,47 @@ def test_agent_server_disconnects_a_client_that_reads_no_response() -> None:
             await server.stop()
 
     asyncio.run(run())
+
+
+def test_agent_server_closes_idle_connections_and_keeps_busy_ones() -> None:
+    """A client that sends nothing, and one that stops in the middle of a frame, are cut off
+    after the idle timeout; a client that keeps sending requests (each answered) is not, however
+    long it stays."""
+    answer = m.ApiVersionsResponse(0, [])
+
+    async def versions(_: object) -> m.ApiVersionsResponse:
+        return answer
+
+    async def run() -> None:
+        server = AgentServer(
+            SimpleNamespace(handlers={m.ApiKey.API_VERSIONS: versions}),
+            max_frame_bytes=1 << 20,
+            idle_timeout=0.4,
+        )
+        host, port = await server.start("127.0.0.1", 0)
+        request = b"".join(encode_request(m.ApiKey.API_VERSIONS, 1, "c", m.ApiVersionsRequest()))
+        silent = await asyncio.open_connection(host, port)
+        partial = await asyncio.open_connection(host, port)
+        partial[1].write(request[: len(request) // 2])
+        busy_reader, busy_writer = await asyncio.open_connection(host, port)
+        try:
+            # 2 s of requests, 0.1 s apart: five times the idle timeout
+            for _ in range(20):
+                busy_writer.write(request)
+                size = struct.unpack("<i", await busy_reader.readexactly(4))[0]
+                await busy_reader.readexactly(size)
+                await asyncio.sleep(0.1)  # the client's pace: the gap is what is being tested
+            for reader, _ in (silent, partial):
+                async with asyncio.timeout(5):
+                    with contextlib.suppress(ConnectionError):
+                        assert await reader.read() == b""  # closed by the server
+            assert len(server.connections) == 1  # the busy one is still served
+            busy_writer.write(request)
+            size = struct.unpack("<i", await busy_reader.readexactly(4))[0]
+            assert len(await busy_reader.readexactly(size)) == size
+        finally:
+            for _, writer in (silent, partial, (busy_reader, busy_writer)):
+                writer.close()
+            await server.stop()
+
+    asyncio.run(run())
