@@ -114,7 +114,10 @@ def test_acks_all_survives_five_leader_kills(cluster: Cluster) -> None:
 
             task = asyncio.create_task(produce())
             for _ in range(5):
-                await asyncio.to_thread(_wait_isr, cluster, 3)
+                # every partition back to a full ISR first: killing the leader of one whose
+                # ISR is still that leader alone would (rightly) leave it without a leader
+                for p in range(partitions):
+                    await asyncio.to_thread(_wait_isr, cluster, 3, p)
                 victim = (await asyncio.to_thread(_state, cluster)).leader_id
                 cluster.kill(victim)
                 kills += 1
