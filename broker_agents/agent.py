@@ -354,7 +354,9 @@ class Agent:
 
         def again() -> None:
             state = self.partitions.latest.get(key)
-            if state is not None and key not in self._pending:  # else newer news is queued
+            if state is None:
+                self._retry_delay.pop(key, None)  # the topic is gone: nothing to apply
+            elif key not in self._pending:  # else newer news is queued
                 self._pending[key] = state
                 self._changed.set()
 

@@ -179,24 +179,24 @@ class Apis:
                 if isinstance(exc, NotLeaderError):
                     result.leader_id, result.leader_epoch = exc.leader_id, exc.leader_epoch
 
+        def timed_out(result: m.ProducePartitionResult) -> None:
+            result.error_code = RequestTimedOutError.code
+            result.error_message = f"not durable within {timeout_ms} ms"
+
         limit = max(timeout_ms, 1) / 1000
         if len(pending) == 1:  # the common case: no task, no asyncio.wait
-            result, p, end = pending[0]
             try:
                 async with asyncio.timeout(limit):
-                    await one(result, p, end)
+                    await one(*pending[0])
             except TimeoutError:
-                result.error_code = RequestTimedOutError.code
-                result.error_message = f"not durable within {timeout_ms} ms"
+                timed_out(pending[0][0])
             return
         tasks = [asyncio.ensure_future(one(*x)) for x in pending]
         _done, not_done = await asyncio.wait(tasks, timeout=limit)
-        for t in not_done:
-            t.cancel()
         for (result, _, _), t in zip(pending, tasks, strict=True):
             if t in not_done:
-                result.error_code = RequestTimedOutError.code
-                result.error_message = f"not durable within {timeout_ms} ms"
+                t.cancel()
+                timed_out(result)
 
     # ---- Fetch ------------------------------------------------------------------------------
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:

@@ -174,7 +174,7 @@ class AgentServer:
         queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
         activity = _Activity()
         writer_task = asyncio.create_task(
-            self._write_responses(queue, stream, peer, activity), name=f"conn-writer:{peer}"
+            self._write_responses(queue, stream, activity), name=f"conn-writer:{peer}"
         )
         watchdog = asyncio.create_task(
             self._watch_idle(stream, peer, activity), name=f"conn-idle:{peer}"
@@ -283,7 +283,7 @@ class AgentServer:
         return encode_response(request.correlation_id, response)
 
     async def _write_responses(
-        self, queue: asyncio.Queue[Any], stream: FrameStream, peer: Any, activity: _Activity
+        self, queue: asyncio.Queue[Any], stream: FrameStream, activity: _Activity
     ) -> None:
         """Write each answer in request order. A client that takes none of an answer for
         ``idle_timeout`` is disconnected (by ``_watch_idle``); the queue is still drained, so
@@ -297,7 +297,7 @@ class AgentServer:
             activity.writing = loop.time()
             try:
                 sent = await stream.send(parts)
-            except (ConnectionError, OSError):
+            except OSError:  # ConnectionError included: the client is gone
                 activity.writable = False
                 continue
             finally:

@@ -49,10 +49,11 @@ from itertools import accumulate, repeat
 from typing import Any
 
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
-from sdk.idempotence import MAX_IN_FLIGHT_BATCHES, SEQUENCE_MASK, Sequencer
+from sdk.idempotence import Sequencer
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
 from storage.codec import HEADER_SIZE, Compression, encode_batch, with_producer
-from storage.errors import BatchTooLargeError, StrataError
+from storage.codec.header import DEDUP_WINDOW, SEQUENCE_MASK
+from storage.errors import BatchTooLargeError, OutOfOrderSequenceError, StrataError
 
 #: per record: timestamp (8), key, value, header-list and tag-list offsets (4 x 4: a list
 #: column present for one record has offsets for all), validity bits (rounded up to 1)
@@ -537,7 +538,7 @@ class RecordAccumulator:
         n = self._in_flight.get(tp, 0)
         if self.sequencer is None or tp in self._needs_reset:
             return n == 0
-        return n < (1 if tp in self._recovering else MAX_IN_FLIGHT_BATCHES)
+        return n < (1 if tp in self._recovering else DEDUP_WINDOW)
 
     def drain(
         self, tps: Iterable[TopicPartition], max_bytes: int | None = None
@@ -563,7 +564,7 @@ class RecordAccumulator:
                 continue
             if tp in self._needs_reset:
                 self._reset(tp, queue)
-            room = MAX_IN_FLIGHT_BATCHES - self._in_flight.get(tp, 0) if sequencer else 1 << 30
+            room = DEDUP_WINDOW - self._in_flight.get(tp, 0) if sequencer else 1 << 30
             first, full = True, False
             while (
                 queue
@@ -628,6 +629,8 @@ class RecordAccumulator:
         if queue is None:
             queue = self._queues[batch.tp] = deque()
         if batch.sequence >= 0:
+            if isinstance(error, OutOfOrderSequenceError):
+                self._out_of_order(batch)
             # in sequence order among the retried batches at the head
             self._recovering.add(batch.tp)
             i = 0
@@ -638,10 +641,11 @@ class RecordAccumulator:
             queue.appendleft(batch)
         self.wakeup.set()
 
-    def out_of_order(self, batch: ProducerBatch) -> None:
+    def _out_of_order(self, batch: ProducerBatch) -> None:
         """The leader refused ``batch`` as out of sequence. If nothing of ours is missing
         before it (it follows the last acknowledged batch), the partition must restart its
-        sequences; otherwise its predecessor is being retried and it simply follows."""
+        sequences; otherwise its predecessor is being retried and it simply follows. (Failed
+        for good instead of retried, the batch leaves a gap either way: ``fail`` resets.)"""
         if self.sequencer is not None and self.sequencer.follows_last_acknowledged(
             batch.tp, batch.producer_epoch, batch.sequence
         ):

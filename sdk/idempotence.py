@@ -36,11 +36,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sdk.records import TopicPartition
+from storage.codec.header import SEQUENCE_MASK
 
-SEQUENCE_MASK = 0x7FFFFFFF
 MAX_EPOCH = 0x7FFF
-#: batches of one partition in flight at once: the agent recognises retries of this many
-MAX_IN_FLIGHT_BATCHES = 5
 
 
 def new_producer_id() -> int:
@@ -91,7 +89,7 @@ class Sequencer:
         st = self.state(tp)
         return epoch == st.epoch and sequence == st.acknowledged
 
-    def new_epoch(self, tp: TopicPartition) -> PartitionSequence:
+    def new_epoch(self, tp: TopicPartition) -> None:
         """Restart the partition's sequences under the next epoch (a new id past the last)."""
         st = self.state(tp)
         if st.epoch >= MAX_EPOCH:
@@ -99,4 +97,3 @@ class Sequencer:
         else:
             st.epoch += 1
         st.next_sequence = st.acknowledged = 0
-        return st

@@ -62,12 +62,7 @@ from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedEr
 from sdk.idempotence import Sequencer
 from sdk.partitioner import DefaultPartitioner, partition_for_key
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
-from storage.errors import (
-    OutOfOrderSequenceError,
-    StrataError,
-    UnknownTopicOrPartitionError,
-    from_wire,
-)
+from storage.errors import StrataError, UnknownTopicOrPartitionError, from_wire
 from storage.protocol.messages import (
     ProducePartition,
     ProduceRequest,
@@ -276,8 +271,6 @@ class Sender:
     def retry_or_fail(self, batch: ProducerBatch, exc: StrataError) -> None:
         """Back to the head of its partition after a backoff, or fail it for good."""
         now = self._clock()
-        if isinstance(exc, OutOfOrderSequenceError):
-            self._acc.out_of_order(batch)
         if exc.retriable and batch.attempts < self.config.retries:
             if isinstance(exc, STALE_METADATA_ERRORS):
                 self._cluster.request_update()

@@ -60,7 +60,8 @@ class LostReplyProxy:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
-        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+        async with asyncio.timeout(5):
+            up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         doomed: set[int] = set()  # correlation ids whose responses are to be lost
 
         async def requests() -> None:

@@ -530,10 +530,8 @@ def test_retried_batches_go_back_in_sequence_order_and_one_at_a_time() -> None:
         # the first failed; the others came back refused as out of order (their answers in order)
         acc.reenqueue(a[0], clock.now, NotLeaderError())
         for later in (b, c):
-            acc.out_of_order(later[0])
             acc.reenqueue(later[0], clock.now, OutOfOrderSequenceError())
         assert acc.is_muted(TP)  # d is still in flight: nothing goes before it is back
-        acc.out_of_order(d[0])
         acc.reenqueue(d[0], clock.now, OutOfOrderSequenceError())
         assert list(acc.batches(TP)) == [a[0], b[0], c[0], d[0]]
         for expected in (a, b, c, d):  # retries travel alone, one in flight at a time
@@ -555,7 +553,6 @@ def test_a_batch_lost_for_good_restarts_the_partitions_sequences() -> None:
         futures = [await acc.append(TP, b"r%02d" % i) for i in range(3)]
         a, b = acc.drain([TP], max_bytes=1), acc.drain([TP], max_bytes=1)
         acc.fail(a[0], BatchTooLargeError(1, 0))  # sequence 0 will never be stored: a gap
-        acc.out_of_order(b[0])
         acc.reenqueue(b[0], clock.now, OutOfOrderSequenceError())
         again = acc.drain([TP])
         # epoch 1 from sequence 0; the retried batch is restamped, the new one follows it
@@ -580,7 +577,6 @@ def test_out_of_order_right_after_the_last_acknowledged_batch_restarts_the_seque
         (a,) = acc.drain([TP], max_bytes=1)
         acc.complete(a, 0)
         (b,) = acc.drain([TP])
-        acc.out_of_order(b)
         acc.reenqueue(b, clock.now, OutOfOrderSequenceError())
         assert acc.drain([TP]) == [b] and producer_fields(b) == (77, 1, 0)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from storage.codec import check_batch, encode_batch, read_header
-from storage.codec.header import BatchHeader
+from storage.codec.header import DEDUP_WINDOW, BatchHeader
 from storage.errors import (
     CorruptBatchError,
     DuplicateSequenceError,
@@ -15,7 +15,7 @@ from storage.errors import (
     OutOfOrderSequenceError,
 )
 from storage.wal import PartitionLog
-from storage.wal.producers import DEDUP_WINDOW, Duplicate, ProducerStateTable
+from storage.wal.producers import Duplicate, ProducerStateTable
 from tests.wal_support import T0, config
 
 PID = 4242

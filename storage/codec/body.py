@@ -121,6 +121,8 @@ def _list_child(arr: pa.Array | None, n: int) -> tuple[Any, pa.Array | None]:
 #: per-call overhead is most of the cost of encoding one record: a producer with linger 0)
 SMALL_BATCH = 16
 _BYTES_OR_NONE = frozenset({bytes, type(None)})
+#: ``_OFFSETS[n]`` packs or unpacks the n + 1 int32 offsets of n entries, for small n
+_OFFSETS = [struct.Struct(f"<{i + 1}i") for i in range(64)]
 
 
 def _small_binary_parts(col: list[bytes | None], n: int) -> tuple[Any, Any, Any]:
@@ -137,11 +139,8 @@ def _small_binary_parts(col: list[bytes | None], n: int) -> tuple[Any, Any, Any]
     data = b"".join([v for v in col if v])
     if not data:
         return validity, _EMPTY, _EMPTY
-    offsets = _OFFSET_STRUCTS[n].pack(0, *accumulate([len(v) if v else 0 for v in col]))
+    offsets = _OFFSETS[n].pack(0, *accumulate([len(v) if v else 0 for v in col]))
     return validity, offsets, data
-
-
-_OFFSET_STRUCTS = [struct.Struct(f"<{i + 1}i") for i in range(SMALL_BATCH + 1)]
 
 
 def _small(col: Any) -> bool:
@@ -286,11 +285,6 @@ def _list_length(offsets: pa.Buffer, n: int, what: str) -> int:
 
 
 _I32 = np.dtype("<i4")
-_OFFSETS = [struct.Struct(f"<{i + 1}i") for i in range(64)]
-
-
-def _offsets(n: int) -> struct.Struct:
-    return _OFFSETS[n]
 
 
 def check_flat_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> None:
@@ -314,8 +308,8 @@ def check_flat_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> Non
         elif o != 4 * (n + 1):
             raise CorruptBatchError(f"{what} offsets have {o} bytes for {n} entries")
         else:
-            if n < 64:  # a few ints: cheaper in Python than numpy's per-call overhead
-                small = _offsets(n).unpack_from(buf, at)
+            if n < len(_OFFSETS):  # a few ints: cheaper in Python than numpy's call overhead
+                small = _OFFSETS[n].unpack_from(buf, at)
                 bad = small[0] < 0 or small[n] > d or list(small) != sorted(small)
             else:
                 offsets = np.frombuffer(buf, dtype=_I32, count=n + 1, offset=at)

@@ -82,6 +82,13 @@ ATTR_CONTROL = 0x20
 _ATTR_KNOWN = ATTR_COMPRESSION_MASK | ATTR_TRANSACTIONAL | ATTR_CONTROL
 
 
+#: idempotent producers' sequence numbers count records per partition modulo 2**31
+SEQUENCE_MASK = 0x7FFFFFFF
+#: a partition leader recognises retries of a producer's last this many batches, so a
+#: producer keeps at most this many batches of a partition in flight
+DEDUP_WINDOW = 5
+
+
 def padded(n: int) -> int:
     """``n`` rounded up to the batch alignment."""
     return (n + ALIGNMENT - 1) & ~(ALIGNMENT - 1)

@@ -41,7 +41,7 @@ import bisect
 import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -130,16 +130,12 @@ class PartitionLog:
         self.epochs: list[tuple[int, int]] = []
         #: idempotent producers' last batches (``storage.wal.producers``)
         self.producers = ProducerStateTable()
-        self.producers.rebuild(self._walk_epochs(), clock())
-
-    def _walk_epochs(self) -> Iterator[BatchHeader]:
-        """Every stored batch's header, oldest first, filling the leader-epoch cache on the way."""
-        self.epochs.clear()
-        for seg in self._segments:
+        now = clock()
+        for seg in segments:
             for h, _ in seg.walk(0):
                 if not self.epochs or self.epochs[-1][0] != h.leader_epoch:
                     self.epochs.append((h.leader_epoch, h.base_offset))
-                yield h
+                self.producers.update(h, now)  # a reopened log counts as activity
 
     # ---- opening -----------------------------------------------------------------------
     @classmethod

@@ -22,7 +22,7 @@ Rules for a batch of producer ``p`` with epoch ``e`` and sequences ``[first, las
 The table is rebuilt from the batch headers of the local log when the log opens, and trimmed
 when it is truncated (the headers are replicated with the batches, so a follower that becomes leader has
 the same state), and updated by every append, a leader's and a follower's alike. Producers
-idle for :data:`EXPIRATION_S` are forgotten (a rebuild counts as activity), and at most :data:`MAX_PRODUCERS` are kept per
+idle for :data:`EXPIRATION_S` are forgotten (reopening the log counts as activity), and at most :data:`MAX_PRODUCERS` are kept per
 partition (the least recently used goes first): the table is bounded.
 """
 
@@ -32,7 +32,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from storage.codec.header import BatchHeader
+from storage.codec.header import DEDUP_WINDOW, SEQUENCE_MASK, BatchHeader
 from storage.errors import (
     CorruptBatchError,
     DuplicateSequenceError,
@@ -40,10 +40,6 @@ from storage.errors import (
     OutOfOrderSequenceError,
 )
 
-SEQUENCE_MASK = 0x7FFFFFFF
-#: batches per producer whose retries are recognised (Kafka's value; the SDK keeps at most
-#: this many requests in flight per partition)
-DEDUP_WINDOW = 5
 #: producers per partition; the least recently used is forgotten beyond it
 MAX_PRODUCERS = 10_000
 #: a producer silent this long is forgotten (Kafka's producer.id.expiration.ms, 1 day)
@@ -188,9 +184,3 @@ class ProducerStateTable:
                 batches.pop()
             if not batches:
                 del self._producers[pid]
-
-    def rebuild(self, headers: Iterable[BatchHeader], now: float) -> None:
-        """Forget everything and replay the stored batches' headers, oldest first."""
-        self._producers.clear()
-        for h in headers:
-            self.update(h, now)
