@@ -23,6 +23,7 @@ from storage.codec import (
     iter_batches,
     read_header,
 )
+from storage.codec.batch import CrcVerifier
 from storage.errors import CorruptBatchError, InvalidRequestError
 from tests.codec_support import columns
 
@@ -221,3 +222,50 @@ def test_decode_batches_concatenation() -> None:
 def test_decode_batches_trailing_garbage(garbage: bytes) -> None:
     with pytest.raises(CorruptBatchError):
         decode_batches(STREAM + garbage)
+
+
+# ---- CrcVerifier: the CRCs of a stream of batches checked as it goes by ----------------------
+
+
+def _feed(verifier: CrcVerifier, data: bytes, cuts: Iterable[int]) -> None:
+    points = sorted({0, *(c for c in cuts if 0 < c < len(data)), len(data)})
+    for a, b in pairwise(points):
+        verifier.feed(memoryview(data)[a:b])
+
+
+@settings(max_examples=100, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(STREAM)), max_size=40))
+def test_crc_verifier_checks_every_batch_however_the_stream_is_cut(cuts: list[int]) -> None:
+    v = CrcVerifier(0, 0)
+    _feed(v, STREAM, cuts)
+    assert v.verified == len(STREAM) and not v.stopped
+    assert v.covers(STARTS[1], ENDS[3]) and v.covers(0, len(STREAM))
+
+
+@settings(max_examples=60, deadline=None)
+@given(cuts=st.lists(st.integers(0, len(STREAM)), max_size=20), which=st.integers(0, 4))
+def test_crc_verifier_stops_at_the_first_damaged_batch(cuts: list[int], which: int) -> None:
+    damaged = bytearray(STREAM)
+    damaged[STARTS[which] + 40] ^= 0x01  # inside the CRC-covered header fields
+    v = CrcVerifier(0, 0)
+    _feed(v, bytes(damaged), cuts)
+    assert v.stopped
+    assert v.verified == STARTS[which]  # every batch before it, none from it on
+    assert v.covers(0, STARTS[which]) and not v.covers(STARTS[which], ENDS[which])
+
+
+def test_crc_verifier_starts_mid_stream_at_a_known_boundary_and_stops_at_a_bad_length() -> None:
+    # the stream starts inside batch 0 (as a ranged GET from a block does); checking begins
+    # at batch 2's start; bytes before it are not looked at
+    start = STARTS[0] + 100
+    v = CrcVerifier(start, STARTS[2])
+    _feed(v, STREAM[start:], [7, 300, 301])
+    assert v.verified == len(STREAM)
+    assert v.covers(STARTS[2], len(STREAM)) and not v.covers(STARTS[1], len(STREAM))
+    torn = bytearray(STREAM)
+    torn[STARTS[3] + 8 : STARTS[3] + 12] = (5).to_bytes(4, "little")  # an impossible length
+    v = CrcVerifier(0, 0)
+    v.feed(bytes(torn))
+    assert v.stopped and v.verified == STARTS[3]
+    with pytest.raises(ValueError):
+        CrcVerifier(100, 99)

@@ -12,12 +12,14 @@ a typed error, never served.
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 
-from storage.codec import encode_batch, iter_batches, stamp
-from storage.errors import CorruptBatchError
+import storage.tier.reader as reader_module
+from storage.codec import check_batch, encode_batch, iter_batches, stamp
+from storage.errors import CorruptBatchError, ObjectStoreError
 from storage.tier import BlockCache, ObjectStore, ObjectStoreConfig, SegmentEntry, TierReader
 from storage.tier.layout import build_footer, decode_footer
 from tests.faulty_proxy import FaultyProxy
@@ -77,9 +79,16 @@ async def _read_all(
 
 
 def test_sequential_read_returns_the_stored_batches_with_few_large_gets(
-    s3: S3Target, s3_credentials: S3Target
+    s3: S3Target, s3_credentials: S3Target, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     segs = [_segment(0, 40, 50), _segment(2000, 40, 50)]
+    checked_at_read = []  # batches a read checked itself: none, the receiving thread did
+
+    def counting_check(*args: Any, **kwargs: Any) -> Any:
+        checked_at_read.append(1)
+        return check_batch(*args, **kwargs)
+
+    monkeypatch.setattr(reader_module, "check_batch", counting_check)
     keys = ["seg-a", "seg-b"]
     _upload(s3, [(k, body) for k, (_, body, _) in zip(keys, segs, strict=True)])
     blocks = sum(-(-entry.data_length // BLOCK) for _, _, entry in segs)
@@ -100,9 +109,10 @@ def test_sequential_read_returns_the_stored_batches_with_few_large_gets(
 
     got, gets, watch = asyncio.run(run())
     assert got == segs[0][0] + segs[1][0]
-    # two footers plus one streamed GET per segment object, however many blocks
+    # one streamed GET per segment object (its footer included), however many blocks
     assert blocks > 30
-    assert gets == 4, (gets, blocks)
+    assert gets == 2, (gets, blocks)
+    assert not checked_at_read
     # bounded: cached blocks and blocks in flight share the cache's arena
     assert max(watch) <= cache
 
@@ -225,8 +235,10 @@ def test_one_get_streams_each_segment_and_an_idle_stream_closes(
 
     got, first_half, total, reserved = asyncio.run(run())
     assert got == data
-    assert first_half == 2  # the footer, then one streamed GET for everything read so far
-    assert total == 3  # after the pause: one new stream from where the reader stood
+    # one streamed GET of the whole object for everything read so far: a read from the
+    # segment's first offset needs no footer, and each later read starts where the last ended
+    assert first_half == 1
+    assert total == 2  # after the pause: one new (ranged) stream from where the reader stood
     assert reserved == 0
 
 
@@ -266,3 +278,59 @@ def test_streams_waiting_for_slots_are_bounded_and_misses_past_the_bound_still_r
     outs, most = asyncio.run(run())
     assert outs == [data for data, _, _ in segs]
     assert most == 1
+
+
+def test_the_whole_object_stream_brings_the_footer_for_later_lookups(
+    s3: S3Target, s3_credentials: S3Target
+) -> None:
+    """A catch-up from a segment's first offset is one GET of the whole object, no footer GET
+    first; the footer arrives at the stream's end and serves later random reads and timestamp
+    lookups without another request. Where each read ended is remembered, boundedly."""
+    data, body, entry = _segment(0, 30, 40)
+    _upload(s3, [("seg-w", body)])
+    positions = [p for _, p in iter_batches(data)]
+
+    async def run() -> tuple[bytes, bytes, int | None, int, int]:
+        store = _store(s3)
+        reader = TierReader(
+            store, cache_bytes=4 << 20, block_bytes=BLOCK, readahead_blocks=64, max_positions=3
+        )
+        try:
+            out = await _read_all(reader, [("seg-w", entry)], 48 << 10, [])
+            await asyncio.gather(*reader._background)  # the stream has ended with the footer
+            assert "seg-w" in reader._footers
+            middle = await reader.read("seg-w", entry, 17 * 40 + 5, 1)  # batch 17
+            ts = await reader.offset_for_timestamp("seg-w", entry, 1_700_000_000_000 + 401)
+            return out, bytes(middle), ts, store.requests.get("GET", 0), len(reader._positions)
+        finally:
+            await reader.close()
+            store.close()
+
+    out, middle, ts, gets, remembered = asyncio.run(run())
+    assert out == data
+    assert middle == data[positions[17] : positions[18]]
+    assert ts == 440  # every record of a batch carries its first offset's timestamp
+    assert gets == 1
+    assert remembered == 3
+
+
+def test_a_whole_object_get_of_the_wrong_size_is_refused(
+    s3: S3Target, s3_credentials: S3Target
+) -> None:
+    """The manifest says how long the object is; a whole-object GET that answers another length
+    (the object replaced behind the manifest's back) is an error, not bytes to serve."""
+    _, body, entry = _segment(0, 10, 40)
+    _upload(s3, [("seg-l", body + b"\0" * 100)])
+
+    async def run() -> None:
+        store = _store(s3, max_attempts=2)
+        store._backoff = lambda attempt: 0.01  # type: ignore[method-assign]
+        reader = TierReader(store, cache_bytes=1 << 20, block_bytes=BLOCK, readahead_blocks=2)
+        try:
+            with pytest.raises(ObjectStoreError, match="bytes"):
+                await reader.read("seg-l", entry, 0, 1 << 20)
+        finally:
+            await reader.close()
+            store.close()
+
+    asyncio.run(run())

@@ -312,3 +312,69 @@ class BatchFramer:
             raise CorruptBatchError(
                 f"{self.buffered} bytes of a torn batch at end of input", position=self.consumed
             )
+
+
+class CrcVerifier:
+    """Checks the CRC32C of each batch of a byte stream as the stream goes by, without holding
+    on to it (sans-IO): ``feed`` it the stream's bytes in order, from position ``start``;
+    checking begins at ``boundary`` (a batch boundary at or after ``start``; the bytes before
+    it are skipped).
+
+    ``verified`` is the stream position up to which every batch from ``boundary`` on was whole
+    and intact. Checking stops for good at the first batch whose length field or CRC is wrong
+    (``verified`` stays at its start): whoever reads those bytes checks them itself
+    (``check_batch``) and reports the error. Only the CRC and the length field are looked at
+    here; a reader still parses each header it serves (``read_header``).
+    """
+
+    __slots__ = ("_crc", "_end", "_expect", "_head", "_pos", "boundary", "stopped", "verified")
+
+    def __init__(self, start: int, boundary: int) -> None:
+        if boundary < start:
+            raise ValueError(f"boundary {boundary} before the stream's start {start}")
+        self.boundary = boundary
+        self.verified = boundary
+        self.stopped = False
+        self._pos = start  # stream position of the next byte fed
+        self._end = boundary  # end of the batch being checked (at it: a header comes next)
+        self._head = bytearray()  # the first CRC_START bytes of the next batch, as they come
+        self._crc = 0
+        self._expect = 0
+
+    def covers(self, start: int, end: int) -> bool:
+        """Whether every batch in ``[start, end)`` (whole batches) has been checked."""
+        return self.boundary <= start and end <= self.verified
+
+    def feed(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        i = 0
+        if self._pos < self.boundary:  # skip up to the first batch boundary
+            i = min(n, self.boundary - self._pos)
+            self._pos += i
+        while i < n and not self.stopped:
+            if self._pos == self._end:  # a batch header: its length and CRC fields
+                take = min(CRC_START - len(self._head), n - i)
+                self._head += view[i : i + take]
+                i += take
+                if len(self._head) < CRC_START:
+                    break
+                size = int.from_bytes(self._head[8:12], "little", signed=True) + 12
+                if size < HEADER_SIZE or size % 8 or size > MAX_BATCH_SIZE:
+                    self.stopped = True
+                    break
+                self._expect = CRC_FIELD.unpack_from(self._head, CRC_OFFSET)[0]
+                self._end = self._pos + size
+                self._pos += CRC_START
+                self._head.clear()
+                self._crc = 0
+            take = min(self._end - self._pos, n - i)
+            self._crc = crc32c(view[i : i + take], self._crc)
+            i += take
+            self._pos += take
+            if self._pos == self._end:
+                if self._crc != self._expect:
+                    self.stopped = True
+                    break
+                self.verified = self._pos
+        self._pos += n - i  # past a stop: only the position moves

@@ -77,10 +77,12 @@ class _Transfer:
         pos: int,
         end: int,
         idle: float,
+        inspect: Callable[[memoryview], None] | None = None,
     ) -> None:
         self.loop = loop
         self.targets = targets
         self.filled = filled
+        self.inspect = inspect
         self.pos = pos  # where the current (or next) buffer starts in the object
         self.end = end
         self.idle = idle
@@ -367,9 +369,16 @@ class ObjectStore:
         released: Callable[[], None],
         *,
         idle: float = 2.0,
+        whole: bool = False,
+        inspect: Callable[[memoryview], None] | None = None,
     ) -> None:
         """Stream bytes from ``start`` (up to ``end``) of ``key`` into the buffers ``targets``
-        hands over, in order, with one GET per attempt.
+        hands over, in order, with one GET per attempt. ``whole``: ``[start, end)`` is the whole
+        object (``start`` 0, ``end`` its size), asked for without a ``Range`` (an S3
+        implementation may serve a range by slicing the whole object first) and refused unless
+        the object is ``end`` bytes long; a retry resumes with a range. ``inspect(buffer)`` runs
+        on the worker thread on each buffer once it holds its bytes, before ``filled`` is posted
+        (while the bytes are likely still in the CPU's cache).
 
         The transfer waits up to ``idle`` seconds for each next buffer, so a sequential reader
         hands buffers over as it makes room and one long GET serves its whole catch-up (TCP
@@ -386,13 +395,13 @@ class ObjectStore:
         may the caller reuse the buffers that were not filled.
         """
         loop = asyncio.get_running_loop()
-        state = _Transfer(loop, targets, filled, start, end, idle)
+        state = _Transfer(loop, targets, filled, start, end, idle, inspect)
         attempt = 0
         try:
             while not state.over and state.pos < end:
                 what = f"GET {key} bytes={state.pos}-{end - 1}"
                 self.requests["GET"] = self.requests.get("GET", 0) + 1
-                worker = loop.run_in_executor(self._pool, self._receive, key, state)
+                worker = loop.run_in_executor(self._pool, self._receive, key, state, whole)
                 try:
                     await asyncio.shield(worker)
                     continue
@@ -411,7 +420,7 @@ class ObjectStore:
         finally:
             released()
 
-    def _receive(self, key: str, state: _Transfer) -> None:
+    def _receive(self, key: str, state: _Transfer, whole: bool) -> None:
         """One attempt of ``read_into``, on a worker thread."""
         if state.current is None:  # wait for a buffer before opening a connection
             state.current = state.targets.take(state.idle)
@@ -419,13 +428,20 @@ class ObjectStore:
                 state.over = True
                 return
         first, last = state.pos, state.end - 1
-        resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}")
+        if whole and first == 0:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            asked, got = f"{state.end} bytes", resp.get("ContentLength")
+            ok = got == state.end
+        else:
+            rng = f"bytes={first}-{last}"
+            resp = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)
+            asked, got = rng, str(resp.get("ContentRange", ""))
+            # S3 answers a range it cannot serve with the whole object (200, no range)
+            ok = got.startswith(f"bytes {first}-{last}/")
         body = resp["Body"]
         try:
-            got_range = str(resp.get("ContentRange", ""))
-            if not got_range.startswith(f"bytes {first}-{last}/"):
-                # S3 answers a range it cannot serve with the whole object (200, no range)
-                raise ObjectStoreError(f"GET {key}: asked bytes {first}-{last}, got {got_range!r}")
+            if not ok:
+                raise ObjectStoreError(f"GET {key}: asked {asked}, got {got!r}")
             receive = _receiver(body)
             while True:
                 view = state.current
@@ -451,6 +467,8 @@ class ObjectStore:
                         raise TimeoutError(f"{got} of {view.nbytes} bytes by the deadline")
                 state.pos += got
                 state.current = None
+                if state.inspect is not None:
+                    state.inspect(view)
                 _post(state.loop, state.filled, state.count)
                 state.count += 1
                 if state.pos >= state.end:
