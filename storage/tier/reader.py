@@ -18,11 +18,12 @@ so a consumer catching up sequentially is served by one GET per segment object a
 its next blocks already received. A stream from a segment's first block asks for the whole
 object (no range) and hands its footer over at the end; a read needs the footer only to
 find where an offset starts, and a sequential reader never does: a segment's first offset
-is at position 0 and every read remembers where the next offset starts. A stream left without new slots for a moment closes
-(its connection is paused by TCP flow control meanwhile). Concurrent readers of one block
-share one fetch. At most ``max_streams`` streams stay open waiting for slots; past that a
-miss is served by a stream that ends with its block. Memory: the arena, ``cache_bytes``,
-for cached blocks and blocks in flight together; read-ahead reserves at most half of it.
+is at position 0 and every read remembers where the next offset starts. A stream left
+without new slots for a moment closes (its connection is paused by TCP flow control
+meanwhile). Concurrent readers of one block share one fetch. At most ``max_streams``
+streams stay open waiting for slots; past that a miss is served by a stream that ends with
+its block. Memory: the arena, ``cache_bytes``, for cached blocks and blocks in flight
+together; read-ahead reserves at most half of it.
 """
 
 from __future__ import annotations
@@ -392,18 +393,23 @@ class TierReader:
                 window.append((nkey, nentry, j))
                 j += 1
         run: list[tuple[str, SegmentEntry, int]] = []
+
+        def fetch() -> None:
+            # a batch starts at ``end``: where a stream opened in this segment checks from
+            self._fetch(run, boundary=end if run[0][0] == key else None)
+
         for w in window:
             if (w[0], w[2]) in self._inflight or (w[0], w[2]) in self.cache:
                 if run:
-                    self._fetch(run, boundary=end)
+                    fetch()
                     run = []
                 continue
             if run and w[0] != run[-1][0]:
-                self._fetch(run, boundary=end)
+                fetch()
                 run = []
             run.append(w)
         if run:
-            self._fetch(run, boundary=end)
+            fetch()
 
     def _fetch(
         self,
