@@ -234,6 +234,8 @@ class Apis:
                                 f" {p.state.leader_epoch}"
                             )
                         p.follower_fetched(req.replica_id, fp.fetch_offset, time.monotonic())
+                        if p.rejoins(req.replica_id):
+                            self.agent.isr.wake()
                     r.high_watermark = p.high_watermark
                     r.log_start_offset = self.agent.tiering.log_start(p)
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch

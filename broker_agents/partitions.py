@@ -101,6 +101,19 @@ class Partition:
             self.hw = hw
             self.notify()
 
+    def rejoins(self, replica: int) -> bool:
+        """Whether ``replica``, a follower outside the ISR, has reached the high watermark (and
+        this leader's first offset: nothing it has of an older epoch can be divergent)."""
+        leo = self.follower_leo.get(replica)
+        if leo is None or replica in self.state.isr or self.role != "leader":
+            return False
+        epoch_start = (
+            self.log.end_offset_for_epoch(self.state.leader_epoch - 1)[1]
+            if self.state.leader_epoch
+            else 0
+        )
+        return leo >= max(self.hw, epoch_start)
+
     def isr_changes(self, now: float, lag_max_s: float) -> list[int] | None:
         """The ISR this leader wants now (None: keep it): drop followers that have not been
         caught up for ``lag_max_s``, take back followers that reached the high watermark."""
@@ -109,18 +122,8 @@ class Partition:
             for r in self.state.isr
             if r == self.agent_id or now - self.caught_up_at.get(r, self.leader_since) <= lag_max_s
         ]
-        epoch_start = (
-            self.log.end_offset_for_epoch(self.state.leader_epoch - 1)[1]
-            if self.state.leader_epoch
-            else 0
-        )
         for r in self.state.replicas:
-            if (
-                r not in isr
-                and r in self.follower_leo
-                and self.follower_leo[r] >= max(self.hw, epoch_start)
-                and now - self.caught_up_at.get(r, 0) <= lag_max_s
-            ):
+            if r not in isr and self.rejoins(r) and now - self.caught_up_at.get(r, 0) <= lag_max_s:
                 isr.append(r)
         if self.agent_id not in isr:
             isr.insert(0, self.agent_id)

@@ -266,17 +266,29 @@ class IsrMaintenance:
     that have not been caught up for that long and takes back followers that have reached the
     high watermark, writing the new ISR to ZooKeeper with compare-and-set (a controller that
     changed the partition meanwhile wins; the watch brings its state). The high watermark
-    follows from the new ISR when the watch delivers it."""
+    follows from the new ISR when the watch delivers it.
 
-    def __init__(self, agent: Agent) -> None:
+    A follower outside the ISR whose fetch brings it up to the high watermark does not wait
+    for the tick: the fetch ``wake``s the check (as Kafka expands the ISR on that fetch), at
+    most one check per ``min_interval`` seconds, however many partitions ask."""
+
+    def __init__(self, agent: Agent, *, min_interval: float = 0.1) -> None:
         self.agent = agent
         self.changes = 0
+        self.min_interval = min_interval
+        self._wake = asyncio.Event()
+
+    def wake(self) -> None:
+        self._wake.set()
 
     async def run(self) -> None:
         lag = self.agent.config.replica_lag_time_max_ms / 1000
         while True:
-            await asyncio.sleep(lag / 2)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), lag / 2)
+            self._wake.clear()
             await self.check(lag)
+            await asyncio.sleep(self.min_interval)
 
     async def check(self, lag: float) -> None:
         pm = self.agent.partitions
@@ -298,6 +310,8 @@ class IsrMaintenance:
                 or current.leader_epoch != p.state.leader_epoch
             ):
                 continue  # not ours any more: the watch will say so
+            if sorted(current.isr) == sorted(isr):
+                continue  # already written; the watch has not brought it yet
             new = current.model_copy(update={"isr": isr})
             try:
                 await self.agent.store.cas_partition_state(p.topic, p.index, new, version)

@@ -375,3 +375,33 @@ def test_moving_a_partition_onto_a_new_agent_under_load_loses_nothing(cluster: C
     gap = max(b - a for a, b in itertools.pairwise(times))
     assert gap < 5.0, f"acknowledgements stopped for {gap:.1f} s"
     print(f"{len(acked)} acknowledged across the move, longest gap {gap * 1000:.0f} ms")
+
+
+def test_a_follower_that_catches_up_rejoins_the_isr_on_its_fetch(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """A restarted follower goes back into the ISR on the fetch that brings it up to the high
+    watermark, as in Kafka, not on the leader's next ISR tick (half
+    ``replica.lag.time.max.ms``): until then acks=all is one failure from unavailable. The
+    tick here is 60 s, far past the deadline below."""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    slow_tick = "replica.lag.time.max.ms=120000"
+    for agent_id in (1, 2, 3):
+        cluster.start_agent(agent_id, slow_tick)
+    cluster.create_topic(TOPIC, 1, 3, {"min.insync.replicas": 2})
+    cluster.wait_for_leaders(TOPIC)
+    st = _wait_isr(cluster, 3)
+    follower = next(r for r in st.replicas if r != st.leader_id)
+    cluster.stop(follower)
+    _wait_isr(cluster, 2)  # the controller takes it out when its session ends
+
+    async def produce() -> None:
+        async with Producer({"bootstrap.servers": cluster.bootstrap, "acks": "all"}) as p:
+            for i in range(50):
+                await p.send(TOPIC, b"while-away-%d" % i, partition=0)
+            await p.flush()
+
+    asyncio.run(produce())  # the follower has records to catch up on
+    cluster.start_agent(follower, slow_tick)
+    st = _wait_isr(cluster, 3, timeout=20)
+    assert follower in st.isr
