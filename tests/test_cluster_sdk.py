@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
 
-from sdk import Consumer, Producer, TopicPartition
+from sdk import Consumer, Producer, RecordMetadata, TopicPartition
 from sdk.partitioner import murmur2, to_positive
 from tests.cluster import SESSION_TIMEOUT_MS, Cluster
 from tests.harness import ProcessGroup, ZooKeeperChroot
@@ -47,12 +47,22 @@ async def _consume_all(
     return {p: pa.concat_tables(ts) for p, ts in tables.items()}
 
 
-async def _consume_to_end(bootstrap: str, topic: str) -> dict[int, pa.Table]:
+async def _consume_to_end(
+    bootstrap: str, topic: str, acked: dict[int, int], deadline_s: float = 30
+) -> dict[int, pa.Table]:
+    """Everything up to the high watermarks, once each partition's has passed ``acked`` (its
+    last acknowledged offset): with acks=1 an acknowledged record is readable only when the
+    followers in the ISR have fetched it, a moment after the acknowledgement."""
     async with Consumer(
         {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}
     ) as consumer:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
-        ends = await consumer.end_offsets(tps)
+        async with asyncio.timeout(deadline_s):
+            while True:
+                ends = await consumer.end_offsets(tps)
+                if all(ends[tp] > acked.get(tp.partition, -1) for tp in tps):
+                    break
+                await asyncio.sleep(0.05)  # polling ListOffsets: no event to await client-side
     return await _consume_all(bootstrap, topic, sum(ends.values()))
 
 
@@ -101,7 +111,7 @@ def test_a_producer_with_retries_keeps_producing_through_a_leader_kill(cluster: 
     victim = leaders[0].leader_id
     n = 6000
 
-    async def run() -> tuple[list[int], float]:
+    async def run() -> tuple[list[RecordMetadata], float]:
         async with Producer(
             {
                 "bootstrap.servers": cluster.bootstrap,
@@ -124,16 +134,19 @@ def test_a_producer_with_retries_keeps_producing_through_a_leader_kill(cluster: 
                     await asyncio.sleep(0.01)  # a steady rate across the failover
             metas = await asyncio.gather(*futures)
             recovered = time.monotonic() - killed_at
-        return [m.offset for m in metas], recovered
+        return metas, recovered
 
-    offsets, recovered = asyncio.run(run())
-    assert len(offsets) == n and all(o >= 0 for o in offsets)
+    metas, recovered = asyncio.run(run())
+    assert len(metas) == n and all(m.offset >= 0 for m in metas)
     after = cluster.wait_for_leaders("busy", exclude={victim})
     assert all(md.leader_id != victim for md in after.values())
     assert recovered < SESSION_TIMEOUT_MS / 1000 + 30
     # everything sent after the kill was acknowledged by live leaders and is there to read
     # (acks=1: what the dead leader had not yet replicated may be gone; acks=all is issue 6)
-    tables = asyncio.run(_consume_to_end(cluster.bootstrap, "busy"))
+    acked: dict[int, int] = {}
+    for m in metas[n // 3 + 1 :]:
+        acked[m.partition] = max(acked.get(m.partition, -1), m.offset)
+    tables = asyncio.run(_consume_to_end(cluster.bootstrap, "busy", acked))
     values = set()
     for table in tables.values():
         values.update(pc.cast(pc.cast(table.column("value"), pa.string()), pa.int64()).to_pylist())
@@ -164,7 +177,10 @@ def test_send_batch_stores_runs_where_its_metadata_says(cluster: Cluster) -> Non
     for a, b in itertools.pairwise(keyless):
         assert b.base_offset == a.base_offset + a.record_count
     assert sum(r.record_count for r in keyed) == n - 5000
-    tables = asyncio.run(_consume_to_end(cluster.bootstrap, "bulk"))
+    acked: dict[int, int] = {}
+    for r in [*keyless, *keyed]:
+        acked[r.partition] = max(acked.get(r.partition, -1), r.base_offset + r.record_count - 1)
+    tables = asyncio.run(_consume_to_end(cluster.bootstrap, "bulk", acked))
     by_value = {}
     for p, table in tables.items():
         for offset, key, value, ts in zip(
