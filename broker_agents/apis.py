@@ -233,8 +233,10 @@ class Apis:
                                 f"fetch for epoch {fp.current_leader_epoch}, the leader is at"
                                 f" {p.state.leader_epoch}"
                             )
-                        p.follower_fetched(req.replica_id, fp.fetch_offset, time.monotonic())
-                        if p.rejoins(req.replica_id):
+                        now = time.monotonic()
+                        p.follower_fetched(req.replica_id, fp.fetch_offset, now)
+                        lag = self.agent.config.replica_lag_time_max_ms / 1000
+                        if p.rejoins(req.replica_id, now, lag):
                             self.agent.isr.wake()
                     r.high_watermark = p.high_watermark
                     r.log_start_offset = self.agent.tiering.log_start(p)

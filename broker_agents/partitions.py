@@ -101,11 +101,17 @@ class Partition:
             self.hw = hw
             self.notify()
 
-    def rejoins(self, replica: int) -> bool:
+    def rejoins(self, replica: int, now: float, lag_max_s: float) -> bool:
         """Whether ``replica``, a follower outside the ISR, has reached the high watermark (and
-        this leader's first offset: nothing it has of an older epoch can be divergent)."""
+        this leader's first offset: nothing it has of an older epoch can be divergent) and has
+        been caught up within ``lag_max_s``."""
         leo = self.follower_leo.get(replica)
-        if leo is None or replica in self.state.isr or self.role != "leader":
+        if (
+            leo is None
+            or replica in self.state.isr
+            or self.role != "leader"
+            or now - self.caught_up_at.get(replica, 0) > lag_max_s
+        ):
             return False
         epoch_start = (
             self.log.end_offset_for_epoch(self.state.leader_epoch - 1)[1]
@@ -123,7 +129,7 @@ class Partition:
             if r == self.agent_id or now - self.caught_up_at.get(r, self.leader_since) <= lag_max_s
         ]
         for r in self.state.replicas:
-            if r not in isr and self.rejoins(r) and now - self.caught_up_at.get(r, 0) <= lag_max_s:
+            if r not in isr and self.rejoins(r, now, lag_max_s):
                 isr.append(r)
         if self.agent_id not in isr:
             isr.insert(0, self.agent_id)
