@@ -176,19 +176,20 @@ def test_a_cache_slot_is_not_reused_while_a_view_of_it_lives() -> None:
     assert first is not None
     cache.slot_view(first, 4096)[:] = b"a" * 4096
     cache.commit(("k", 0), first, 4096)
-    viewed = cache.get(("k", 0))
-    assert viewed is not None
+    found = cache.lookup(("k", 0))
+    assert found is not None
+    viewed = found[0]
     second = cache.reserve()
     assert second is not None
     cache.commit(("k", 1), second, 4096)
-    cache.get(("k", 1))  # ("k", 0) is now the least recently used
+    cache.lookup(("k", 1))  # ("k", 0) is now the least recently used
     again = cache.reserve()  # ("k", 0) is viewed: it is dropped, its slot held; ("k", 1) goes
     assert again == second
     cache.slot_view(again, 4096)[:] = b"b" * 4096
     assert ("k", 0) not in cache and ("k", 1) not in cache
     assert cache.reserve() is None  # one slot being filled, the other still viewed
     assert bytes(viewed) == b"a" * 4096
-    del viewed
+    del viewed, found
     assert cache.reserve() == first  # the view is gone: the slot is free again
 
 

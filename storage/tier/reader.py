@@ -63,11 +63,11 @@ class BlockCache:
     Slots are reused as blocks are evicted, so a long catch-up read receives into warm memory
     instead of faulting in fresh pages.
 
-    A slot is free, reserved (a fetch is writing into it), or holds one cached block. ``get``
-    hands out a view of the slot without copying; a slot that still has views alive when its
-    block is evicted is *held* — out of the cache, not reused — until the last view is gone
-    (each slot is one numpy array over the arena, and every memoryview of it keeps a
-    reference to it, so "no views" is its reference count back at the cache's own).
+    A slot is free, reserved (a fetch is writing into it), or holds one cached block.
+    ``lookup`` hands out a view of the slot without copying; a slot that still has views
+    alive when its block is evicted is *held* — out of the cache, not reused — until the last
+    view is gone (each slot is one numpy array over the arena, and every memoryview of it
+    keeps a reference to it, so "no views" is its reference count back at the cache's own).
     """
 
     def __init__(self, max_bytes: int, block_bytes: int) -> None:
@@ -90,10 +90,6 @@ class BlockCache:
         self.reserved = 0  # slots being filled
         self.hits = 0
         self.misses = 0
-
-    def get(self, key: Any) -> memoryview | None:
-        found = self.lookup(key)
-        return None if found is None else found[0]
 
     def lookup(self, key: Any) -> tuple[memoryview, Any] | None:
         """A view of ``key``'s block and its tag, or None."""
