@@ -296,18 +296,26 @@ class ProducerBatch:
         With a ``sequencer`` the batch takes the partition's next sequence numbers."""
         if self.encoded is None:
             self.closed = True
-            producer: dict[str, int] = {}
+            pid = epoch = seq = -1
             if sequencer is not None:
                 pid, epoch, seq = sequencer.assign(self.tp, self.record_count)
-                producer = {"producer_id": pid, "producer_epoch": epoch, "base_sequence": seq}
             try:
-                self.encoded = self._encode(encoder, compression, producer)
+                self.encoded = encoder(
+                    self.values,
+                    keys=self.keys if self.has_keys else None,
+                    timestamps=self.timestamps,
+                    headers=self.headers if self.has_headers else None,
+                    tags=self.tags if self.has_tags else None,
+                    compression=compression,
+                    producer_id=pid,
+                    producer_epoch=epoch,
+                    base_sequence=seq,
+                )
             except BaseException:
-                if sequencer is not None:  # never sent: give the sequences back
-                    sequencer.state(self.tp).next_sequence = producer["base_sequence"]
+                if sequencer is not None:  # never sent: the sequences are free again
+                    sequencer.unassign(self.tp, seq)
                 raise
-            if sequencer is not None:
-                self.producer_id, self.producer_epoch, self.sequence = pid, epoch, seq
+            self.producer_id, self.producer_epoch, self.sequence = pid, epoch, seq
             self.values = self.keys = []
             self.headers = []
             self.tags = []
@@ -318,19 +326,6 @@ class ProducerBatch:
         assert self.encoded is not None
         self.encoded = with_producer(self.encoded, producer_id, epoch, sequence)
         self.producer_id, self.producer_epoch, self.sequence = producer_id, epoch, sequence
-
-    def _encode(
-        self, encoder: Encoder, compression: Compression, producer: dict[str, int]
-    ) -> bytes:
-        return encoder(
-            self.values,
-            keys=self.keys if self.has_keys else None,
-            timestamps=self.timestamps,
-            headers=self.headers if self.has_headers else None,
-            tags=self.tags if self.has_tags else None,
-            compression=compression,
-            **producer,
-        )
 
 
 class RecordAccumulator:

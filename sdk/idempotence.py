@@ -75,6 +75,11 @@ class Sequencer:
         st.next_sequence = (seq + count) & SEQUENCE_MASK
         return st.producer_id, st.epoch, seq
 
+    def unassign(self, tp: TopicPartition, sequence: int) -> None:
+        """Take back the sequences ``assign`` just gave from ``sequence`` on (the batch could
+        not be encoded, so it was never sent)."""
+        self.state(tp).next_sequence = sequence
+
     def acknowledged(self, tp: TopicPartition, epoch: int, sequence: int, count: int) -> None:
         st = self.state(tp)
         if epoch != st.epoch:

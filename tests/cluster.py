@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sdk import Consumer
 from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 from storage.protocol import encode_request, parse_response, read_size
 from storage.protocol import messages as m
@@ -264,3 +265,13 @@ def fetch_request(
         0,
         [m.FetchTopic(topic, [m.FetchPartition(partition, offset, max_bytes)])],
     )
+
+
+async def read_records(consumer: Consumer, count: int, deadline_s: float = 30) -> list[Any]:
+    """``count`` records from the consumer's assignment, as ``getmany`` gives them."""
+    got: list[Any] = []
+    async with asyncio.timeout(deadline_s):
+        while len(got) < count:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                got.extend(records)
+    return got

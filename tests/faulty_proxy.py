@@ -102,7 +102,8 @@ async def _read_body(reader: asyncio.StreamReader, headers: list[tuple[str, str]
         raise _Closed from None
 
 
-def _reset(writer: asyncio.StreamWriter) -> None:
+def reset(writer: asyncio.StreamWriter) -> None:
+    """Abort the connection with a TCP reset (SO_LINGER 0), not a clean close."""
     sock = writer.get_extra_info("socket")
     if sock is not None:
         with contextlib.suppress(OSError):
@@ -228,7 +229,7 @@ class FaultyProxy:
                 method = first.split(" ", 1)[0]
                 outcome = self._choose(method)
                 if outcome == "reset":
-                    _reset(writer)
+                    reset(writer)
                     return
                 if outcome == "stall":
                     with contextlib.suppress(asyncio.CancelledError, TimeoutError):
@@ -240,7 +241,7 @@ class FaultyProxy:
                             finally:
                                 drain.cancel()
                                 clear.cancel()
-                    _reset(writer)
+                    reset(writer)
                     return
                 expect = (_header(headers, "expect") or "").lower() == "100-continue"
                 headers = [(k, v) for k, v in headers if k.lower() != "expect"]
@@ -278,7 +279,7 @@ class FaultyProxy:
                 else:
                     rbody = await _read_body(up[0], rheaders)
                 if outcome == "lost_reply":
-                    _reset(writer)
+                    reset(writer)
                     return
                 writer.write(head + b"\r\n" + rbody)
                 await writer.drain()

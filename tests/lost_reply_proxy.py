@@ -16,21 +16,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import struct
 from collections.abc import Iterable
 
+from storage.protocol import parse_request, parse_response, read_size
+from storage.protocol.frames import DEFAULT_MAX_FRAME
 from storage.protocol.messages import ApiKey
-from tests.faulty_proxy import _reset
-
-_SIZE = struct.Struct("<i")
-_REQUEST_HEAD = struct.Struct("<hhi")  # api key, version, correlation id
-_CORRELATION = struct.Struct("<i")
+from tests.faulty_proxy import reset
 
 
-async def _frame(reader: asyncio.StreamReader) -> bytes | None:
+async def _frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
+    """The next frame's size prefix and body, or None at the end of the stream."""
     try:
         head = await reader.readexactly(4)
-        return head + await reader.readexactly(_SIZE.unpack(head)[0])
+        return head, await reader.readexactly(read_size(head, DEFAULT_MAX_FRAME))
     except (asyncio.IncompleteReadError, ConnectionError):
         return None
 
@@ -66,21 +64,21 @@ class LostReplyProxy:
 
         async def requests() -> None:
             while (frame := await _frame(reader)) is not None:
-                api_key, _, correlation = _REQUEST_HEAD.unpack_from(frame, 4)
-                if api_key == ApiKey.PRODUCE:
+                request = parse_request(frame[1])
+                if request.api_key == ApiKey.PRODUCE:
                     self.produce_requests += 1
                     if self.produce_requests in self.lose:
-                        doomed.add(correlation)
-                up_writer.write(frame)
+                        doomed.add(request.correlation_id)
+                up_writer.writelines(frame)
                 await up_writer.drain()
 
         async def responses() -> None:
             while (frame := await _frame(up_reader)) is not None:
-                if _CORRELATION.unpack_from(frame, 4)[0] in doomed:
+                if parse_response(frame[1]).correlation_id in doomed:
                     self.lost += 1
-                    _reset(writer)
+                    reset(writer)
                     return
-                writer.write(frame)
+                writer.writelines(frame)
                 await writer.drain()
 
         pumps = [asyncio.create_task(requests()), asyncio.create_task(responses())]

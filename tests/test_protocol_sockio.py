@@ -12,6 +12,7 @@ import os
 import socket
 import struct
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -169,6 +170,21 @@ def test_a_stream_nobody_reads_stops_taking_bytes() -> None:
     asyncio.run(run())
 
 
+async def _answering(answer: Any, *, idle_timeout: float) -> tuple[AgentServer, str, int]:
+    """An ``AgentServer`` on loopback that answers every ApiVersions request with ``answer``."""
+
+    async def handler(_: object) -> Any:
+        return answer
+
+    server = AgentServer(
+        SimpleNamespace(handlers={m.ApiKey.API_VERSIONS: handler}),
+        max_frame_bytes=1 << 20,
+        idle_timeout=idle_timeout,
+    )
+    host, port = await server.start("127.0.0.1", 0)
+    return server, host, port
+
+
 def test_agent_server_disconnects_a_client_that_reads_no_response() -> None:
     """A client that sends requests and never reads the answers is closed after the server's
     idle timeout, instead of holding a writer (and its queued answers) forever."""
@@ -176,16 +192,8 @@ def test_agent_server_disconnects_a_client_that_reads_no_response() -> None:
         [m.FetchTopicResult("t", [m.FetchPartitionResult(0, 0, 0, 0, 1, 0, bytes(1 << 20))])]
     )
 
-    async def big_answer(_: object) -> m.FetchResponse:
-        return answer
-
     async def run() -> None:
-        server = AgentServer(
-            SimpleNamespace(handlers={m.ApiKey.API_VERSIONS: big_answer}),
-            max_frame_bytes=1 << 20,
-            idle_timeout=1.0,
-        )
-        host, port = await server.start("127.0.0.1", 0)
+        server, host, port = await _answering(answer, idle_timeout=1.0)
         loop = asyncio.get_running_loop()
         client = socket.socket()
         client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
@@ -223,16 +231,8 @@ def test_agent_server_closes_idle_connections_and_keeps_busy_ones() -> None:
     long it stays."""
     answer = m.ApiVersionsResponse(0, [])
 
-    async def versions(_: object) -> m.ApiVersionsResponse:
-        return answer
-
     async def run() -> None:
-        server = AgentServer(
-            SimpleNamespace(handlers={m.ApiKey.API_VERSIONS: versions}),
-            max_frame_bytes=1 << 20,
-            idle_timeout=0.4,
-        )
-        host, port = await server.start("127.0.0.1", 0)
+        server, host, port = await _answering(answer, idle_timeout=0.4)
         request = b"".join(encode_request(m.ApiKey.API_VERSIONS, 1, "c", m.ApiVersionsRequest()))
         silent = await asyncio.open_connection(host, port)
         partial = await asyncio.open_connection(host, port)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -20,7 +19,7 @@ from sdk import (
     TopicPartition,
 )
 from storage.errors import UnknownTopicOrPartitionError
-from tests.cluster import Cluster
+from tests.cluster import Cluster, read_records
 from tests.harness import ProcessGroup, ZooKeeperChroot, metric_value, scrape_metrics
 
 pytestmark = pytest.mark.slow
@@ -34,16 +33,6 @@ def agent(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -
         c.create_topic(name, 2)
         c.wait_for_leaders(name)
     return c
-
-
-async def _read(consumer: Consumer, count: int) -> list[Any]:
-    """``count`` records from the consumer's assignment (30 s at most)."""
-    got: list[Any] = []
-    async with asyncio.timeout(30):
-        while len(got) < count:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                got.extend(records)
-    return got
 
 
 def test_round_trip_at_every_acks_level_and_compression(agent: Cluster) -> None:
@@ -83,7 +72,7 @@ def test_round_trip_at_every_acks_level_and_compression(agent: Cluster) -> None:
 
         async with Consumer({"bootstrap.servers": boot, "auto.offset.reset": "earliest"}) as c:
             c.assign([("t", 0)])
-            got = await _read(c, len(sent))
+            got = await read_records(c, len(sent))
         assert [r.offset for r in got] == list(range(len(sent)))
         for r, (_, _, (value, key, headers, tags, ts)) in zip(got, sent, strict=True):
             assert (r.value, r.key, r.timestamp) == (value, key, ts)
@@ -233,7 +222,7 @@ def test_a_partitions_queued_batches_travel_together_in_order(
         async with Consumer({"bootstrap.servers": agent.bootstrap}) as c:
             c.assign([("z", 1)])
             c.seek_to_beginning(TopicPartition("z", 1))
-            got = await _read(c, len(values))
+            got = await read_records(c, len(values))
         assert [r.offset for r in got] == list(range(len(values)))
         assert [r.value for r in got] == values
 

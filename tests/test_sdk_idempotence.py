@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from sdk import Consumer, Producer, TopicPartition
-from tests.cluster import Cluster
+from tests.cluster import Cluster, read_records
 from tests.harness import ProcessGroup, ZooKeeperChroot
 from tests.lost_reply_proxy import LostReplyProxy
 
@@ -34,12 +34,7 @@ async def _everything(bootstrap: str) -> list[Any]:
         end = (await consumer.end_offsets([tp]))[tp]
         consumer.assign([tp])
         consumer.seek_to_beginning(tp)
-        got: list[Any] = []
-        async with asyncio.timeout(30):
-            while len(got) < end:
-                for records in (await consumer.getmany(timeout_ms=500)).values():
-                    got.extend(records)
-    return got
+        return await read_records(consumer, end)
 
 
 @pytest.mark.parametrize("idempotent", [True, False])

@@ -27,6 +27,7 @@ from storage.codec.body import (
     encode_body,
 )
 from storage.codec.header import (
+    ALIGNMENT,
     ATTR_CONTROL,
     ATTR_TRANSACTIONAL,
     CRC_FIELD,
@@ -359,8 +360,9 @@ class CrcVerifier:
                 i += take
                 if len(self._head) < CRC_START:
                     break
-                size = int.from_bytes(self._head[8:12], "little", signed=True) + 12
-                if size < HEADER_SIZE or size % 8 or size > MAX_BATCH_SIZE:
+                size = peek_size(self._head)
+                assert size is not None  # the length field is within the first CRC_START bytes
+                if size < HEADER_SIZE or size % ALIGNMENT or size > MAX_BATCH_SIZE:
                     self.stopped = True
                     break
                 self._expect = CRC_FIELD.unpack_from(self._head, CRC_OFFSET)[0]

@@ -11,13 +11,20 @@ from typing import Any
 from storage.errors import StorageError
 
 
+def storage_error(what: str, exc: OSError) -> StorageError:
+    """The project's StorageError for an OSError (disk full, I/O error, ...) while ``what``.
+    Hot paths (an append, an fsync) catch OSError themselves and call this, so the message is
+    built only on failure; elsewhere ``storage_errors`` wraps a block."""
+    return StorageError(f"{what}: {exc.strerror or exc}")
+
+
 @contextlib.contextmanager
 def storage_errors(what: str) -> Iterator[None]:
-    """Translate OSError (disk full, I/O error, ...) into the project's StorageError."""
+    """Translate OSError raised in the block into ``storage_error(what, exc)``."""
     try:
         yield
     except OSError as exc:
-        raise StorageError(f"{what}: {exc.strerror or exc}") from exc
+        raise storage_error(what, exc) from exc
 
 
 def pwrite_all(fd: int, parts: Sequence[Any], position: int) -> int:

@@ -19,11 +19,12 @@ Rules for a batch of producer ``p`` with epoch ``e`` and sequences ``[first, las
   offsets); ``first`` right after the last batch's ``last`` -> accepted; else
   ``OutOfOrderSequenceError``.
 
-The table is rebuilt from the batch headers of the local log when the log opens, and trimmed
-when it is truncated (the headers are replicated with the batches, so a follower that becomes leader has
-the same state), and updated by every append, a leader's and a follower's alike. Producers
-idle for :data:`EXPIRATION_S` are forgotten (reopening the log counts as activity), and at most :data:`MAX_PRODUCERS` are kept per
-partition (the least recently used goes first): the table is bounded.
+The table is rebuilt from the batch headers of the local log when the log opens, trimmed
+when the log is truncated, and updated by every append, a leader's and a follower's alike
+(the headers are replicated with the batches, so a follower that becomes leader has the same
+state). Producers idle for :data:`EXPIRATION_S` are forgotten (reopening the log counts as
+activity), and at most :data:`MAX_PRODUCERS` are kept per partition (the least recently used
+goes first): the table is bounded.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ import numpy as np
 
 from storage.codec.batch import check_batch
 from storage.codec.header import HEADER_SIZE, MAGIC, BatchHeader, read_header
-from storage.errors import CorruptBatchError, CorruptSegmentError, StorageError, StrataError
-from storage.wal.fileio import pwrite_all, storage_errors
+from storage.errors import CorruptBatchError, CorruptSegmentError, StrataError
+from storage.wal.fileio import pwrite_all, storage_error, storage_errors
 from storage.wal.index import NO_TIMESTAMP, SparseIndex
 
 LOG_SUFFIX = ".log"
@@ -160,7 +160,7 @@ class Segment:
         except OSError as exc:
             with storage_errors(f"cannot roll back a failed append to {self.path}"):
                 os.ftruncate(self.fd, position)
-            raise StorageError(f"append to {self.path} failed: {exc.strerror or exc}") from exc
+            raise storage_error(f"append to {self.path} failed", exc) from exc
         self._note_batch(header, position)
         self.size = position + size
         self.dirty = True
@@ -178,8 +178,8 @@ class Segment:
     def fsync(self) -> None:
         try:
             os.fsync(self.fd)
-        except OSError as exc:  # (not ``storage_errors``: its message would be built per call)
-            raise StorageError(f"fsync of {self.path} failed: {exc.strerror or exc}") from exc
+        except OSError as exc:
+            raise storage_error(f"fsync of {self.path} failed", exc) from exc
 
     def truncate(self, position: int) -> None:
         """Cut the file at ``position`` (a batch boundary) and rebuild the in-memory state."""
