@@ -18,7 +18,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from broker_agents.apis import Apis
 from broker_agents.config import AgentConfig
@@ -28,6 +27,7 @@ from broker_agents.partitions import PartitionManager
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.server import AgentServer
 from broker_agents.tiering import Tiering
+from broker_agents.view import ClusterView
 from storage.errors import MetadataError, NodeExistsError, StorageError
 from storage.metadata import (
     AgentRegistration,
@@ -51,15 +51,6 @@ from storage.metadata.store import (
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ClusterView:
-    """What this agent currently knows from its watches."""
-
-    agents: dict[int, AgentRegistration] = field(default_factory=dict)
-    topics: dict[str, TopicSpec] = field(default_factory=dict)
-    controller_id: int = -1
-
-
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
@@ -71,12 +62,17 @@ class Agent:
         )
         self.store = MetadataStore(self.zk)
         self.partitions = PartitionManager(config.agent_id, config.data_dir)
-        self.tiering = Tiering(self)
+        self.view = ClusterView()
+        self.tiering = Tiering(
+            self.agent_id, config, self.partitions, self.view, self.zk, self.store
+        )
         if self.tiering.enabled:
             self.partitions.tier_start_offset = self.tiering.start_offset
-        self.view = ClusterView()
         self.groups = GroupCoordinator(
-            self,
+            self.agent_id,
+            self.zk,
+            self.view,
+            lambda: self.partitions.session_ok,
             CoordinatorSettings(
                 min_session_timeout_ms=config.group_min_session_timeout_ms,
                 max_session_timeout_ms=config.group_max_session_timeout_ms,
@@ -84,7 +80,10 @@ class Agent:
                 commit_linger_ms=config.offsets_commit_linger_ms,
             ),
         )
-        self.apis = Apis(self)
+        self.isr = IsrMaintenance(self.agent_id, self.partitions, self.store, config)
+        self.apis = Apis(
+            self.agent_id, config, self.partitions, self.view, self.tiering, self.isr.wake
+        )
         self.apis.handlers.update(self.groups.handlers())
         self.server = AgentServer(
             self.apis,
@@ -92,9 +91,8 @@ class Agent:
             max_in_flight=config.max_in_flight_per_connection,
             max_queued_bytes=config.queued_max_request_bytes,
         )
-        self.controller = Controller(self)
-        self.fetchers = ReplicaFetchers(self)
-        self.isr = IsrMaintenance(self)
+        self.controller = Controller(self.agent_id, self.zk, self.store, self.view)
+        self.fetchers = ReplicaFetchers(self.agent_id, self.partitions, self.view, config)
         self.registration: AgentRegistration | None = None
         #: partitions whose local log cannot be opened here (published in the registration)
         self.offline: set[tuple[str, int]] = set()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from storage.codec import check_batch, iter_batches
 from storage.errors import (
@@ -34,10 +34,22 @@ from storage.protocol import messages as m
 from storage.protocol.schema import Message
 
 if TYPE_CHECKING:
-    from broker_agents.agent import Agent
-    from broker_agents.partitions import Partition
+    from broker_agents.config import AgentConfig
+    from broker_agents.partitions import Partition, PartitionManager
+    from broker_agents.view import ClusterView
 
 Handler = Callable[[Any], Awaitable[Message]]
+
+
+class TierAccess(Protocol):
+    """What the request handlers need of the object tier (``broker_agents.tiering``)."""
+
+    def check_backlog(self, p: Partition) -> None: ...
+    async def prefetch(
+        self, req: m.FetchRequest
+    ) -> dict[tuple[str, int], memoryview | StrataError] | None: ...
+    def log_start(self, p: Partition) -> int: ...
+    async def offset_for_timestamp(self, p: Partition, ts: int) -> int | None: ...
 
 
 def _code(exc: BaseException) -> int:
@@ -45,9 +57,21 @@ def _code(exc: BaseException) -> int:
 
 
 class Apis:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        self.pm = agent.partitions
+    def __init__(
+        self,
+        agent_id: int,
+        config: AgentConfig,
+        partitions: PartitionManager,
+        view: ClusterView,
+        tier: TierAccess,
+        wake_isr: Callable[[], None],
+    ) -> None:
+        self.agent_id = agent_id
+        self.config = config
+        self.pm = partitions
+        self.view = view
+        self.tier = tier
+        self.wake_isr = wake_isr
         self.handlers: dict[int, Handler] = {
             m.ApiKey.API_VERSIONS: self.api_versions,
             m.ApiKey.METADATA: self.metadata,
@@ -65,7 +89,7 @@ class Apis:
 
     # ---- Metadata ---------------------------------------------------------------------------
     async def metadata(self, req: m.MetadataRequest) -> m.MetadataResponse:
-        view = self.agent.view
+        view = self.view
         agents = [
             m.AgentInfo(a.agent_id, a.host, a.port)
             for a in sorted(view.agents.values(), key=lambda a: a.agent_id)
@@ -103,7 +127,7 @@ class Apis:
                 try:
                     p = self.pm.leader_for_write(topic.name, part.partition)
                     result.leader_id, result.leader_epoch = p.state.leader, p.state.leader_epoch
-                    self.agent.tiering.check_backlog(p)  # backpressure while S3 lags
+                    self.tier.check_backlog(p)  # backpressure while S3 lags
                     if req.acks == -1 and len(p.state.isr) < p.config.min_insync_replicas:
                         raise NotEnoughReplicasError(
                             f"{topic.name}-{part.partition} has {len(p.state.isr)} in-sync replicas,"
@@ -201,7 +225,7 @@ class Apis:
     # ---- Fetch ------------------------------------------------------------------------------
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
         deadline = time.monotonic() + max(req.max_wait_ms, 0) / 1000
-        tiered = await self.agent.tiering.prefetch(req)  # offsets below the local log, from S3
+        tiered = await self.tier.prefetch(req)  # offsets below the local log, from S3
         while True:
             waits: list[asyncio.Future[None]] = []
             response, total, errors = self._collect(req, waits, tiered)
@@ -235,11 +259,11 @@ class Apis:
                             )
                         now = time.monotonic()
                         p.follower_fetched(req.replica_id, fp.fetch_offset, now)
-                        lag = self.agent.config.replica_lag_time_max_ms / 1000
+                        lag = self.config.replica_lag_time_max_ms / 1000
                         if p.rejoins(req.replica_id, now, lag):
-                            self.agent.isr.wake()
+                            self.wake_isr()
                     r.high_watermark = p.high_watermark
-                    r.log_start_offset = self.agent.tiering.log_start(p)
+                    r.log_start_offset = self.tier.log_start(p)
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
                     limit = min(fp.partition_max_bytes, budget) if total else fp.partition_max_bytes
                     if limit > 0 or not total:
@@ -270,7 +294,7 @@ class Apis:
                         if p2 is not None:
                             r.high_watermark, r.log_start_offset = (
                                 p2.high_watermark,
-                                self.agent.tiering.log_start(p2),
+                                self.tier.log_start(p2),
                             )
                 results.append(r)
             topics.append(m.FetchTopicResult(topic.name, results))
@@ -283,7 +307,7 @@ class Apis:
             raise UnknownTopicOrPartitionError(f"unknown topic or partition {topic}-{partition}")
         if p is None or p.role != "leader":
             raise NotLeaderError(
-                f"agent {self.agent.agent_id} does not lead {topic}-{partition}",
+                f"agent {self.agent_id} does not lead {topic}-{partition}",
                 leader_id=latest.leader,
                 leader_epoch=latest.leader_epoch,
             )
@@ -318,11 +342,11 @@ class Apis:
                     p = self._readable(topic.name, lp.partition, m.CONSUMER_REPLICA_ID)
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
                     if lp.timestamp == m.EARLIEST_TIMESTAMP:
-                        r.offset = self.agent.tiering.log_start(p)
+                        r.offset = self.tier.log_start(p)
                     elif lp.timestamp == m.LATEST_TIMESTAMP:
                         r.offset = p.high_watermark
                     else:
-                        found = await self.agent.tiering.offset_for_timestamp(p, lp.timestamp)
+                        found = await self.tier.offset_for_timestamp(p, lp.timestamp)
                         if found is None:
                             found = p.log.offset_for_timestamp(lp.timestamp)
                         r.offset = -1 if found is None or found >= p.high_watermark else found

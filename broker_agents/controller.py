@@ -35,18 +35,23 @@ import zlib
 from typing import TYPE_CHECKING
 
 from storage.errors import MetadataError, NodeExistsError, NodeNotFoundError
-from storage.metadata import PartitionState, SessionState
+from storage.metadata import AsyncZooKeeper, MetadataStore, PartitionState, SessionState
 from storage.metadata.store import CONTROLLER
 
 if TYPE_CHECKING:
-    from broker_agents.agent import Agent
+    from broker_agents.view import ClusterView
 
 log = logging.getLogger(__name__)
 
 
 class Controller:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(
+        self, agent_id: int, zk: AsyncZooKeeper, store: MetadataStore, view: ClusterView
+    ) -> None:
+        self.agent_id = agent_id
+        self.zk = zk
+        self.store = store
+        self.view = view
         self.epoch: int | None = None
         self._wake = asyncio.Event()
         self.elections_won = 0
@@ -55,11 +60,11 @@ class Controller:
         self._wake.set()
 
     async def run(self) -> None:
-        zk = self.agent.zk
+        zk = self.zk
         while True:
             await zk.connected.wait()
             try:
-                info = await self.agent.store.try_become_controller(self.agent.agent_id)
+                info = await self.store.try_become_controller(self.agent_id)
             except MetadataError as exc:
                 log.warning("controller election failed: %s", exc)
                 await asyncio.sleep(0.2)
@@ -69,12 +74,12 @@ class Controller:
                 continue
             self.epoch = info.epoch
             self.elections_won += 1
-            log.info("agent %d is the controller (epoch %d)", self.agent.agent_id, info.epoch)
+            log.info("agent %d is the controller (epoch %d)", self.agent_id, info.epoch)
             try:
                 await self._lead()
             finally:
                 self.epoch = None
-                log.info("agent %d stopped acting as controller", self.agent.agent_id)
+                log.info("agent %d stopped acting as controller", self.agent_id)
 
     async def _wait_for_vacancy(self) -> None:
         gone = asyncio.Event()
@@ -83,14 +88,14 @@ class Controller:
             if data is None:
                 gone.set()
 
-        cancel = self.agent.zk.watch_data(CONTROLLER, on_change)
+        cancel = self.zk.watch_data(CONTROLLER, on_change)
         try:
             await gone.wait()
         finally:
             cancel()
 
     async def _lead(self) -> None:
-        zk = self.agent.zk
+        zk = self.zk
         while zk.state == SessionState.CONNECTED:
             controller = await self._still_controller()
             if not controller:
@@ -105,21 +110,19 @@ class Controller:
 
     async def _still_controller(self) -> bool:
         try:
-            info = await self.agent.store.get_controller()
+            info = await self.store.get_controller()
         except MetadataError:
             return False
-        return (
-            info is not None and info.agent_id == self.agent.agent_id and info.epoch == self.epoch
-        )
+        return info is not None and info.agent_id == self.agent_id and info.epoch == self.epoch
 
     async def reconcile(self) -> None:
-        store = self.agent.store
-        live = sorted(self.agent.view.agents)
+        store = self.store
+        live = sorted(self.view.agents)
         if not live:
             return
         # replicas whose agent cannot open their log count as dead for that partition only
         offline: dict[tuple[str, int], set[int]] = {}
-        for agent_id, reg in self.agent.view.agents.items():
+        for agent_id, reg in self.view.agents.items():
             for key in reg.offline:
                 offline.setdefault(key, set()).add(agent_id)
         for name in await store.list_topics():
@@ -163,7 +166,7 @@ class Controller:
             controller_epoch=self.epoch or 0,
         )
         try:
-            await self.agent.store.create_partition_state(name, p, state)
+            await self.store.create_partition_state(name, p, state)
             log.info("created %s-%d: leader %d, replicas %s", name, p, state.leader, replicas)
         except (NodeExistsError, NodeNotFoundError):
             pass  # a racing controller made it, or the topic was deleted meanwhile
@@ -190,9 +193,7 @@ class Controller:
             update["leader"] = next(r for r in replicas if r in isr)
             update["leader_epoch"] = state.leader_epoch + 1
         try:
-            await self.agent.store.cas_partition_state(
-                name, p, state.model_copy(update=update), version
-            )
+            await self.store.cas_partition_state(name, p, state.model_copy(update=update), version)
             log.info(
                 "%s-%d: reassigned to %s (leader %s)",
                 name,
@@ -220,7 +221,7 @@ class Controller:
             if isr != state.isr and state.leader in isr:
                 new = state.model_copy(update={"isr": isr, "controller_epoch": self.epoch or 0})
                 try:
-                    await self.agent.store.cas_partition_state(name, p, new, version)
+                    await self.store.cas_partition_state(name, p, new, version)
                     log.info("%s-%d: dead replicas leave the ISR %s -> %s", name, p, state.isr, isr)
                 except MetadataError as exc:
                     log.info("%s-%d: ISR change lost a race (%s)", name, p, exc)
@@ -245,7 +246,7 @@ class Controller:
             }
         )
         try:
-            await self.agent.store.cas_partition_state(name, p, new, version)
+            await self.store.cas_partition_state(name, p, new, version)
             log.info(
                 "%s-%d: leader %d -> %d (epoch %d, ISR %s)",
                 name,

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -36,8 +36,21 @@ from storage.errors import StrataError
 from storage.protocol import messages as m
 
 if TYPE_CHECKING:
-    from broker_agents.agent import Agent
-    from broker_agents.partitions import Partition
+    from broker_agents.partitions import Partition, PartitionManager
+
+
+class AgentState(Protocol):
+    """What the metrics read of the agent at scrape time (``Agent`` has these)."""
+
+    @property
+    def partitions(self) -> PartitionManager: ...
+    @property
+    def offline(self) -> set[tuple[str, int]]: ...
+    @property
+    def tiering(self) -> Any: ...  # ``.pending``: {(topic, partition): bytes not yet uploaded}
+    @property
+    def groups(self) -> Any: ...  # the group coordinator, for lag
+
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +73,7 @@ def _api_name(api_key: int) -> str:
 class AgentMetrics:
     """The agent's registry, its event hooks, and its HTTP endpoint."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentState) -> None:
         self.agent = agent
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
@@ -169,7 +182,7 @@ class AgentMetrics:
 class _StateCollector(Collector):
     """Gauges computed from the agent's state at each scrape."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: AgentState) -> None:
         self.agent = agent
 
     def describe(self) -> list[Metric]:
@@ -232,7 +245,7 @@ class _StateCollector(Collector):
         yield from _group_lag(agent)
 
 
-def _group_lag(agent: Agent) -> Iterator[Metric]:
+def _group_lag(agent: AgentState) -> Iterator[Metric]:
     """Lag of the consumer groups coordinated here, on the partitions led here."""
     labels = ["group", "topic", "partition"]
     messages = GaugeMetricFamily(
@@ -263,7 +276,7 @@ def _group_lag(agent: Agent) -> Iterator[Metric]:
     yield seconds
 
 
-def _committed_offsets(agent: Agent) -> Iterator[tuple[str, str, int, int]]:
+def _committed_offsets(agent: AgentState) -> Iterator[tuple[str, str, int, int]]:
     """(group, topic, partition, committed offset) held by this agent's group coordinator.
 
     The coordinator keeps, per group, ``offsets[topic] = ({partition: CommittedOffset}, zk

@@ -27,8 +27,10 @@ from storage.protocol import encode_request, parse_response, read_size
 from storage.protocol import messages as m
 
 if TYPE_CHECKING:
-    from broker_agents.agent import Agent
-    from broker_agents.partitions import Partition
+    from broker_agents.config import AgentConfig
+    from broker_agents.partitions import Partition, PartitionManager
+    from broker_agents.view import ClusterView
+    from storage.metadata import MetadataStore
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +46,13 @@ class ReplicaFetchers:
 
     restart_delay = 1.0
 
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
+    def __init__(
+        self, agent_id: int, partitions: PartitionManager, view: ClusterView, config: AgentConfig
+    ) -> None:
+        self.agent_id = agent_id
+        self.partitions = partitions
+        self.view = view
+        self.config = config
         self.tasks: dict[int, asyncio.Task[None]] = {}
         self._stopped = False
 
@@ -55,7 +62,7 @@ class ReplicaFetchers:
             return
         leaders = {
             p.state.leader
-            for p in self.agent.partitions.partitions.values()
+            for p in self.partitions.partitions.values()
             if p.role == "follower" and p.state.leader >= 0
         }
         for leader in leaders:
@@ -86,7 +93,7 @@ class ReplicaFetchers:
     def _followed(self, leader: int) -> list[Partition]:
         return [
             p
-            for p in self.agent.partitions.partitions.values()
+            for p in self.partitions.partitions.values()
             if p.role == "follower" and p.state.leader == leader
         ]
 
@@ -94,7 +101,7 @@ class ReplicaFetchers:
         correlation = 0
         backoff = 0.05
         while True:
-            reg = self.agent.view.agents.get(leader)
+            reg = self.view.agents.get(leader)
             if reg is None or not self._followed(leader):
                 await asyncio.sleep(0.1)
                 continue
@@ -118,12 +125,10 @@ class ReplicaFetchers:
                     correlation += 1
                     req = self._request(partitions)
                     writer.writelines(
-                        encode_request(
-                            m.ApiKey.FETCH, correlation, f"agent-{self.agent.agent_id}", req
-                        )
+                        encode_request(m.ApiKey.FETCH, correlation, f"agent-{self.agent_id}", req)
                     )
                     await writer.drain()
-                    timeout = self.agent.config.replica_fetch_wait_max_ms / 1000 + 10
+                    timeout = self.config.replica_fetch_wait_max_ms / 1000 + 10
                     async with asyncio.timeout(timeout):
                         size = read_size(await reader.readexactly(4), 1 << 30)
                         frame = parse_response(await reader.readexactly(size))
@@ -164,11 +169,11 @@ class ReplicaFetchers:
         for p in partitions:
             by_topic.setdefault(p.topic, []).append(m.EpochQuery(p.index, p.log.latest_epoch))
         req = m.OffsetForLeaderEpochRequest(
-            self.agent.agent_id, [m.EpochQueryTopic(t, qs) for t, qs in by_topic.items()]
+            self.agent_id, [m.EpochQueryTopic(t, qs) for t, qs in by_topic.items()]
         )
         writer.writelines(
             encode_request(
-                m.ApiKey.OFFSET_FOR_LEADER_EPOCH, correlation, f"agent-{self.agent.agent_id}", req
+                m.ApiKey.OFFSET_FOR_LEADER_EPOCH, correlation, f"agent-{self.agent_id}", req
             )
         )
         await writer.drain()
@@ -212,15 +217,15 @@ class ReplicaFetchers:
                 m.FetchPartition(
                     p.index,
                     p.log.log_end_offset,
-                    self.agent.config.replica_fetch_max_bytes,
+                    self.config.replica_fetch_max_bytes,
                     p.state.leader_epoch,
                 )
             )
         return m.FetchRequest(
-            self.agent.agent_id,
-            self.agent.config.replica_fetch_wait_max_ms,
+            self.agent_id,
+            self.config.replica_fetch_wait_max_ms,
             1,
-            self.agent.config.replica_fetch_max_bytes,
+            self.config.replica_fetch_max_bytes,
             0,
             [m.FetchTopic(t, ps) for t, ps in by_topic.items()],
         )
@@ -272,8 +277,19 @@ class IsrMaintenance:
     for the tick: the fetch ``wake``s the check (as Kafka expands the ISR on that fetch), at
     most one check per ``min_interval`` seconds, however many partitions ask."""
 
-    def __init__(self, agent: Agent, *, min_interval: float = 0.1) -> None:
-        self.agent = agent
+    def __init__(
+        self,
+        agent_id: int,
+        partitions: PartitionManager,
+        store: MetadataStore,
+        config: AgentConfig,
+        *,
+        min_interval: float = 0.1,
+    ) -> None:
+        self.agent_id = agent_id
+        self.partitions = partitions
+        self.store = store
+        self.config = config
         self.changes = 0
         self.min_interval = min_interval
         self._wake = asyncio.Event()
@@ -282,7 +298,7 @@ class IsrMaintenance:
         self._wake.set()
 
     async def run(self) -> None:
-        lag = self.agent.config.replica_lag_time_max_ms / 1000
+        lag = self.config.replica_lag_time_max_ms / 1000
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), lag / 2)
@@ -291,7 +307,7 @@ class IsrMaintenance:
             await asyncio.sleep(self.min_interval)
 
     async def check(self, lag: float) -> None:
-        pm = self.agent.partitions
+        pm = self.partitions
         if not pm.session_ok:
             return
         now = time.monotonic()
@@ -301,20 +317,17 @@ class IsrMaintenance:
             isr = p.isr_changes(now, lag)
             if isr is None:
                 continue
-            got = await self.agent.store.get_partition_state(p.topic, p.index)
+            got = await self.store.get_partition_state(p.topic, p.index)
             if got is None:
                 continue
             current, version = got
-            if (
-                current.leader != self.agent.agent_id
-                or current.leader_epoch != p.state.leader_epoch
-            ):
+            if current.leader != self.agent_id or current.leader_epoch != p.state.leader_epoch:
                 continue  # not ours any more: the watch will say so
             if sorted(current.isr) == sorted(isr):
                 continue  # already written; the watch has not brought it yet
             new = current.model_copy(update={"isr": isr})
             try:
-                await self.agent.store.cas_partition_state(p.topic, p.index, new, version)
+                await self.store.cas_partition_state(p.topic, p.index, new, version)
                 self.changes += 1
                 log.info("%s-%d: ISR %s -> %s", p.topic, p.index, current.isr, isr)
             except MetadataError as exc:

@@ -78,8 +78,10 @@ from storage.tier.layout import TRAILER_SIZE, segment_prefix
 from storage.tier.snapshot import ManifestSnapshot, snapshot_key
 
 if TYPE_CHECKING:
-    from broker_agents.agent import Agent
-    from broker_agents.partitions import Partition
+    from broker_agents.config import AgentConfig
+    from broker_agents.partitions import Partition, PartitionManager
+    from broker_agents.view import ClusterView
+    from storage.metadata import AsyncZooKeeper, MetadataStore
     from storage.wal.segment import Segment
 
 log = logging.getLogger(__name__)
@@ -92,9 +94,21 @@ def segments_path(topic: str, partition: int) -> str:
 
 
 class Tiering:
-    def __init__(self, agent: Agent) -> None:
-        self.agent = agent
-        cfg = agent.config
+    def __init__(
+        self,
+        agent_id: int,
+        config: AgentConfig,
+        partitions: PartitionManager,
+        view: ClusterView,
+        zk: AsyncZooKeeper,
+        meta: MetadataStore,
+    ) -> None:
+        self.agent_id = agent_id
+        self.config = cfg = config
+        self.partitions = partitions
+        self.view = view
+        self.zk = zk
+        self.meta = meta
         bucket = cfg.s3_bucket or os.environ.get("STRATA_BUCKET") or None
         self.enabled = bucket is not None
         self.store: ObjectStore | None = None
@@ -142,10 +156,10 @@ class Tiering:
         key = (p.topic, p.index)
         live = self._pending_of(p)
         total = self.pending_total - self.pending.get(key, 0) + live
-        if total > self.agent.config.tier_max_pending_bytes:
+        if total > self.config.tier_max_pending_bytes:
             raise UploadBacklogError(
                 f"{total} bytes wait for upload to the object tier "
-                f"(limit {self.agent.config.tier_max_pending_bytes}); retry later"
+                f"(limit {self.config.tier_max_pending_bytes}); retry later"
             )
 
     def log_start(self, p: Partition) -> int:
@@ -164,7 +178,7 @@ class Tiering:
         jobs = []
         for topic in req.topics:
             for fp in topic.partitions:
-                p = self.agent.partitions.hosted(topic.name, fp.partition)
+                p = self.partitions.hosted(topic.name, fp.partition)
                 if p is None or p.role != "leader":
                     continue
                 if fp.fetch_offset >= p.log.log_start_offset and (
@@ -230,12 +244,12 @@ class Tiering:
                 self.store.close()
 
     def _leaders(self) -> list[Partition]:
-        if not self.agent.partitions.session_ok:
+        if not self.partitions.session_ok:
             return []
-        return [p for p in self.agent.partitions.partitions.values() if p.role == "leader"]
+        return [p for p in self.partitions.partitions.values() if p.role == "leader"]
 
     async def _upload_loop(self) -> None:
-        cfg = self.agent.config
+        cfg = self.config
         sem = asyncio.Semaphore(cfg.tier_upload_concurrency)
         failures: dict[Key, tuple[int, float]] = {}
 
@@ -313,15 +327,15 @@ class Tiering:
         return total
 
     def _key(self, p: Partition, entry: SegmentEntry) -> str:
-        spec = self.agent.view.topics.get(p.topic)
+        spec = self.view.topics.get(p.topic)
         topic_id = spec.topic_id if spec is not None else "-"
-        return entry.key(p.topic, topic_id, p.index, self.agent.config.s3_prefix)
+        return entry.key(p.topic, topic_id, p.index, self.config.s3_prefix)
 
     async def _upload(self, p: Partition, seg: Segment) -> SegmentEntry:
         assert self.store is not None
         size = seg.size
         path = seg.path
-        part = self.agent.config.tier_multipart_part_bytes
+        part = self.config.tier_multipart_part_bytes
         small = size + 64 * 1024 <= part
 
         def prepare() -> tuple[bytes | None, bytes]:
@@ -370,7 +384,7 @@ class Tiering:
     # ---- the manifest ---------------------------------------------------------------------
     async def _load_manifest(self, topic: str, partition: int) -> tuple[Manifest, int]:
         try:
-            data, stat = await self.agent.zk.get(segments_path(topic, partition))
+            data, stat = await self.zk.get(segments_path(topic, partition))
         except NodeNotFoundError:
             return Manifest(), -1
         return Manifest.decode(data, where=segments_path(topic, partition)), int(stat.version)
@@ -395,11 +409,11 @@ class Tiering:
             new = change(manifest)
             if new is None:
                 return manifest
-            got = await self.agent.store.get_partition_state(p.topic, p.index)
+            got = await self.meta.get_partition_state(p.topic, p.index)
             if got is None:
                 raise NotLeaderError(f"{p.topic}-{p.index} has no state")
             state, sversion = got
-            if state.leader != self.agent.agent_id or state.leader_epoch != epoch:
+            if state.leader != self.agent_id or state.leader_epoch != epoch:
                 raise NotLeaderError(
                     f"not the leader of {p.topic}-{p.index} with epoch {epoch}",
                     leader_id=state.leader,
@@ -419,7 +433,7 @@ class Tiering:
                     tx.set_data(segments_path(p.topic, p.index), data, version)
 
             try:
-                await self.agent.zk.transaction(build)
+                await self.zk.transaction(build)
             except MetadataError as exc:
                 log.info("manifest of %s-%d changed under us (%s); re-reading", *key, exc)
                 self.manifests.pop(key, None)
@@ -436,11 +450,11 @@ class Tiering:
         committed segments only; a failed put is logged and the next change writes a newer one.
         """
         assert self.store is not None
-        spec = self.agent.view.topics.get(p.topic)
+        spec = self.view.topics.get(p.topic)
         if spec is None:
             return
         snap = ManifestSnapshot(p.topic, spec.topic_id, p.index, manifest, int(time.time() * 1000))
-        key = snapshot_key(p.topic, p.index, self.agent.config.s3_prefix)
+        key = snapshot_key(p.topic, p.index, self.config.s3_prefix)
         try:
             await self.store.put(key, snap.encode())
         except StrataError as exc:
@@ -485,7 +499,7 @@ class Tiering:
             p.log.delete_segments_before(cut)
 
     async def _retention_loop(self) -> None:
-        interval = self.agent.config.tier_retention_check_interval_ms / 1000
+        interval = self.config.tier_retention_check_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
             for p in self._leaders():
@@ -536,7 +550,7 @@ class Tiering:
         return len(dropped)
 
     async def _orphan_loop(self) -> None:
-        interval = self.agent.config.tier_orphan_check_interval_ms / 1000
+        interval = self.config.tier_orphan_check_interval_ms / 1000
         while True:
             await asyncio.sleep(interval)
             for p in self._leaders():
@@ -549,12 +563,12 @@ class Tiering:
         """Delete objects of ``p`` that the manifest does not name; returns their keys."""
         assert self.store is not None
         manifest, version = await self._manifest(p)
-        spec = self.agent.view.topics.get(p.topic)
+        spec = self.view.topics.get(p.topic)
         if spec is None:
             return []
-        prefix = segment_prefix(p.topic, spec.topic_id, p.index, self.agent.config.s3_prefix)
+        prefix = segment_prefix(p.topic, spec.topic_id, p.index, self.config.s3_prefix)
         committed = {self._key(p, s) for s in manifest.segments}
-        grace = self.agent.config.tier_orphan_grace_ms / 1000
+        grace = self.config.tier_orphan_grace_ms / 1000
         removed = []
         for key, _size, modified in await self.store.list(prefix):
             parsed = parse_key(key)

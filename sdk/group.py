@@ -36,7 +36,7 @@ import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from sdk.assignors import COOPERATIVE, Subscription, assign
 from sdk.cluster import Cluster
@@ -57,9 +57,6 @@ from storage.errors import (
 from storage.protocol import consumer as cp
 from storage.protocol import messages as m
 
-if TYPE_CHECKING:
-    from sdk.consumer import Consumer
-
 log = logging.getLogger(__name__)
 
 #: the group's requests go on a connection of their own (``Cluster.send``): a JoinGroup waits
@@ -72,6 +69,16 @@ _REDISCOVER = (
     NetworkError,
     RequestTimedOutError,
 )
+
+
+class GroupMember(Protocol):
+    """What a ``GroupClient`` needs of its consumer (``sdk.consumer.Consumer``)."""
+
+    def positions_to_commit(self) -> dict[TopicPartition, int]: ...
+
+    def group_assignment(
+        self, partitions: set[TopicPartition], positions: Mapping[TopicPartition, int]
+    ) -> None: ...
 
 
 class RebalanceListener(Protocol):
@@ -97,7 +104,7 @@ async def _call(fn: Callable[..., Any] | None, arg: set[TopicPartition]) -> None
 
 
 class GroupClient:
-    def __init__(self, consumer: Consumer, cluster: Cluster, config: ConsumerConfig) -> None:
+    def __init__(self, consumer: GroupMember, cluster: Cluster, config: ConsumerConfig) -> None:
         assert config.group_id is not None
         self.consumer = consumer
         self.cluster = cluster

@@ -10,12 +10,12 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, cast
 
 import pytest
 
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
+from broker_agents.view import ClusterView
 from sdk import Consumer, Producer, TopicPartition
 from sdk.group import OffsetAndMetadata
 from storage.errors import (
@@ -327,13 +327,8 @@ def test_offset_flusher_answers_its_commits_and_lives_on_after_an_unexpected_err
     async def run() -> None:
         zk = AsyncZooKeeper(zk_chroot.connect_string)
         await zk.start()
-        agent = SimpleNamespace(
-            agent_id=1,
-            zk=zk,
-            view=SimpleNamespace(agents={1: None}),
-            partitions=SimpleNamespace(session_ok=True),
-        )
-        coordinator = GroupCoordinator(cast(Any, agent), CoordinatorSettings())
+        view = ClusterView(agents={1: cast(Any, None)})
+        coordinator = GroupCoordinator(1, zk, view, lambda: True, CoordinatorSettings())
         runner = asyncio.create_task(coordinator.run())
         real = coordinator.store.write_offsets
         calls = 0

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 from broker_agents.replication import ReplicaFetchers
+from broker_agents.view import ClusterView
 
 
 def test_a_fetcher_that_dies_of_a_bug_is_restarted_and_stop_ends_it() -> None:
     follower = SimpleNamespace(role="follower", state=SimpleNamespace(leader=7))
-    agent: Any = SimpleNamespace(partitions=SimpleNamespace(partitions={("t", 0): follower}))
-    fetchers = ReplicaFetchers(agent)
+    partitions: Any = SimpleNamespace(partitions={("t", 0): follower})
+    fetchers = ReplicaFetchers(1, partitions, ClusterView(), cast(Any, None))
     fetchers.restart_delay = 0.01
     calls: list[int] = []
 

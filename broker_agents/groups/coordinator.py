@@ -72,7 +72,8 @@ from storage.metadata.groups import (
 from storage.protocol import messages as m
 
 if TYPE_CHECKING:
-    from broker_agents.agent import Agent
+    from broker_agents.view import ClusterView
+    from storage.metadata import AsyncZooKeeper
 
 log = logging.getLogger(__name__)
 
@@ -169,14 +170,19 @@ class CoordinatorSettings:
 class GroupCoordinator:
     def __init__(
         self,
-        agent: Agent,
+        agent_id: int,
+        zk: AsyncZooKeeper,
+        view: ClusterView,
+        session_ok: Callable[[], bool],
         settings: CoordinatorSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.agent = agent
+        self.agent_id = agent_id
+        self.view = view
+        self.session_ok = session_ok
         self.settings = settings
-        self.store = GroupStore(agent.zk)
+        self.store = GroupStore(zk)
         self.clock = clock
         self.groups: dict[str, Group] = {}
         self._loading: dict[str, asyncio.Future[Group]] = {}
@@ -187,20 +193,17 @@ class GroupCoordinator:
 
     # ---- ownership --------------------------------------------------------------------------
     def coordinator_id(self, group_id: str) -> int | None:
-        return coordinator_for(group_id, self.agent.view.agents)
+        return coordinator_for(group_id, self.view.agents)
 
     def owns(self, group_id: str) -> bool:
-        return (
-            self.agent.partitions.session_ok
-            and self.coordinator_id(group_id) == self.agent.agent_id
-        )
+        return self.session_ok() and self.coordinator_id(group_id) == self.agent_id
 
     async def _group(self, group_id: str) -> Group:
         """This agent's live copy of the group (loaded from ZooKeeper on first use)."""
         validate_group_id(group_id)
         if not self.owns(group_id):
             raise NotCoordinatorError(
-                f"agent {self.agent.agent_id} does not coordinate group {group_id!r}"
+                f"agent {self.agent_id} does not coordinate group {group_id!r}"
             )
         group = self.groups.get(group_id)
         if group is not None:
@@ -307,7 +310,7 @@ class GroupCoordinator:
         except InvalidRequestError as exc:
             return m.FindCoordinatorResponse(exc.code, -1, "", 0)
         agent_id = self.coordinator_id(req.key)
-        reg = None if agent_id is None else self.agent.view.agents.get(agent_id)
+        reg = None if agent_id is None else self.view.agents.get(agent_id)
         if reg is None:
             return m.FindCoordinatorResponse(CoordinatorNotAvailableError.code, -1, "", 0)
         return m.FindCoordinatorResponse(0, reg.agent_id, reg.host, reg.port)
