@@ -90,6 +90,8 @@ class Agent:
             max_frame_bytes=config.max_frame_bytes,
             max_in_flight=config.max_in_flight_per_connection,
             max_queued_bytes=config.queued_max_request_bytes,
+            idle_timeout=config.connections_max_idle_ms / 1000,
+            frame_timeout=config.request_frame_timeout_ms / 1000,
         )
         self.controller = Controller(self.agent_id, self.zk, self.store, self.view)
         self.fetchers = ReplicaFetchers(self.agent_id, self.partitions, self.view, config)

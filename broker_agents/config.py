@@ -28,6 +28,10 @@ class AgentConfig(_Config):
     # request bytes read off the sockets and not yet handled, over all connections (Kafka's
     # queued.max.request.bytes): past it the agent stops reading until handlers finish
     queued_max_request_bytes: int = Field(256 << 20, alias="queued.max.request.bytes", ge=1 << 20)
+    # once a request frame has started, the rest must arrive within this (slow peers are cut)
+    request_frame_timeout_ms: int = Field(30_000, alias="request.frame.timeout.ms", ge=100)
+    # a connection that sends nothing (or takes no answer) for this long is closed
+    connections_max_idle_ms: int = Field(600_000, alias="connections.max.idle.ms", ge=100)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)
     # ---- the object tier (off unless a bucket is given here or in STRATA_BUCKET) ----------

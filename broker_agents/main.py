@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
+import gc
 import json
 import logging
 import signal
 import sys
+import time
 from pathlib import Path
 
 from broker_agents.agent import Agent
 from broker_agents.config import AgentConfig
 from broker_agents.metrics import AgentMetrics
 from storage.wal.group_commit import set_fsync_observer
+
+log = logging.getLogger(__name__)
 
 #: glibc ``mallopt`` parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -47,6 +52,22 @@ def keep_freed_memory(mmap_threshold: int = 8 << 20, trim_threshold: int = 64 <<
     return bool(
         mallopt(_M_MMAP_THRESHOLD, mmap_threshold) and mallopt(_M_TRIM_THRESHOLD, trim_threshold)
     )
+
+
+def give_back_freed_memory() -> None:
+    """Return freed memory to the system: called after many connections have closed.
+
+    A full collection first: it clears the interpreter's free lists (frames, tuples, dicts
+    left by thousands of connection tasks), which otherwise pin Python's memory arenas; then
+    glibc's ``malloc_trim`` returns free heap pages whatever the thresholds above keep (up to
+    ``trim_threshold`` at the heap top, and any free pages below it). 3,000 closed idle
+    connections: +63 MiB RSS kept without this, +22 MiB with it (tests/test_hostile_peers.py).
+    """
+    started = time.perf_counter()
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).malloc_trim(0)
+    log.info("gave freed memory back in %.1f ms", (time.perf_counter() - started) * 1000)
 
 
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
@@ -80,6 +101,7 @@ async def _main(config: AgentConfig) -> None:
     agent = Agent(config)
     metrics = AgentMetrics(agent)
     agent.server.observer = metrics
+    agent.server.give_back_memory = give_back_freed_memory
     agent.tiering.on_upload = metrics.observe_upload
     set_fsync_observer(metrics.observe_fsync)
     metrics_port = await metrics.start(config.metrics_host, config.metrics_port)

@@ -7,9 +7,21 @@ be trusted) and starts one handler task per request, in order. A writer task
 awaits those tasks in the same order and writes each response, so responses match request
 order whatever finishes first (pipelining), while slow requests (a long poll, an fsync wait)
 do not hold up the reading of the next ones. At most ``max_in_flight`` requests per connection
-are in progress, and at most ``max_queued_bytes`` of request frames over all connections
-(read, not yet handled); beyond either the reader stops reading (TCP backpressure), so the
-agent's memory does not grow with the number of producers pushing at it.
+are in progress; beyond it the reader stops reading (TCP backpressure).
+
+Request memory is bounded without letting a few slow or hostile peers starve the rest
+(``ByteBudget``):
+
+* bytes are charged as they arrive, not as a frame's size announces them: a large frame is
+  received into its buffer only as far as the budget has granted room (``FrameStream``'s
+  ``grant``: 64 KiB first, then doubling up to 1 MiB, never more ahead than what arrived);
+* ``max_queued_bytes`` over all connections (Kafka's ``queued.max.request.bytes``), and a
+  quarter of it per connection, so one connection cannot hold the whole budget;
+* small frames (control requests: replica and consumer fetches, metadata, heartbeats, offset
+  commits) never queue behind large ones: past the shared budget they draw on a reserve of
+  their own (``small_reserve``), so replication keeps flowing while producers wait;
+* once a frame has started, the rest of it must arrive within ``frame_timeout``; a peer that
+  announces a frame and stalls (slowloris) is disconnected and its bytes released.
 
 A request whose header parses but whose API is unknown or whose body does not parse gets an
 error response (``UNSUPPORTED_VERSION`` / ``INVALID_REQUEST``) and the connection stays open.
@@ -29,6 +41,7 @@ import functools
 import logging
 import socket
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from storage.errors import MalformedFrameError, StrataError, UnsupportedVersionError
@@ -49,10 +62,11 @@ _NO_RESPONSE = object()
 class _Activity:
     """When the connection's pending read and write started waiting (None: not waiting)."""
 
-    __slots__ = ("reading", "writable", "writing")
+    __slots__ = ("frame", "reading", "writable", "writing")
 
     def __init__(self) -> None:
         self.reading: float | None = None
+        self.frame: float | None = None  # since when the peer has been sending a frame
         self.writing: float | None = None
         self.writable = True  # False once the client was cut off for not reading
 
@@ -66,23 +80,37 @@ class ServerObserver(Protocol):
 
 
 class ByteBudget:
-    """Bytes shared by every connection's reader, granted first come, first served."""
+    """Bytes shared by readers, granted first come, first served.
 
-    def __init__(self, capacity: int) -> None:
+    Small requests (``acquire(n, small=True)``) have a queue of their own and may go past the
+    capacity by up to ``reserve`` bytes: they never wait behind a large request, and they
+    wait only when the reserve is spent too."""
+
+    def __init__(self, capacity: int, *, reserve: int = 0) -> None:
         self.capacity = capacity
+        self.reserve = reserve
         self.used = 0
         self.peak = 0
         self._waiters: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._small: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
 
-    async def acquire(self, n: int) -> int:
+    async def acquire(self, n: int, *, small: bool = False) -> int:
         """Take ``n`` bytes (at most the capacity, so one huge frame cannot wait forever),
         waiting while they are spent; returns what was taken, for ``release``."""
         n = min(n, self.capacity)
-        if not self._waiters and self.used + n <= self.capacity:
+        limit, queue = (
+            (self.capacity + self.reserve, self._small)
+            if small
+            else (
+                self.capacity,
+                self._waiters,
+            )
+        )
+        if not queue and self.used + n <= limit:
             self._take(n)
             return n
         fut = asyncio.get_running_loop().create_future()
-        self._waiters.append((n, fut))
+        queue.append((n, fut))
         try:
             await fut
         except asyncio.CancelledError:
@@ -93,20 +121,71 @@ class ByteBudget:
 
     def release(self, n: int) -> None:
         self.used -= n
-        while self._waiters:
-            m, fut = self._waiters[0]
+        self._grant(self._small, self.capacity + self.reserve)
+        self._grant(self._waiters, self.capacity)
+
+    def _grant(
+        self, queue: collections.deque[tuple[int, asyncio.Future[None]]], limit: int
+    ) -> None:
+        while queue:
+            m, fut = queue[0]
             if fut.done():  # its acquirer was cancelled
-                self._waiters.popleft()
+                queue.popleft()
                 continue
-            if self.used + m > self.capacity:
+            if self.used + m > limit:
                 break
-            self._waiters.popleft()
+            queue.popleft()
             self._take(m)
             fut.set_result(None)
 
     def _take(self, n: int) -> None:
         self.used += n
         self.peak = max(self.peak, self.used)
+
+
+class _Charge:
+    """What one connection holds of the shared budget and of its own, and how it asks for
+    more (``FrameStream.read_body``'s ``grant``)."""
+
+    __slots__ = ("held", "own", "shared")
+
+    def __init__(self, shared: ByteBudget, own: ByteBudget) -> None:
+        self.shared = shared
+        self.own = own
+        self.held = 0  # of the frame being read
+
+    async def grant(self, n: int) -> int:
+        # one frame is charged at most the connection's cap (so a frame that big can finish)
+        want = min(n, self.own.capacity - self.held)
+        if want <= 0:
+            return n
+        own = await self.own.acquire(want)
+        try:
+            await self.shared.acquire(own)
+        except BaseException:
+            self.own.release(own)
+            raise
+        self.held += own
+        return n
+
+    async def small(self, n: int) -> int:
+        own = await self.own.acquire(n, small=True)
+        try:
+            await self.shared.acquire(own, small=True)
+        except BaseException:
+            self.own.release(own)
+            raise
+        self.held += own
+        return own
+
+    def take_frame(self) -> int:
+        """What the frame just read holds (handed to its handler, released when it ends)."""
+        held, self.held = self.held, 0
+        return held
+
+    def release(self, n: int) -> None:
+        self.shared.release(n)
+        self.own.release(n)
 
 
 class AgentServer:
@@ -118,16 +197,24 @@ class AgentServer:
         max_in_flight: int = 64,
         max_queued_bytes: int = 256 << 20,
         idle_timeout: float = 600.0,
+        frame_timeout: float = 30.0,
     ) -> None:
         self.apis = apis
-        self.budget = ByteBudget(max_queued_bytes)
+        self.budget = ByteBudget(max_queued_bytes, reserve=max(max_queued_bytes // 16, 1 << 20))
         self.max_frame_bytes = max_frame_bytes
         self.max_in_flight = max_in_flight
+        self.per_connection_bytes = max(max_queued_bytes // 4, 1 << 20)
         self.idle_timeout = idle_timeout
+        self.frame_timeout = frame_timeout
         self.listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
         self.connections: set[asyncio.Task[None]] = set()
         self.observer: ServerObserver | None = None
+        #: called (at most every ``trim_interval`` s) once many connections have closed
+        self.give_back_memory: Callable[[], None] | None = None
+        self.trim_interval = 5.0
+        self._closed_since_trim = 0
+        self._trim_pending = False
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         listener = socket.create_server((host, port), backlog=512)
@@ -168,7 +255,23 @@ class AgentServer:
                 continue
             task = asyncio.create_task(self._on_connection(stream, peer), name=f"conn:{peer}")
             self.connections.add(task)
-            task.add_done_callback(self.connections.discard)
+            task.add_done_callback(self._connection_closed)
+
+    def _connection_closed(self, task: asyncio.Task[None]) -> None:
+        """Forget the connection; after many closes, give their memory back (once, later)."""
+        self.connections.discard(task)
+        self._closed_since_trim += 1
+        if self.give_back_memory is None or self._trim_pending:
+            return
+        if self._closed_since_trim >= max(256, len(self.connections)):
+            self._trim_pending = True
+            asyncio.get_running_loop().call_later(self.trim_interval, self._trim)
+
+    def _trim(self) -> None:
+        self._trim_pending = False
+        self._closed_since_trim = 0
+        if self.give_back_memory is not None:
+            self.give_back_memory()
 
     async def _on_connection(self, stream: FrameStream, peer: Any) -> None:
         queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
@@ -197,12 +300,14 @@ class AgentServer:
             stream.transport.close()
 
     async def _watch_idle(self, stream: FrameStream, peer: Any, activity: _Activity) -> None:
-        """Abort the connection once a read or a write has waited over ``idle_timeout``."""
+        """Abort the connection once a read or a write has waited over ``idle_timeout``, or
+        a frame has taken the peer longer than ``frame_timeout`` to send."""
         loop = asyncio.get_running_loop()
         assert stream.transport is not None
         while True:
-            await asyncio.sleep(self.idle_timeout / 4)
-            too_old = loop.time() - self.idle_timeout
+            await asyncio.sleep(min(self.idle_timeout, self.frame_timeout) / 4)
+            now = loop.time()
+            too_old = now - self.idle_timeout
             if activity.writing is not None and activity.writing < too_old:
                 log.warning(
                     "closing connection from %s: it read no response for %.0f s",
@@ -212,7 +317,15 @@ class AgentServer:
                 activity.writable = False  # the writer drains its queue without writing
                 stream.transport.abort()
                 return
-            if activity.reading is not None and activity.reading < too_old:
+            frame_limit = min(self.frame_timeout, self.idle_timeout)
+            stalled = activity.frame is not None and activity.frame < now - frame_limit
+            if stalled:
+                log.warning(
+                    "closing connection from %s: a frame took over %.1f s to arrive",
+                    peer,
+                    frame_limit,
+                )
+            if stalled or (activity.reading is not None and activity.reading < too_old):
                 activity.writable = False
                 stream.transport.abort()  # the reader sees the end of the stream
                 return
@@ -221,29 +334,45 @@ class AgentServer:
         self, frames: FrameStream, queue: asyncio.Queue[Any], activity: _Activity
     ) -> None:
         loop = asyncio.get_running_loop()
+        charge = _Charge(
+            self.budget,
+            ByteBudget(self.per_connection_bytes, reserve=self.budget.reserve),
+        )
+
+        async def grant(n: int) -> int:
+            """Room for ``n`` more bytes; time spent waiting for it is not the peer's."""
+            waited = loop.time()
+            try:
+                return await charge.grant(n)
+            finally:
+                if activity.frame is not None:
+                    activity.frame += loop.time() - waited
+
         while True:
             activity.reading = loop.time()
             size = await frames.read_size()
             activity.reading = None
-            held = await self.budget.acquire(size)
             try:
-                activity.reading = loop.time()
-                frame = await frames.read_body(size)
-                activity.reading = None
+                if frames.is_small(size):
+                    await charge.small(size)
+                activity.frame = loop.time()
+                frame = await frames.read_body(size, grant)
+                activity.frame = None
                 if self.observer is not None:
                     self.observer.bytes_in(4 + size)
                 request = parse_request(frame)
             except BaseException:
-                self.budget.release(held)
+                charge.release(charge.take_frame())
                 raise
             del frame
             handler = asyncio.ensure_future(self._handle(request))
             # released when the handler is done, even if cancelled before it ever ran
-            handler.add_done_callback(functools.partial(self._release, held))
+            handler.add_done_callback(functools.partial(self._release, charge, charge.take_frame()))
             await queue.put(handler)
 
-    def _release(self, held: int, _handler: asyncio.Future[Any]) -> None:
-        self.budget.release(held)
+    @staticmethod
+    def _release(charge: _Charge, held: int, _handler: asyncio.Future[Any]) -> None:
+        charge.release(held)
 
     async def _handle(self, request: Any) -> Any:
         if self.observer is None:

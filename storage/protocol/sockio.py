@@ -15,13 +15,23 @@ what the socket does not take at once goes through the transport's buffer.
 Sizes are checked by ``storage.protocol.frames.read_size`` before anything is read toward a
 frame; the end of the stream inside a frame raises ``asyncio.IncompleteReadError`` (as
 ``readexactly`` does). Deadlines are the callers' (``asyncio.timeout`` around each call).
+
+Memory is taken as bytes arrive, not as sizes are announced. The staging buffer is an
+anonymous mapping (its pages are faulted in only as bytes land in them, and given back to the
+system when the connection is gone, whatever the C library does with freed heap), and a large
+frame's buffer, allocated uncommitted, is filled only as far as the caller's ``grant`` allows:
+:meth:`read_body` asks it for room in steps (64 KiB, doubling up to 1 MiB, never more ahead
+than what has arrived) and pauses reading while it waits. A peer that announces 64 MiB and
+sends nothing holds 64 KiB of the caller's budget, not 64 MiB.
 """
 
 from __future__ import annotations
 
 import asyncio
+import mmap
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -31,6 +41,12 @@ from storage.protocol.frames import read_size
 #: most buffers one ``sendmsg`` takes (Linux IOV_MAX)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 STAGE_BYTES = 64 << 10
+#: room a large frame is granted first, and the most it is granted at a time
+FIRST_GRANT = 64 << 10
+MAX_GRANT = 1 << 20
+
+Grant = Callable[[int], Awaitable[int]]
+"""Asked for room for ``n`` more bytes of a frame; returns how many may be received (> 0)."""
 
 
 class FrameStream(asyncio.BufferedProtocol):
@@ -49,12 +65,13 @@ class FrameStream(asyncio.BufferedProtocol):
         self.sock = sock  # the transport's own socket, for sendmsg
         self.max_frame = max_frame
         self.transport: asyncio.Transport | None = None
-        self._stage = bytearray(stage_bytes)
+        self._stage = mmap.mmap(-1, stage_bytes)
         self._view = memoryview(self._stage)
         self._start = 0
         self._end = 0
         self._target: memoryview | None = None  # the large frame being received
         self._filled = 0
+        self._limit = 0  # how far into ``_target`` the grant lets the socket write
         self._waiter: asyncio.Future[None] | None = None
         self._paused = False
         self._eof = False
@@ -74,7 +91,7 @@ class FrameStream(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._target is not None:
-            return self._target[self._filled :]
+            return self._target[self._filled : self._limit]
         if self._end == len(self._stage):
             self._compact()  # not paused, so something was taken from the front
         return self._view[self._end :]
@@ -90,6 +107,10 @@ class FrameStream(asyncio.BufferedProtocol):
             self._filled += nbytes
             if self._filled == len(self._target):
                 self._target = None  # complete: the next bytes go to the staging buffer
+            elif self._filled == self._limit and not self._paused:
+                self._paused = True  # the grant is used up: wait for more room
+                assert self.transport is not None
+                self.transport.pause_reading()
         else:
             self._end += nbytes
             if self._end == len(self._stage) and not self._start and not self._paused:
@@ -108,6 +129,13 @@ class FrameStream(asyncio.BufferedProtocol):
         self._error = exc
         self._wake()
         self._writable.set()  # senders fail on the closed transport instead of waiting
+        if self.transport is not None:
+            # CPython 3.11's selector transport keeps bound methods of itself in its own
+            # ``__dict__`` (python/cpython#100348, #106503; fixed in 3.12), a cycle that only
+            # the cyclic GC frees: thousands of closed connections stayed in memory until a
+            # full collection. The transport is done; drop the cycle so refcounting frees it.
+            for name in ("_read_ready_cb", "_write_ready"):
+                vars(self.transport).pop(name, None)
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -188,22 +216,36 @@ class FrameStream(asyncio.BufferedProtocol):
         self._start += 4
         return size
 
-    async def read_body(self, size: int) -> bytes | memoryview:
-        """The ``size`` bytes of the frame whose size :meth:`read_size` returned."""
-        if size <= len(self._stage) // 2:
+    def is_small(self, size: int) -> bool:
+        """A frame this size is cut out of the staging buffer (no buffer of its own)."""
+        return size <= len(self._stage) // 2
+
+    async def read_body(self, size: int, grant: Grant | None = None) -> bytes | memoryview:
+        """The ``size`` bytes of the frame whose size :meth:`read_size` returned.
+
+        A large frame is received only as far as ``grant`` (if given) has made room for."""
+        if self.is_small(size):
             await self._staged(size)
             frame = bytes(self._view[self._start : self._start + size])
             self._start += size
             return frame
         have = min(self._end - self._start, size)
+        step = FIRST_GRANT
+        limit = size if grant is None else await grant(min(size, max(have, step)))
         view = np.empty(size, dtype=np.uint8).data  # not zeroed: every byte is received into it
         view[:have] = self._view[self._start : self._start + have]
         self._start += have
         if self._start == self._end:
             self._start = self._end = 0
-        self._target, self._filled = (view, have) if have < size else (None, have)
+        self._target, self._filled, self._limit = (
+            (view, have, limit) if have < size else (None, have, size)
+        )
         try:
             while self._filled < size:
+                if self._filled == self._limit:
+                    assert grant is not None
+                    step = min(step * 2, MAX_GRANT, max(self._filled, FIRST_GRANT))
+                    self._limit += await grant(min(step, size - self._limit))
                 await self._wait(view[: self._filled], size)
         finally:
             self._target = None
