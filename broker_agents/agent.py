@@ -14,6 +14,7 @@ one ``asyncio.TaskGroup``: if one fails, the agent stops rather than limping on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import time
@@ -80,7 +81,7 @@ class Agent:
                 commit_linger_ms=config.offsets_commit_linger_ms,
             ),
         )
-        self.isr = IsrMaintenance(self.agent_id, self.partitions, self.store, config)
+        self.isr = IsrMaintenance(self.agent_id, self.partitions, self.store, self.view, config)
         self.apis = Apis(
             self.agent_id, config, self.partitions, self.view, self.tiering, self.isr.wake
         )
@@ -110,9 +111,57 @@ class Agent:
         self._agents_generation = 0
         self._background: set[asyncio.Future[None]] = set()
         self._reregister = asyncio.Event()
+        self._shutdown: asyncio.Future[None] | None = None
+        self._applied = asyncio.Event()  # set after each reconcile round (controlled shutdown)
 
     def stop(self) -> None:
-        self._stop.set()
+        """Stop gracefully (SIGTERM): first a controlled shutdown, then the process ends.
+        A second call stops at once."""
+        if self._shutdown is None and self.registration is not None and not self._stop.is_set():
+            self._shutdown = asyncio.ensure_future(self._controlled_shutdown())
+            self._shutdown.add_done_callback(lambda _: self._stop.set())
+        else:
+            self._stop.set()
+
+    async def _controlled_shutdown(self) -> None:
+        """Say so in the registration, then wait (up to ``controlled.shutdown.timeout.ms``)
+        until the controller has moved every partition this agent leads to another in-sync
+        replica (those with none stay until the end). Producers then retry on the new leaders
+        instead of timing out on a dead one, and groups move to other coordinators."""
+        assert self.registration is not None
+        started = time.monotonic()
+        deadline = started + self.config.controlled_shutdown_timeout_ms / 1000
+        self.registration = self.registration.model_copy(update={"shutting_down": True})
+        try:
+            await self.store.update_agent(self.registration)
+        except MetadataError as exc:
+            log.warning("controlled shutdown: cannot say so in ZooKeeper (%s); stopping", exc)
+            return
+        while (held := self._movable_leaderships()) and time.monotonic() < deadline:
+            self._applied.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._applied.wait(), deadline - time.monotonic())
+        log.info(
+            "controlled shutdown after %.2f s: %d partitions still led here that another"
+            " in-sync replica could take",
+            time.monotonic() - started,
+            len(held),
+        )
+
+    def _movable_leaderships(self) -> list[tuple[str, int]]:
+        """Partitions led here whose ISR has another live agent that is not stopping."""
+        agents = self.view.agents
+        out = []
+        for key, p in self.partitions.partitions.items():
+            state = self.partitions.latest.get(key)
+            if p.role != "leader" or state is None:
+                continue
+            if any(
+                r != self.agent_id and r in agents and not agents[r].shutting_down
+                for r in state.isr
+            ):
+                out.append(key)
+        return out
 
     async def run(self, on_ready: Callable[[str, int], None] | None = None) -> None:
         self.config.data_dir.mkdir(parents=True, exist_ok=True)
@@ -126,6 +175,7 @@ class Agent:
                 host=self.config.advertised_host or host,
                 port=port,
                 started_ms=int(time.time() * 1000),
+                incarnation=self.partitions.incarnation,
             )
             await self._register()
             self.partitions.session_ok = True
@@ -346,6 +396,7 @@ class Agent:
                 ):
                     await self._set_offline(key, False)  # deleted, moved away, or opened
             self.fetchers.update()
+            self._applied.set()
 
     def _retry_later(self, key: tuple[str, int]) -> None:
         """Apply ``key``'s latest state again after a backoff (1 s, doubling up to 30 s)."""

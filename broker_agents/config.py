@@ -57,6 +57,10 @@ class AgentConfig(_Config):
     tier_orphan_check_interval_ms: int = Field(300000, alias="tier.orphan.check.interval.ms", ge=10)
     tier_orphan_grace_ms: int = Field(600000, alias="tier.orphan.grace.ms", ge=0)
     replica_lag_time_max_ms: int = Field(10_000, alias="replica.lag.time.max.ms", ge=100)
+    # SIGTERM: how long to wait for leadership to move away before stopping anyway
+    controlled_shutdown_timeout_ms: int = Field(
+        30_000, alias="controlled.shutdown.timeout.ms", ge=0
+    )
     # consumer groups (docs/groups.md)
     group_min_session_timeout_ms: int = Field(1000, alias="group.min.session.timeout.ms", ge=1)
     group_max_session_timeout_ms: int = Field(300_000, alias="group.max.session.timeout.ms", ge=1)

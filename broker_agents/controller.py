@@ -120,6 +120,8 @@ class Controller:
         live = sorted(self.view.agents)
         if not live:
             return
+        leaving = {a for a, reg in self.view.agents.items() if reg.shutting_down}
+        placeable = [a for a in live if a not in leaving] or live
         # replicas whose agent cannot open their log count as dead for that partition only
         offline: dict[tuple[str, int], set[int]] = {}
         for agent_id, reg in self.view.agents.items():
@@ -140,7 +142,13 @@ class Controller:
                 if (name, p) in offline:
                     usable = [a for a in live if a not in offline[(name, p)]]
                 if current is None:
-                    await self._create(name, p, spec.replication_factor, live, start)
+                    await self._create(name, p, spec.replication_factor, placeable, start)
+                elif await self._fence_restarted(name, p, current[0], current[1], usable):
+                    continue  # the next pass sees the new state
+                elif leaving and await self._drain(
+                    name, p, current[0], current[1], leaving, usable
+                ):
+                    continue
                 elif current[0].adding or current[0].removing:
                     await self._advance_reassignment(name, p, current[0], current[1], usable)
                 else:
@@ -153,6 +161,107 @@ class Controller:
                         spec.config.unclean_leader_election_enable,
                     )
 
+    def _incarnations(self) -> dict[int, str]:
+        return {a: reg.incarnation for a, reg in self.view.agents.items()}
+
+    async def _fence_restarted(
+        self, name: str, p: int, state: PartitionState, version: int, usable: list[int]
+    ) -> bool:
+        """Take ISR members whose agent restarted since they were admitted out of the ISR
+        (and out of leadership); True if the state was changed.
+
+        A restarted agent may have lost what it had not fsynced (under a relaxed
+        ``fsync.policy``, or a power loss), so it must catch up again before it counts: as
+        Kafka treats a broker's new registration as an unclean restart. Leadership goes to an
+        in-sync member that did not restart. When every in-sync member alive has restarted
+        (all crashed at once; or the last replica standing), none knows more than the others:
+        they stay in the ISR, stamped anew, under a new epoch, against which the others
+        truncate."""
+        current = self._incarnations()
+        restarted = [r for r in state.isr if r in current and not state.in_sync_as(r, current[r])]
+        if not restarted:
+            return False
+        kept = [r for r in state.isr if r not in restarted]
+        alive_kept = [r for r in kept if r in usable]
+        if alive_kept:
+            leader = state.leader if state.leader in alive_kept else alive_kept[0]
+            isr = kept
+        else:
+            # every in-sync member alive has restarted (all crashed at once): none knows more
+            # than the others, so they stay in sync, stamped anew, under a new epoch
+            isr = [r for r in restarted if r in usable]
+            if not isr:
+                return False  # nobody usable: the election below takes the partition offline
+            leader = state.leader if state.leader in isr else isr[0]
+        stamps = {r: current[r] if r in restarted else v for r, v in state.incarnations.items()}
+        stamps.update({r: current[r] for r in isr if r in restarted})
+        new = state.model_copy(
+            update={
+                "leader": leader,
+                "leader_epoch": state.leader_epoch
+                + (leader != state.leader or leader in restarted),
+                "isr": isr,
+                "incarnations": {r: v for r, v in stamps.items() if v and r in isr},
+                "controller_epoch": self.epoch or 0,
+            }
+        )
+        try:
+            await self.store.cas_partition_state(name, p, new, version)
+            log.info(
+                "%s-%d: restarted agents %s leave the ISR; leader %d -> %d (epoch %d, ISR %s)",
+                name,
+                p,
+                restarted,
+                state.leader,
+                leader,
+                new.leader_epoch,
+                isr,
+            )
+        except MetadataError as exc:
+            log.info("%s-%d: fencing restarted replicas lost a race (%s)", name, p, exc)
+        return True
+
+    async def _drain(
+        self,
+        name: str,
+        p: int,
+        state: PartitionState,
+        version: int,
+        leaving: set[int],
+        usable: list[int],
+    ) -> bool:
+        """Controlled shutdown (Kafka's): move leadership off agents that are shutting down to
+        another in-sync replica, and take them out of the ISR; True if the state was changed.
+        A partition with no other in-sync replica alive keeps its leader until it is gone."""
+        stay = [r for r in state.isr if r not in leaving and r in usable]
+        if not stay or not any(r in leaving for r in state.isr):
+            return False
+        leader = state.leader if state.leader in stay else stay[0]
+        new = state.model_copy(
+            update={
+                "leader": leader,
+                "leader_epoch": state.leader_epoch + (leader != state.leader),
+                "isr": [r for r in state.isr if r not in leaving],
+                "incarnations": {r: v for r, v in state.incarnations.items() if r not in leaving},
+                "controller_epoch": self.epoch or 0,
+            }
+        )
+        try:
+            await self.store.cas_partition_state(name, p, new, version)
+            log.info(
+                "%s-%d: agents %s shutting down; leader %d -> %d (epoch %d, ISR %s)",
+                name,
+                p,
+                sorted(leaving & set(state.isr)),
+                state.leader,
+                leader,
+                new.leader_epoch,
+                new.isr,
+            )
+        except MetadataError as exc:
+            log.info("%s-%d: controlled shutdown step lost a race (%s)", name, p, exc)
+        return True
+
     async def _create(self, name: str, p: int, rf: int, live: list[int], start: int) -> None:
         n = len(live)
         count = min(rf, n)
@@ -164,6 +273,7 @@ class Controller:
             replicas=replicas,
             isr=list(replicas),
             controller_epoch=self.epoch or 0,
+            incarnations={r: c for r, c in self._incarnations().items() if r in replicas and c},
         )
         try:
             await self.store.create_partition_state(name, p, state)
@@ -185,6 +295,7 @@ class Controller:
         update: dict[str, object] = {
             "replicas": replicas,
             "isr": isr,
+            "incarnations": state.stamped(isr, self._incarnations()),
             "adding": [],
             "removing": [],
             "controller_epoch": self.epoch or 0,
@@ -219,7 +330,13 @@ class Controller:
             # replica.lag.time.max.ms, holding back the high watermark meanwhile)
             isr = [r for r in state.isr if r in alive]
             if isr != state.isr and state.leader in isr:
-                new = state.model_copy(update={"isr": isr, "controller_epoch": self.epoch or 0})
+                new = state.model_copy(
+                    update={
+                        "isr": isr,
+                        "incarnations": state.stamped(isr, self._incarnations()),
+                        "controller_epoch": self.epoch or 0,
+                    }
+                )
                 try:
                     await self.store.cas_partition_state(name, p, new, version)
                     log.info("%s-%d: dead replicas leave the ISR %s -> %s", name, p, state.isr, isr)
@@ -242,6 +359,7 @@ class Controller:
                 "leader": new_leader,
                 "leader_epoch": state.leader_epoch + 1,
                 "isr": isr,
+                "incarnations": state.stamped(isr, self._incarnations()),
                 "controller_epoch": self.epoch or 0,
             }
         )

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import shutil
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,6 +141,8 @@ class PartitionManager:
     def __init__(self, agent_id: int, data_dir: Path) -> None:
         self.agent_id = agent_id
         self.data_dir = data_dir
+        #: this process's incarnation (``AgentRegistration.incarnation``)
+        self.incarnation = uuid.uuid4().hex
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.latest: dict[tuple[str, int], PartitionState] = {}
         self.session_ok = False
@@ -194,8 +197,19 @@ class PartitionManager:
                     await self._close(current, delete=True)
                 return
             self.latest[key] = state
-            if self.agent_id == state.leader:
+            if self.agent_id == state.leader and state.in_sync_as(self.agent_id, self.incarnation):
                 role = "leader"
+            elif self.agent_id == state.leader:
+                # elected before this process started: what it had not fsynced may be gone,
+                # so it waits (as a replica) for the controller to see the restart and elect
+                # again (another in-sync replica, or this one at a new epoch)
+                log.info(
+                    "%s-%d: led by an earlier incarnation of this agent; waiting for the"
+                    " controller",
+                    topic,
+                    partition,
+                )
+                role = "follower"
             elif self.agent_id in state.replicas:
                 role = "follower"
             else:

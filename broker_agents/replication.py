@@ -63,7 +63,7 @@ class ReplicaFetchers:
         leaders = {
             p.state.leader
             for p in self.partitions.partitions.values()
-            if p.role == "follower" and p.state.leader >= 0
+            if p.role == "follower" and p.state.leader >= 0 and p.state.leader != self.agent_id
         }
         for leader in leaders:
             if leader not in self.tasks:
@@ -282,6 +282,7 @@ class IsrMaintenance:
         agent_id: int,
         partitions: PartitionManager,
         store: MetadataStore,
+        view: ClusterView,
         config: AgentConfig,
         *,
         min_interval: float = 0.1,
@@ -289,6 +290,7 @@ class IsrMaintenance:
         self.agent_id = agent_id
         self.partitions = partitions
         self.store = store
+        self.view = view
         self.config = config
         self.changes = 0
         self.min_interval = min_interval
@@ -325,7 +327,17 @@ class IsrMaintenance:
                 continue  # not ours any more: the watch will say so
             if sorted(current.isr) == sorted(isr):
                 continue  # already written; the watch has not brought it yet
-            new = current.model_copy(update={"isr": isr})
+            agents = self.view.agents
+            # a follower shutting down is not taken back (the controller is draining it)
+            isr = [
+                r for r in isr if r in current.isr or not (r in agents and agents[r].shutting_down)
+            ]
+            if sorted(current.isr) == sorted(isr):
+                continue
+            incarnations = {a: reg.incarnation for a, reg in agents.items()}
+            new = current.model_copy(
+                update={"isr": isr, "incarnations": current.stamped(isr, incarnations)}
+            )
             try:
                 await self.store.cas_partition_state(p.topic, p.index, new, version)
                 self.changes += 1

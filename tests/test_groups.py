@@ -10,7 +10,7 @@ import contextlib
 import itertools
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 
@@ -25,7 +25,7 @@ from storage.errors import (
     UnknownMemberIdError,
     from_wire,
 )
-from storage.metadata import AsyncZooKeeper
+from storage.metadata import AgentRegistration, AsyncZooKeeper
 from storage.protocol import consumer as cp
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient
@@ -327,7 +327,9 @@ def test_offset_flusher_answers_its_commits_and_lives_on_after_an_unexpected_err
     async def run() -> None:
         zk = AsyncZooKeeper(zk_chroot.connect_string)
         await zk.start()
-        view = ClusterView(agents={1: cast(Any, None)})
+        view = ClusterView(
+            agents={1: AgentRegistration(agent_id=1, host="127.0.0.1", port=9092, started_ms=0)}
+        )
         coordinator = GroupCoordinator(1, zk, view, lambda: True, CoordinatorSettings())
         runner = asyncio.create_task(coordinator.run())
         real = coordinator.store.write_offsets

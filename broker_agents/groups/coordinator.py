@@ -3,7 +3,8 @@
 Theory of operation (``docs/groups.md`` has the full text):
 
 * **Who coordinates.** The coordinator of a group is ``coordinator_for(group, live agents)``:
-  the live agent ids sorted, indexed by CRC32 of the group id. Every agent computes the same
+  rendezvous hashing over the live agents that are not shutting down (the highest CRC32 of
+  ``group:agent``), so an agent's arrival or departure moves only its own groups. Every agent computes the same
   answer from its ``/agents`` watch, and ``FindCoordinator`` returns it. An agent answers
   ``NOT_COORDINATOR`` for groups that are not its own, and forgets (unloads) groups it no
   longer coordinates, failing their waiting requests with ``NOT_COORDINATOR``; clients then
@@ -79,11 +80,14 @@ log = logging.getLogger(__name__)
 
 
 def coordinator_for(group_id: str, live_agents: Iterable[int]) -> int | None:
-    """The coordinating agent of ``group_id`` among ``live_agents`` (None if there is none)."""
-    live = sorted(live_agents)
-    if not live:
-        return None
-    return live[zlib.crc32(group_id.encode()) % len(live)]
+    """The coordinating agent of ``group_id`` among ``live_agents`` (None if there is none).
+
+    Rendezvous hashing: the agent with the highest CRC32 of ``group:agent``. When an agent
+    joins or leaves, only the groups it gains or held move; the others keep their coordinator
+    (a modulo over the sorted ids moved most groups at every change)."""
+    key = group_id.encode() + b":"
+    best = max(live_agents, key=lambda a: (zlib.crc32(key + str(a).encode()), a), default=None)
+    return best
 
 
 def _code(exc: BaseException) -> int:
@@ -193,7 +197,8 @@ class GroupCoordinator:
 
     # ---- ownership --------------------------------------------------------------------------
     def coordinator_id(self, group_id: str) -> int | None:
-        return coordinator_for(group_id, self.view.agents)
+        agents = self.view.agents
+        return coordinator_for(group_id, (a for a, r in agents.items() if not r.shutting_down))
 
     def owns(self, group_id: str) -> bool:
         return self.session_ok() and self.coordinator_id(group_id) == self.agent_id

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -94,6 +95,29 @@ class PartitionState(BaseModel):
     #: every added one is in the ISR (``replicas`` holds both meanwhile)
     adding: list[int] = []
     removing: list[int] = []
+    #: the incarnation (``AgentRegistration.incarnation``) each ISR member had when it was
+    #: admitted to the ISR or elected. A member whose agent has restarted since (another
+    #: incarnation registered) may have lost writes it had not fsynced, so it is no longer
+    #: in sync: the controller takes it out of the ISR (and leadership) until it catches up
+    #: again. A member without an entry (a state written before this field) is trusted.
+    incarnations: dict[int, str] = {}
+
+    def in_sync_as(self, agent_id: int, incarnation: str) -> bool:
+        """Whether ``agent_id``'s membership of the ISR was granted to ``incarnation``."""
+        stamp = self.incarnations.get(agent_id)
+        return stamp is None or stamp == incarnation
+
+    def stamped(self, isr: list[int], incarnation_of: Mapping[int, str]) -> dict[int, str]:
+        """Stamps for ``isr``: members keep theirs, a new member gets its current one."""
+        out = {}
+        for r in isr:
+            stamp = self.incarnations.get(r) if r in self.isr else None
+            current = incarnation_of.get(r)
+            if stamp is None and current:
+                stamp = current
+            if stamp:
+                out[r] = stamp
+        return out
 
 
 class AgentRegistration(BaseModel):
@@ -105,6 +129,12 @@ class AgentRegistration(BaseModel):
     host: str
     port: int = Field(ge=1, le=65535)
     started_ms: int
+    #: new for every start of the agent's process (not for a new ZooKeeper session of the
+    #: same process): a restarted agent may have lost what it had not fsynced
+    incarnation: str = ""
+    #: set by an agent stopping gracefully (SIGTERM): the controller moves its leadership and
+    #: ISR memberships to other replicas, and groups to other coordinators, before it stops
+    shutting_down: bool = False
     #: (topic, partition) whose local log this agent cannot open (a quarantined segment, a
     #: disk error): for those the controller counts the agent as dead — Kafka's offline replica
     offline: tuple[tuple[str, int], ...] = ()
