@@ -23,6 +23,7 @@ from collections.abc import Callable
 from broker_agents.apis import Apis
 from broker_agents.config import AgentConfig
 from broker_agents.controller import Controller
+from broker_agents.disk import DiskGuard
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
 from broker_agents.partitions import PartitionManager
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
@@ -82,8 +83,15 @@ class Agent:
             ),
         )
         self.isr = IsrMaintenance(self.agent_id, self.partitions, self.store, self.view, config)
+        self.disk = DiskGuard(config.data_dir, config.log_dir_min_free_bytes)
         self.apis = Apis(
-            self.agent_id, config, self.partitions, self.view, self.tiering, self.isr.wake
+            self.agent_id,
+            config,
+            self.partitions,
+            self.view,
+            self.tiering,
+            self.isr.wake,
+            self.disk.check,
         )
         self.apis.handlers.update(self.groups.handlers())
         self.server = AgentServer(

@@ -65,6 +65,7 @@ class Apis:
         view: ClusterView,
         tier: TierAccess,
         wake_isr: Callable[[], None],
+        check_space: Callable[[], None] = lambda: None,
     ) -> None:
         self.agent_id = agent_id
         self.config = config
@@ -72,6 +73,7 @@ class Apis:
         self.view = view
         self.tier = tier
         self.wake_isr = wake_isr
+        self.check_space = check_space
         self.handlers: dict[int, Handler] = {
             m.ApiKey.API_VERSIONS: self.api_versions,
             m.ApiKey.METADATA: self.metadata,
@@ -128,6 +130,7 @@ class Apis:
                     p = self.pm.leader_for_write(topic.name, part.partition)
                     result.leader_id, result.leader_epoch = p.state.leader, p.state.leader_epoch
                     self.tier.check_backlog(p)  # backpressure while S3 lags
+                    self.check_space()  # and before the disk fills
                     if req.acks == -1 and len(p.state.isr) < p.config.min_insync_replicas:
                         raise NotEnoughReplicasError(
                             f"{topic.name}-{part.partition} has {len(p.state.isr)} in-sync replicas,"

@@ -32,6 +32,8 @@ class AgentConfig(_Config):
     request_frame_timeout_ms: int = Field(30_000, alias="request.frame.timeout.ms", ge=100)
     # a connection that sends nothing (or takes no answer) for this long is closed
     connections_max_idle_ms: int = Field(600_000, alias="connections.max.idle.ms", ge=100)
+    # produce is refused (LogDirFullError, retriable) while the data directory has less free
+    log_dir_min_free_bytes: int = Field(256 << 20, alias="log.dir.min.free.bytes", ge=0)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)
     # ---- the object tier (off unless a bucket is given here or in STRATA_BUCKET) ----------

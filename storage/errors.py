@@ -51,6 +51,7 @@ at one boundary per adapter and never leak out.
     ├── StorageError                   local disk trouble (I/O error, disk full); retriable
     │   ├── CorruptSegmentError        stored bytes failed verification; segment quarantined
     │   ├── UploadBacklogError         retriable: too many bytes wait for the object tier
+    │   ├── LogDirFullError            retriable: the data directory is short of free space
     │   └── ObjectStoreError           retriable: S3 throttled, timed out, unreachable
     │       ├── ObjectExistsError      a create-only put found the key taken (HTTP 412)
     │       └── ObjectNotFoundError    no such key (HTTP 404)
@@ -331,6 +332,15 @@ class UploadBacklogError(StorageError):
     """Backpressure: the bytes not yet in the object tier reached the agent's bound."""
 
     code = 1020
+    retriable = True
+
+
+class LogDirFullError(StorageError):
+    """Backpressure: the data directory's free space fell below ``log.dir.min.free.bytes``
+    (an object tier too slow or down to take segments off the disk, or retention too long
+    for the disk); produce again once space returns."""
+
+    code = 1024
     retriable = True
 
 
