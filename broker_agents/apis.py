@@ -21,6 +21,7 @@ from storage.codec import check_batch, iter_batches
 from storage.errors import (
     CorruptBatchError,
     FencedLeaderEpochError,
+    InvalidTopicError,
     NotEnoughReplicasAfterAppendError,
     NotEnoughReplicasError,
     NotLeaderError,
@@ -30,6 +31,7 @@ from storage.errors import (
     UnknownTopicOrPartitionError,
     UnsupportedVersionError,
 )
+from storage.names import validate_topic_name
 from storage.protocol import messages as m
 from storage.protocol.schema import Message
 
@@ -101,7 +103,12 @@ class Apis:
         for name in names:
             spec = view.topics.get(name)
             if spec is None:
-                topics.append(m.TopicMetadata(UnknownTopicOrPartitionError.code, name, []))
+                try:
+                    validate_topic_name(name)
+                    code = UnknownTopicOrPartitionError.code
+                except InvalidTopicError as exc:
+                    code = exc.code  # no topic can have this name: not worth waiting for
+                topics.append(m.TopicMetadata(code, name, []))
                 continue
             parts = []
             for p in range(spec.partitions):

@@ -42,6 +42,7 @@ from storage.errors import (
     UnknownTopicOrPartitionError,
     from_wire,
 )
+from storage.names import validate_topic_name
 from storage.protocol import DEFAULT_MAX_FRAME
 from storage.protocol.messages import MetadataRequest, MetadataResponse
 from storage.protocol.schema import Message
@@ -271,7 +272,10 @@ class Cluster:
         return True
 
     async def wait_for_topic(self, topic: str, max_wait: float) -> int:
-        """The partition count of ``topic``, waiting up to ``max_wait`` s for it to appear."""
+        """The partition count of ``topic``, waiting up to ``max_wait`` s for it to appear.
+        A name no topic can have raises ``InvalidTopicError`` at once."""
+        if self.partition_count(topic) is None:
+            validate_topic_name(topic)
         deadline = self._clock() + max_wait
         self.add_topics([topic])
         while True:

@@ -18,8 +18,9 @@ from sdk import (
     SyncProducer,
     TopicPartition,
 )
-from storage.errors import UnknownTopicOrPartitionError
-from tests.cluster import Cluster, read_records
+from storage.errors import InvalidTopicError, UnknownTopicOrPartitionError
+from storage.protocol import messages as m
+from tests.cluster import Cluster, WireClient, read_records
 from tests.harness import ProcessGroup, ZooKeeperChroot, metric_value, scrape_metrics
 
 pytestmark = pytest.mark.slow
@@ -155,6 +156,31 @@ def test_unknown_topic_is_a_typed_error_after_max_block(agent: Cluster) -> None:
                 await p.send("missing", b"x")
             with pytest.raises(UnknownTopicOrPartitionError, match="partition 5"):
                 await p.send("t", b"x", partition=5)
+
+    asyncio.run(run())
+
+
+def test_an_invalid_topic_name_fails_at_once_not_after_max_block(agent: Cluster) -> None:
+    """A name no topic can have is refused before any wait (max.block.ms is a minute here),
+    by the SDK itself, and by the agent's Metadata answer for clients that ask anyway."""
+
+    async def run() -> None:
+        async with Producer({"bootstrap.servers": agent.bootstrap, "max.block.ms": 60_000}) as p:
+            for send in (
+                lambda: p.send("a/b", b"x"),
+                lambda: p.send_batch("a/b", [b"x"]),
+                lambda: p.send_and_wait("a/b", b"x"),
+            ):
+                with pytest.raises(InvalidTopicError, match="invalid topic name"):
+                    async with asyncio.timeout(5):
+                        await send()
+        resp = await WireClient.call_once(
+            agent.agents[1].host,
+            agent.agents[1].port,
+            m.ApiKey.METADATA,
+            m.MetadataRequest(["a/b"]),
+        )
+        assert resp.topics[0].error_code == InvalidTopicError.code
 
     asyncio.run(run())
 

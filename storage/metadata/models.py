@@ -7,27 +7,17 @@ name or value raises ``InvalidConfigError`` / ``InvalidTopicError`` with the rea
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from storage.config import LogConfig
-from storage.errors import InvalidConfigError, InvalidPartitionsError, InvalidTopicError
+from storage.errors import InvalidConfigError, InvalidPartitionsError
+from storage.names import validate_topic_name as validate_topic_name
 
-_TOPIC_NAME = re.compile(r"[a-zA-Z0-9._-]{1,249}")
 MAX_PARTITIONS = 10_000
 DAY_MS = 24 * 3600 * 1000
-
-
-def validate_topic_name(name: Any) -> str:
-    """Kafka's rule: 1-249 of ``[a-zA-Z0-9._-]``, and not ``.`` or ``..``."""
-    if not isinstance(name, str) or not _TOPIC_NAME.fullmatch(name) or name in {".", ".."}:
-        raise InvalidTopicError(
-            f"invalid topic name {name!r}: use 1-249 characters of [a-zA-Z0-9._-], not '.' or '..'"
-        )
-    return name
 
 
 class TopicConfig(LogConfig):
