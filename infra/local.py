@@ -326,6 +326,16 @@ def _replace(state: StackState, **changes: Any) -> StackState:
     return StackState(**values)
 
 
+def _port_if_free(host: str, port: int) -> int:
+    """``port`` if nothing listens there now, else 0 (any free port)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return 0
+    return port
+
+
 def start_agents(
     n: int,
     zookeeper: str,
@@ -335,14 +345,23 @@ def start_agents(
     env: dict[str, str],
     timeout: float = 30.0,
 ) -> list[AgentProcess]:
-    """Start agents 1..n at once, then wait for each (they start in parallel)."""
+    """Start agents 1..n at once, then wait for each (they start in parallel). Agent i
+    listens on Kafka's usual port 9091 + i (9092, 9093, 9094, ...) when it is free and no
+    port was configured, else on any free port."""
     pending = [
         spawn_agent(
             agent_id,
             zookeeper,
             state_dir / f"agent-{agent_id}",
             log_path=state_dir / f"agent-{agent_id}.log",
-            configs=configs,
+            configs=configs
+            if "listen.port" in configs
+            else {
+                **configs,
+                "listen.port": _port_if_free(
+                    str(configs.get("listen.host", "127.0.0.1")), 9091 + agent_id
+                ),
+            },
             env=env,
         )
         for agent_id in range(1, n + 1)
