@@ -94,6 +94,7 @@ class Cluster:
         self._rng = rng or random.Random()
         self._agents: dict[int, tuple[str, int]] = {}
         self._partitions: dict[str, dict[int, PartitionInfo]] = {}
+        self._available: dict[str, list[int]] = {}
         self._topic_errors: dict[str, StrataError] = {}
         self._topics: set[str] = set()
         self.controller_id = -1
@@ -125,13 +126,9 @@ class Cluster:
         return len(parts) if parts else None
 
     def available_partitions(self, topic: str) -> list[int]:
-        """Partitions of ``topic`` whose leader is known."""
-        parts = self._partitions.get(topic)
-        if not parts:
-            return []
-        return [
-            p for p, info in parts.items() if info.leader_id >= 0 and info.leader_id in self._agents
-        ]
+        """Partitions of ``topic`` whose leader is known (computed once per metadata update,
+        not per call: the producer asks at every closed batch)."""
+        return self._available.get(topic, [])
 
     def leader_for(self, topic: str, partition: int) -> int | None:
         """The leader agent's id, or None when unknown (then ``request_update`` is wise)."""
@@ -252,6 +249,10 @@ class Cluster:
             if parts:
                 partitions[t.name] = parts
         self._partitions = partitions
+        self._available = {
+            name: [p for p, i in parts.items() if i.leader_id >= 0 and i.leader_id in self._agents]
+            for name, parts in partitions.items()
+        }
         self._topic_errors = errors
         self.version += 1
         self.last_refresh = self._clock()

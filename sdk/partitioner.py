@@ -17,6 +17,8 @@ import random
 import struct
 from collections.abc import Sequence
 
+import numpy as np
+
 _M = 0x5BD1E995
 _SEED = 0x9747B28C
 _MASK = 0xFFFFFFFF
@@ -45,6 +47,50 @@ def murmur2(data: bytes) -> int:
     h = (h * _M) & _MASK
     h ^= h >> 15
     return h - (1 << 32) if h & 0x80000000 else h
+
+
+_M32 = np.uint32(_M)
+_SEED32 = np.uint32(_SEED)
+
+
+def murmur2_many(keys: Sequence[bytes]) -> np.ndarray:
+    """``murmur2`` of every key at once (as unsigned 32-bit values), without a Python loop
+    per key: the keys are laid out as rows of little-endian 4-byte blocks (zero past each
+    key's end) and each block column is mixed into every row that has that block."""
+    n = len(keys)
+    if not n:
+        return np.zeros(0, dtype=np.uint32)
+    lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)
+    width = (int(lengths.max()) + 3) & ~3 or 4
+    flat = np.frombuffer(b"".join(keys) + bytes(width), dtype=np.uint8)
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    cols = np.arange(width)
+    grid = flat[starts[:, None] + cols]  # each key's bytes, then whatever follows it
+    grid[cols >= lengths[:, None]] = 0
+    words = grid.view("<u4")
+    blocks = lengths >> 2
+    h = _SEED32 ^ lengths.astype(np.uint32)
+    with np.errstate(over="ignore"):  # Java int arithmetic: wrap modulo 2**32
+        for j in range(words.shape[1]):
+            k = words[:, j] * _M32
+            k ^= k >> np.uint32(24)
+            k *= _M32
+            h = np.where(blocks > j, (h * _M32) ^ k, h)
+        rest = lengths & 3
+        # the 1-3 tail bytes, little-endian and zero-padded, are the next block's word
+        tail = words[np.arange(n), np.minimum(blocks, words.shape[1] - 1)]
+        h = np.where(rest > 0, (h ^ tail) * _M32, h)
+        h ^= h >> np.uint32(13)
+        h *= _M32
+        h ^= h >> np.uint32(15)
+    result: np.ndarray = h
+    return result
+
+
+def partitions_for_keys(keys: Sequence[bytes], num_partitions: int) -> np.ndarray:
+    """``partition_for_key`` of every key at once (int64 array)."""
+    return (murmur2_many(keys) & np.uint32(0x7FFFFFFF)).astype(np.int64) % num_partitions
 
 
 def to_positive(h: int) -> int:

@@ -44,9 +44,12 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from itertools import repeat
+from itertools import pairwise, repeat
+from operator import itemgetter
 from types import TracebackType
 from typing import Any, Self
+
+import numpy as np
 
 from sdk.accumulator import (
     RECORD_OVERHEAD,
@@ -60,7 +63,7 @@ from sdk.cluster import STALE_METADATA_ERRORS, Cluster
 from sdk.config import ProducerConfig
 from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedError
 from sdk.idempotence import Sequencer
-from sdk.partitioner import DefaultPartitioner, partition_for_key
+from sdk.partitioner import DefaultPartitioner, partition_for_key, partitions_for_keys
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
 from storage.errors import StrataError, UnknownTopicOrPartitionError, from_wire
 from storage.protocol.messages import (
@@ -578,17 +581,7 @@ class Producer:
             runs = [(partition, None)]
         else:
             assert key_list is not None
-            by_partition: dict[int, list[int]] = defaultdict(list)
-            available = None
-            for i, k in enumerate(key_list):
-                if k is None:
-                    if available is None:
-                        available = cluster.available_partitions(topic)
-                    p = self._partitioner.partition(topic, None, n, available)
-                else:
-                    p = partition_for_key(k, n)
-                by_partition[p].append(i)
-            runs = [(p, idx) for p, idx in by_partition.items()]
+            runs = self._runs_by_key(topic, key_list, n)
         futures: list[asyncio.Future[RecordsMetadata]] = []
         for p, idx in runs:
             tp = self._tps.get((topic, p))
@@ -596,7 +589,9 @@ class Producer:
                 tp = self._tps[(topic, p)] = TopicPartition(topic, p)
 
             def pick(col: list[Any] | None, idx: list[int] | None = idx) -> list[Any] | None:
-                return col if col is None or idx is None else [col[i] for i in idx]
+                if col is None or idx is None:
+                    return col
+                return [col[idx[0]]] if len(idx) == 1 else list(itemgetter(*idx)(col))
 
             remaining = max_block - (self._clock() - started)
             futures += await acc.append_many(
@@ -611,6 +606,27 @@ class Producer:
             )
         gathered: asyncio.Future[list[RecordsMetadata]] = asyncio.gather(*futures)
         return gathered
+
+    def _runs_by_key(
+        self, topic: str, keys: list[bytes | None], n: int
+    ) -> list[tuple[int, list[int] | None]]:
+        """The records' indexes grouped by partition, in input order within each: keys hashed
+        all at once (``partitions_for_keys``), keyless records to the sticky partition."""
+        keyless = [i for i, k in enumerate(keys) if k is None] if None in keys else []
+        if keyless:
+            sticky = self._partitioner.partition(
+                topic, None, n, self._cluster.available_partitions(topic) if self._cluster else ()
+            )
+            keyed = [i for i, k in enumerate(keys) if k is not None]
+            parts = np.full(len(keys), sticky, dtype=np.int64)
+            if keyed:
+                parts[keyed] = partitions_for_keys([keys[i] for i in keyed], n)  # type: ignore[misc]
+        else:
+            parts = partitions_for_keys(keys, n)  # type: ignore[arg-type]
+        order = np.argsort(parts, kind="stable")
+        ordered = parts[order]
+        bounds = [0, *(np.flatnonzero(np.diff(ordered)) + 1).tolist(), len(order)]
+        return [(int(ordered[a]), order[a:b].tolist()) for a, b in pairwise(bounds)]
 
     async def send_and_wait(
         self,

@@ -6,8 +6,18 @@ import random
 from collections import Counter
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from sdk.partitioner import DefaultPartitioner, murmur2, partition_for_key, to_positive
+from sdk import Producer
+from sdk.partitioner import (
+    DefaultPartitioner,
+    murmur2,
+    murmur2_many,
+    partition_for_key,
+    partitions_for_keys,
+    to_positive,
+)
 
 # Kafka's clients/src/test/java/org/apache/kafka/common/utils/UtilsTest.java, testMurmur2
 KAFKA_UTILS_TEST = {
@@ -129,3 +139,36 @@ def test_sticky_partitions_spread_over_time() -> None:
         p.batch_closed("t", chosen, 6)
     assert set(used) == set(range(6))
     assert min(used.values()) > 350
+
+
+def test_murmur2_many_matches_the_golden_vectors_and_the_scalar_hash() -> None:
+    golden = {**{k: v & 0xFFFFFFFF for k, v in KAFKA_UTILS_TEST.items()}, **LIBRDKAFKA_JAVA_RESULTS}
+    assert murmur2_many(list(golden)).tolist() == list(golden.values())
+    assert murmur2_many([]).tolist() == []
+
+
+@given(st.lists(st.binary(max_size=64), max_size=50), st.integers(1, 4096))
+def test_partitions_for_keys_equals_partition_for_key_on_each(
+    keys: list[bytes], partitions: int
+) -> None:
+    assert partitions_for_keys(keys, partitions).tolist() == [
+        partition_for_key(k, partitions) for k in keys
+    ]
+
+
+@given(st.lists(st.one_of(st.none(), st.binary(max_size=12)), min_size=1, max_size=60))
+def test_send_batch_groups_keyed_records_by_murmur2_and_keyless_ones_sticky(
+    keys: list[bytes | None],
+) -> None:
+    producer = Producer({"bootstrap.servers": "127.0.0.1:1"})
+    runs = producer._runs_by_key("t", keys, 7)
+    sticky = producer._partitioner.sticky("t")
+    seen = []
+    for partition, idx in runs:
+        assert idx is not None and idx == sorted(idx)  # input order kept within a partition
+        for i in idx:
+            key = keys[i]
+            assert partition == (sticky if key is None else partition_for_key(key, 7))
+        seen += idx
+    assert sorted(seen) == list(range(len(keys)))  # every record once
+    assert len({p for p, _ in runs}) == len(runs)  # one run per partition
