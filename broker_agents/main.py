@@ -24,6 +24,7 @@ from pathlib import Path
 from broker_agents.agent import Agent
 from broker_agents.config import AgentConfig
 from broker_agents.metrics import AgentMetrics
+from storage import jsonlog
 from storage.wal.group_commit import set_fsync_observer
 
 log = logging.getLogger(__name__)
@@ -131,12 +132,7 @@ async def _main(config: AgentConfig) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
-    )
-    logging.getLogger("kazoo").setLevel(logging.WARNING)
+    jsonlog.configure()
     keep_freed_memory()
     asyncio.run(_main(parse_args(argv)))
     return 0

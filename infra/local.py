@@ -46,6 +46,7 @@ from infra.local_runtime import LocalRuntimeProcess, start_local_runtime
 from infra.moto_s3 import MotoServer, start_moto
 from infra.processes import LocalStackError, spawn, terminate
 from infra.zookeeper import ZooKeeperServer, four_letter_word, start_zookeeper
+from storage import jsonlog
 
 log = logging.getLogger("infra.local")
 
@@ -409,11 +410,7 @@ def supervise(
     else:
         _refuse_if_running(state_dir)
     log_file = logging.FileHandler(state_dir / "stack.log")
-    log_file.setFormatter(
-        logging.Formatter(
-            '{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}'
-        )
-    )
+    log_file.setFormatter(jsonlog.json_formatter())
     logging.getLogger().addHandler(log_file)
     logging.getLogger().setLevel(logging.INFO)
     stop = threading.Event()

@@ -65,6 +65,7 @@ from infra.processes import (
     terminate,
     wait_until_ready,
 )
+from storage import jsonlog
 from storage.errors import InvalidConfigError, InvalidRequestError, NetworkError, StrataError
 
 log = logging.getLogger("infra.local_runtime")
@@ -440,12 +441,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RuntimeOptions, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        stream=sys.stderr,
-        format='{"ts":"%(asctime)s","level":"%(levelname)s","logger":"%(name)s","msg":"%(message)s"}',
-    )
-    logging.getLogger("kazoo").setLevel(logging.WARNING)
+    jsonlog.configure()
     try:
         options, zookeeper = parse_args(argv)
     except StrataError as exc:
