@@ -64,6 +64,18 @@ def free_port(host: str = "127.0.0.1") -> int:
         return port
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct TCP ports that are free on ``host`` right now (same caveat as
+    :func:`free_port`: all are bound at once, so they differ, then released)."""
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            sock.bind((host, 0))
+            ports.append(int(sock.getsockname()[1]))
+        return ports
+
+
 def _pdeathsig_preexec(sig: signal.Signals) -> Callable[[], None] | None:
     """A ``preexec_fn`` that asks the kernel to send ``sig`` to the child when we die."""
     if not sys.platform.startswith("linux"):

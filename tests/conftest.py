@@ -13,7 +13,7 @@ from kazoo.client import KazooClient
 
 import storage.crc
 from infra.moto_s3 import MotoServer, start_moto
-from infra.zookeeper import ZooKeeperServer, start_zookeeper
+from infra.zookeeper import ZooKeeperEnsemble, ZooKeeperServer, start_ensemble, start_zookeeper
 from tests.harness import (
     ProcessGroup,
     S3Target,
@@ -24,6 +24,7 @@ from tests.harness import (
     give_kazoo_its_own_random,
     kazoo_client,
     new_s3_target,
+    restore_ensemble,
 )
 
 
@@ -87,6 +88,38 @@ def zk_client(zk_chroot: ZooKeeperChroot) -> Iterator[KazooClient]:
     client = kazoo_client(zk_chroot.connect_string)
     yield client
     close_client(client)
+
+
+@pytest.fixture(scope="module")
+def zk_ensemble(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ZooKeeperEnsemble]:
+    """Three ZooKeeper servers forming a quorum, fresh for each module that asks for them
+    (tests kill, stop and restart members; see ``zk_ensemble_chroot``)."""
+    with start_ensemble(tmp_path_factory.mktemp("zk-ensemble")) as ensemble:
+        yield ensemble
+
+
+@pytest.fixture
+def zk_ensemble_chroot(
+    zk_ensemble: ZooKeeperEnsemble, request: pytest.FixtureRequest
+) -> Iterator[ZooKeeperChroot]:
+    """This test's own chroot on the ensemble, whose three members all serve when the test
+    starts (whatever an earlier test of the module left down is restarted).
+
+    ``.connect_string`` lists the three members: ``h:p1,h:p2,h:p3/strata-test/<test>-<hex>``.
+    """
+    restore_ensemble(zk_ensemble)
+    admin = kazoo_client(zk_ensemble.connect_string)
+    try:
+        chroot = create_chroot(admin, zk_ensemble.connect_string, request.node.name)
+    finally:
+        close_client(admin)  # its session would not outlive the test's faults
+    yield chroot
+    restore_ensemble(zk_ensemble)
+    admin = kazoo_client(zk_ensemble.connect_string)
+    try:
+        delete_chroot(admin, chroot)
+    finally:
+        close_client(admin)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,11 @@ the same pieces:
   fresh bucket (:class:`S3Target`);
 * :class:`ProcessGroup` for agent processes: logs under the test's ``tmp_path``, and at
   teardown everything still alive is stopped (SIGTERM, deadline, SIGKILL), pass or fail;
-* :func:`expire_session`: a real server-side session expiry, as leadership tests need.
+* :func:`expire_session`: a real server-side session expiry, as leadership tests need;
+* for fault tests, a three-server ensemble per test module (``infra.zookeeper``
+  :class:`~infra.zookeeper.ZooKeeperEnsemble`: ``leader()``, ``modes()``, ``kill(id)``,
+  ``stop(id)``, ``start(id)``, ``wait_for_quorum()``) and per test a chroot on it;
+  :func:`restore_ensemble` brings back whatever the previous test left down or frozen.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from kazoo.client import KazooClient, KazooState
 from kazoo.exceptions import NoNodeError, NotEmptyError
 
 from infra.processes import free_port, log_tail, signal_group, spawn, terminate
+from infra.zookeeper import ZooKeeperEnsemble
 
 __all__ = [
     "CHROOT_ROOT",
@@ -54,6 +59,7 @@ __all__ = [
     "give_kazoo_its_own_random",
     "kazoo_client",
     "new_s3_target",
+    "restore_ensemble",
 ]
 
 CHROOT_ROOT = "/strata-test"
@@ -185,6 +191,22 @@ def expire_session(client: KazooClient, *, timeout: float = 15.0) -> None:
             raise TimeoutError(f"the client did not get a new session within {timeout} s")
     finally:
         client.remove_listener(listener)
+
+
+def restore_ensemble(ensemble: ZooKeeperEnsemble, *, timeout: float = 40.0) -> int:
+    """Every member of ``ensemble`` running and serving again; the leader's id.
+
+    Thaws members (SIGCONT, harmless to a running one), restarts the ones that are down and
+    waits for all of them to serve: a test that stopped or froze members leaves a whole
+    ensemble to the next one.
+    """
+    for server_id in ensemble.server_ids:
+        if ensemble.running(server_id):
+            ensemble.kill(server_id, signal.SIGCONT)
+    down = [i for i in ensemble.server_ids if not ensemble.running(i)]
+    if down:
+        ensemble.start(*down, wait=False)
+    return ensemble.wait_for_quorum(timeout=timeout, members=ensemble.server_ids)
 
 
 # ---------------------------------------------------------------- S3 (moto)
