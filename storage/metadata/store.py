@@ -102,8 +102,25 @@ class MetadataStore:
         return info
 
     async def try_become_controller(self, agent_id: int) -> ControllerInfo | None:
-        """Claim ``/controller`` (ephemeral) with a freshly bumped epoch; None if taken."""
-        if await self.zk.exists(CONTROLLER) is not None:
+        """Claim ``/controller`` (ephemeral) with a freshly bumped epoch; None if another
+        session holds it.
+
+        A seat that this session already holds is returned as it is (same epoch). A
+        controller stops acting while its connection is suspended (a ZooKeeper leader change,
+        a lost quorum); when the session survives, its ephemeral node survives too and nobody
+        else can have taken the seat, so it takes up where it left off. (Treating its own
+        node as taken would leave it waiting for that node to go away: no controller acts
+        until the agent's session ends.) The same holds when a create that went through was
+        reported as a connection loss.
+        """
+        try:
+            data, stat = await self.zk.get(CONTROLLER)
+        except NodeNotFoundError:
+            pass
+        else:
+            if stat.ephemeralOwner == self.zk.session_id:
+                held: ControllerInfo = load(ControllerInfo, data)
+                return held
             return None
         epoch = await self._bump_controller_epoch()
         info = ControllerInfo(agent_id=agent_id, epoch=epoch)
