@@ -921,24 +921,32 @@ def replay(
 def _endpoints_table(state: local.StackState) -> Table:
     table = Table("component", "endpoint", "pid", title=f"Strata local stack ({state.state_dir})")
     table.add_row("s3 (moto)", f"{state.s3_endpoint}  bucket {state.bucket}", str(state.s3_pid))
-    table.add_row("zookeeper", state.zookeeper_connect, str(state.zookeeper_pid))
+    for z in state.zookeepers:
+        table.add_row(z.name, z.address, str(z.pid))
     for a in state.agents:
         table.add_row(f"agent {a.agent_id}", f"{a.address}  metrics {a.metrics_url}", str(a.pid))
     table.add_row("admin api", state.admin_url, str(state.admin_pid))
+    table.caption = f"ZooKeeper connect string: {state.zookeeper_connect}"
     return table
 
 
 def _stack_config(
-    state_dir: Path, agents: int, agent_config: list[str] | None
+    state_dir: Path, agents: int, zookeepers: int, agent_config: list[str] | None
 ) -> local.StackConfig:
     return local.StackConfig(
-        state_dir=state_dir, agents=agents, agent_configs=tuple(agent_config or ())
+        state_dir=state_dir,
+        agents=agents,
+        zookeepers=zookeepers,
+        agent_configs=tuple(agent_config or ()),
     )
 
 
 @local_app.command("up")
 def local_up(
     agents: Annotated[int, typer.Option(min=1, max=32)] = 3,
+    zookeepers: Annotated[
+        int, typer.Option(help="ZooKeeper servers: 1 (standalone) or an ensemble of 3 or 5")
+    ] = 1,
     detach: Annotated[bool, typer.Option("--detach", "-d", help="Run in the background")] = False,
     agent_config: Annotated[
         list[str] | None, typer.Option(help="key=value for every agent (repeatable)")
@@ -949,9 +957,9 @@ def local_up(
 ) -> None:
     """Start the stack; in the foreground until Ctrl-C, or in the background with --detach."""
     ctx = _ctx()
-    config = _stack_config(state_dir or ctx.state_dir, agents, agent_config)
     started = time.monotonic()
     with _errors():
+        config = _stack_config(state_dir or ctx.state_dir, agents, zookeepers, agent_config)
         if detach:
             with err.status("starting the local stack…", spinner="dots"):
                 state = local.up_detached(config)
@@ -1016,6 +1024,7 @@ def local_status(state_dir: Annotated[Path | None, typer.Option()] = None) -> No
                 "healthy_after_s": state.healthy_after_s,
                 "bootstrap": state.bootstrap,
                 "admin_url": state.admin_url,
+                "zookeeper_connect": state.zookeeper_connect,
                 "components": [
                     {
                         "name": c.name,
@@ -1033,6 +1042,7 @@ def local_status(state_dir: Annotated[Path | None, typer.Option()] = None) -> No
         for c in components:
             mark = "[green]ok[/]" if c.healthy else "[red]DOWN[/]"
             table.add_row(c.name, c.endpoint, str(c.pid), mark, c.detail)
+        table.caption = f"ZooKeeper connect string: {state.zookeeper_connect}"
         out.print(table)
     if not healthy:
         raise typer.Exit(1)

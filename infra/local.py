@@ -1,7 +1,8 @@
 """The local stack: moto (S3), ZooKeeper, N agents and the admin runtime, all on loopback.
 
 One **supervisor** process owns the stack. It starts, in order, moto in server mode (and
-creates the bucket), a standalone ZooKeeper, the agents (tiering to the bucket, Prometheus
+creates the bucket), ZooKeeper (one standalone server, or with ``zookeepers=3`` an ensemble of
+three that keeps serving when one fails), the agents (tiering to the bucket, Prometheus
 endpoints on free ports) and the local handler runtime (the admin API over HTTP); it writes
 what it started to ``<state_dir>/stack.json``; then it watches its children until SIGTERM or
 SIGINT, and stops them in reverse order (agents before ZooKeeper, so that they leave
@@ -14,7 +15,8 @@ background process in its own session and returns once ``stack.json`` says *heal
 recorded survives; ``status`` probes every component.
 
 Everything lives under one directory (``var/local`` by default): ``stack.json``,
-``stack.log`` (the supervisor), ``moto/``, ``zookeeper/``, ``agent-<id>/`` (WAL) and
+``stack.log`` (the supervisor), ``moto/``, ``zookeeper/`` (an ensemble: ``zookeeper/zk-<n>/``),
+``agent-<id>/`` (WAL) and
 ``agent-<id>.log``, ``admin.log``. ``up`` starts from an empty directory: moto keeps its
 objects in memory only, so metadata kept from a previous run would point at objects that are
 gone.
@@ -45,7 +47,14 @@ from infra.agents import AgentProcess, spawn_agent
 from infra.local_runtime import LocalRuntimeProcess, start_local_runtime
 from infra.moto_s3 import MotoServer, start_moto
 from infra.processes import LocalStackError, spawn, terminate
-from infra.zookeeper import ZooKeeperServer, four_letter_word, start_zookeeper
+from infra.zookeeper import (
+    SERVING_MODES,
+    ZooKeeperEnsemble,
+    ZooKeeperServer,
+    server_mode,
+    start_ensemble,
+    start_zookeeper,
+)
 from storage import jsonlog
 
 log = logging.getLogger("infra.local")
@@ -56,6 +65,9 @@ STATE_FILE = "stack.json"
 BUCKET = "strata-local"
 CHROOT = "/strata"
 REGION = "us-east-1"
+ZOOKEEPER_SIZES = (1, 3, 5)
+"""Servers the stack's ZooKeeper may have: an even ensemble survives no more failures than
+the odd one below it."""
 HEALTHY_TIMEOUT = 60.0
 """``up --detach`` gives up (and stops what started) after this many seconds."""
 
@@ -64,6 +76,8 @@ HEALTHY_TIMEOUT = 60.0
 class StackConfig:
     state_dir: Path = DEFAULT_STATE_DIR
     agents: int = 3
+    zookeepers: int = 1
+    """1: a standalone ZooKeeper; 3 or 5: an ensemble (a quorum of that many servers)."""
     bucket: str = BUCKET
     agent_configs: tuple[str, ...] = ()
     """Extra ``key=value`` agent configs (``AgentConfig`` names)."""
@@ -71,6 +85,11 @@ class StackConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.agents <= 32:
             raise LocalStackError(f"agents must be between 1 and 32, not {self.agents}")
+        if self.zookeepers not in ZOOKEEPER_SIZES:
+            raise LocalStackError(
+                f"zookeepers must be one of {', '.join(map(str, ZOOKEEPER_SIZES))}, "
+                f"not {self.zookeepers}"
+            )
 
 
 def s3_env(endpoint_url: str, bucket: str) -> dict[str, str]:
@@ -113,6 +132,18 @@ class AgentInfo:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ZooKeeperInfo:
+    server_id: int
+    """The member's ``myid`` in an ensemble; 0 for a standalone server."""
+    address: str
+    pid: int
+
+    @property
+    def name(self) -> str:
+        return f"zookeeper {self.server_id}" if self.server_id else "zookeeper"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class StackState:
     """What ``stack.json`` holds: enough for ``status``, ``down`` and the CLI's defaults."""
 
@@ -125,7 +156,8 @@ class StackState:
     s3_pid: int = 0
     bucket: str = ""
     zookeeper: str = ""
-    zookeeper_pid: int = 0
+    """The connect string without the chroot: every server's ``host:port``, comma-separated."""
+    zookeepers: list[ZooKeeperInfo] = field(default_factory=list)
     chroot: str = CHROOT
     agents: list[AgentInfo] = field(default_factory=list)
     admin_url: str = ""
@@ -142,7 +174,7 @@ class StackState:
 
     def pids(self) -> list[int]:
         return [p for p in (self.admin_pid, *(a.pid for a in self.agents)) if p] + [
-            p for p in (self.zookeeper_pid, self.s3_pid) if p
+            p for p in (*(z.pid for z in self.zookeepers), self.s3_pid) if p
         ]
 
     def to_json(self) -> dict[str, Any]:
@@ -155,6 +187,7 @@ class StackState:
     def from_json(cls, data: dict[str, Any]) -> StackState:
         values = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         values["agents"] = [AgentInfo(**a) for a in data.get("agents", [])]
+        values["zookeepers"] = [ZooKeeperInfo(**z) for z in data.get("zookeepers", [])]
         return cls(**values)
 
 
@@ -202,7 +235,7 @@ class Stack:
         self.config = config
         self.state_dir = config.state_dir.resolve()
         self.moto: MotoServer | None = None
-        self.zookeeper: ZooKeeperServer | None = None
+        self.zookeeper: ZooKeeperServer | ZooKeeperEnsemble | None = None
         self.agents: list[AgentProcess] = []
         self.admin: LocalRuntimeProcess | None = None
         self.started_at = time.time()
@@ -222,7 +255,12 @@ class Stack:
             self.moto = start_moto(self.state_dir / "moto")
             s3_client(self.moto.endpoint_url).create_bucket(Bucket=self.config.bucket)
             log.info("moto (S3) at %s, bucket %s", self.moto.endpoint_url, self.config.bucket)
-            self.zookeeper = start_zookeeper(self.state_dir / "zookeeper")
+            if self.config.zookeepers == 1:
+                self.zookeeper = start_zookeeper(self.state_dir / "zookeeper")
+            else:
+                self.zookeeper = start_ensemble(
+                    self.state_dir / "zookeeper", size=self.config.zookeepers
+                )
             log.info("ZooKeeper at %s", self.zookeeper.connect_string)
             zk = self.zookeeper.connect_string + CHROOT
             env = s3_env(self.moto.endpoint_url, self.config.bucket)
@@ -254,7 +292,10 @@ class Stack:
             s3_pid=self.moto.pid,
             bucket=self.config.bucket,
             zookeeper=self.zookeeper.connect_string,
-            zookeeper_pid=self.zookeeper.pid,
+            zookeepers=[
+                ZooKeeperInfo(server_id=z.server_id, address=z.connect_string, pid=z.pid)
+                for z in _zookeeper_servers(self.zookeeper)
+            ],
             agents=[
                 AgentInfo(
                     agent_id=a.agent_id,
@@ -277,8 +318,12 @@ class Stack:
         out = []
         if self.moto is not None and not self.moto.running:
             out.append("moto (S3) exited")
-        if self.zookeeper is not None and not self.zookeeper.running:
-            out.append("ZooKeeper exited")
+        if self.zookeeper is not None:
+            for z in _zookeeper_servers(self.zookeeper):
+                if not z.running:
+                    out.append(
+                        f"ZooKeeper {z.server_id} exited" if z.server_id else "ZooKeeper exited"
+                    )
         for a in self.agents:
             if a.process.poll() is not None:
                 out.append(f"agent {a.agent_id} exited (see {a.log_path})")
@@ -312,13 +357,21 @@ class Stack:
             t.start()
         for t in threads:
             t.join()
-        if self.zookeeper is not None:
+        if isinstance(self.zookeeper, ZooKeeperEnsemble):
+            self.zookeeper.close()
+        elif self.zookeeper is not None:
             self.zookeeper.stop()
         if self.moto is not None:
             self.moto.stop()
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / STATE_FILE).unlink()
         log.info("stopped")
+
+
+def _zookeeper_servers(zookeeper: ZooKeeperServer | ZooKeeperEnsemble) -> list[ZooKeeperServer]:
+    if isinstance(zookeeper, ZooKeeperEnsemble):
+        return zookeeper.servers
+    return [zookeeper]
 
 
 def _replace(state: StackState, **changes: Any) -> StackState:
@@ -448,6 +501,8 @@ def up_detached(config: StackConfig, *, timeout: float = HEALTHY_TIMEOUT) -> Sta
         "up",
         "--agents",
         str(config.agents),
+        "--zookeepers",
+        str(config.zookeepers),
         "--state-dir",
         str(state_dir),
         "--quiet",
@@ -534,8 +589,9 @@ def status(state: StackState) -> list[ComponentStatus]:
             state.s3_pid,
             *_probe_s3(state.s3_endpoint, state.bucket),
         ),
-        ComponentStatus(
-            "zookeeper", state.zookeeper_connect, state.zookeeper_pid, *_probe_zk(state.zookeeper)
+        *(
+            ComponentStatus(z.name, z.address, z.pid, *_probe_zk(z.address))
+            for z in state.zookeepers
         ),
     ]
     for a in state.agents:
@@ -566,13 +622,11 @@ def _probe_s3(endpoint: str, bucket: str) -> tuple[bool, str]:
 
 
 def _probe_zk(host_port: str) -> tuple[bool, str]:
+    """Healthy while the server serves clients; the detail is its mode (``standalone``,
+    ``leader``, ``follower``; ``not serving``: an ensemble member without a quorum)."""
     host, _, port = host_port.rpartition(":")
-    try:
-        answer = four_letter_word(host, int(port), "srvr", timeout=1.0)
-    except OSError as exc:
-        return False, str(exc)
-    mode = next((ln for ln in answer.splitlines() if ln.startswith("Mode:")), "")
-    return bool(mode), mode or answer.strip()[:80]
+    mode = server_mode(host, int(port), timeout=1.0)
+    return mode in SERVING_MODES, f"mode: {mode}"
 
 
 def _probe_agent(agent: AgentInfo) -> tuple[bool, str]:

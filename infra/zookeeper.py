@@ -52,8 +52,8 @@ from types import TracebackType
 from typing import Self
 
 from infra.processes import (
-    PORT_ATTEMPTS,
     POLL_INTERVAL,
+    PORT_ATTEMPTS,
     ChildProcess,
     ExitedWhileStarting,
     LocalStackError,

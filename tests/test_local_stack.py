@@ -185,3 +185,67 @@ def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> No
     assert not [p for p in pids if local._alive(p)]
     status = strata(state_dir, "local", "status", check=False)
     assert status.returncode == 3 and "no local stack" in status.stdout
+
+
+def test_zookeepers_must_be_1_3_or_5(tmp_path: Path) -> None:
+    result = strata(tmp_path / "stack", "local", "up", "--zookeepers", "2", check=False)
+    assert result.returncode == 1
+    assert "zookeepers must be one of 1, 3, 5, not 2" in result.stderr
+
+
+def test_an_ensemble_of_three_serves_with_one_server_killed(tmp_path: Path) -> None:
+    """``up --zookeepers 3``: three ZooKeeper servers, one leading; the agents' connect string
+    lists all three, and with the leader killed -9 they serve on the two others (status shows
+    the stack degraded, the dead server down and the agents' sessions fine)."""
+    state_dir = tmp_path / "stack"
+    try:
+        up = as_json(
+            strata(
+                state_dir,
+                "-o",
+                "json",
+                "local",
+                "up",
+                "--detach",
+                "--agents",
+                "1",
+                "--zookeepers",
+                "3",
+                timeout=90,
+            )
+        )
+        servers = [z["address"] for z in up["zookeepers"]]
+        assert len(servers) == 3
+        assert up["zookeeper_connect"] == ",".join(servers) + "/strata"
+
+        status = as_json(strata(state_dir, "-o", "json", "local", "status"))
+        assert status["zookeeper_connect"] == up["zookeeper_connect"]
+        zookeepers = {c["name"]: c for c in status["components"] if c["name"].startswith("zoo")}
+        assert sorted(zookeepers) == ["zookeeper 1", "zookeeper 2", "zookeeper 3"]
+        modes = sorted(c["detail"] for c in zookeepers.values())
+        assert modes == ["mode: follower", "mode: follower", "mode: leader"], modes
+        assert status["healthy"], status
+
+        leader = next(c for c in zookeepers.values() if c["detail"] == "mode: leader")
+        os.kill(leader["pid"], 9)
+        deadline = time.monotonic() + 30
+        while True:  # what `status` shows, probed in this process (a CLI run takes seconds)
+            state = local.read_state(state_dir)
+            assert state is not None
+            by_name = {c.name: c for c in local.status(state)}
+            modes = [by_name[n].detail for n in sorted(zookeepers)]
+            if (
+                state.status == "degraded"
+                and by_name[leader["name"]].detail == "mode: down"
+                and modes.count("mode: leader") == 1
+                and by_name["agent 1"].healthy
+            ):
+                break
+            assert time.monotonic() < deadline, (state, by_name)
+            time.sleep(0.1)  # polling the supervisor's state file: no event to await
+        status = as_json(strata(state_dir, "-o", "json", "local", "status", check=False))
+        assert status["status"] == "degraded" and not status["healthy"], status
+        created = as_json(strata(state_dir, "-o", "json", "topics", "create", "t", "-p", "1"))
+        assert created["partitions"] == 1
+    finally:
+        local.down(state_dir)
