@@ -18,7 +18,7 @@ from kazoo.client import KazooClient, KazooState
 
 from infra.moto_s3 import MotoServer
 from infra.processes import ExitedWhileStarting, LocalStackError
-from infra.zookeeper import ZooKeeperServer, start_zookeeper
+from infra.zookeeper import ZooKeeperEnsemble, ZooKeeperServer, start_zookeeper
 from tests.harness import (
     ProcessGroup,
     S3Target,
@@ -29,6 +29,7 @@ from tests.harness import (
     expire_session,
     free_port,
     kazoo_client,
+    restore_ensemble,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,6 +187,47 @@ def test_start_zookeeper_without_java_says_so(
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(LocalStackError, match="Java not found"):
         start_zookeeper(tmp_path / "zk")
+
+
+def test_an_ensemble_elects_a_new_leader_and_a_restarted_member_catches_up(
+    zk_ensemble: ZooKeeperEnsemble, zk_ensemble_chroot: ZooKeeperChroot
+) -> None:
+    assert sorted(zk_ensemble.modes().values()) == ["follower", "follower", "leader"]
+    assert zk_ensemble_chroot.connect_string.count(",") == 2  # every member listed
+    client = kazoo_client(zk_ensemble_chroot.connect_string)
+    try:
+        client.create("/x", b"before")
+        old = zk_ensemble.leader()
+        assert old is not None
+        zk_ensemble.kill(old)
+        assert zk_ensemble.modes()[old] == "down"
+        new = zk_ensemble.wait_for_quorum()
+        assert new != old
+        client.retry(client.set, "/x", b"while down")  # the client moves to a live member
+        zk_ensemble.start(old)
+        assert zk_ensemble.modes()[old] == "follower"
+    finally:
+        close_client(client)
+    direct = kazoo_client(zk_ensemble.server(old).connect_string + zk_ensemble_chroot.path)
+    try:
+        direct.sync("/x")
+        assert direct.get("/x")[0] == b"while down"
+    finally:
+        close_client(direct)
+
+
+def test_two_members_down_leave_no_quorum_until_restore_ensemble(
+    zk_ensemble: ZooKeeperEnsemble, zk_ensemble_chroot: ZooKeeperChroot
+) -> None:
+    survivor, *others = zk_ensemble.server_ids
+    for server_id in others:
+        zk_ensemble.stop(server_id)
+    deadline = time.monotonic() + 10
+    while zk_ensemble.modes()[survivor] != "not serving":  # a leader notices after syncLimit
+        assert time.monotonic() < deadline, zk_ensemble.modes()
+        time.sleep(0.05)
+    restore_ensemble(zk_ensemble)
+    assert sorted(zk_ensemble.modes().values()) == ["follower", "follower", "leader"]
 
 
 # ---------------------------------------------------------------- S3 (moto server)
