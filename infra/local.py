@@ -16,10 +16,9 @@ recorded survives; ``status`` probes every component.
 
 Everything lives under one directory (``var/local`` by default): ``stack.json``,
 ``stack.log`` (the supervisor), ``moto/``, ``zookeeper/`` (an ensemble: ``zookeeper/zk-<n>/``),
-``agent-<id>/`` (WAL) and
-``agent-<id>.log``, ``admin.log``. ``up`` starts from an empty directory: moto keeps its
-objects in memory only, so metadata kept from a previous run would point at objects that are
-gone.
+``agent-<id>/`` (WAL) and ``agent-<id>.log``, ``admin.log``. ``up`` starts from an empty
+directory: moto keeps its objects in memory only, so metadata kept from a previous run would
+point at objects that are gone.
 """
 
 from __future__ import annotations
