@@ -121,6 +121,9 @@ class Agent:
         self._reregister = asyncio.Event()
         self._shutdown: asyncio.Future[None] | None = None
         self._applied = asyncio.Event()  # set after each reconcile round (controlled shutdown)
+        self._rounds_started = 0
+        self._rounds_done = 0
+        self._session_lost = False
 
     def stop(self) -> None:
         """Stop gracefully (SIGTERM): first a controlled shutdown, then the process ends.
@@ -239,10 +242,12 @@ class Agent:
 
     def _on_session(self, state: SessionState) -> None:
         # SUSPENDED: we may already have been replaced; stop leading until confirmed.
-        self.partitions.session_ok = state == SessionState.CONNECTED
+        # LOST: our partition states may be stale (another leader elected meanwhile); stay
+        # off until re-registered and every hosted partition's state has been read afresh.
         if state == SessionState.LOST:
-            self._reregister.set()
-        if state == SessionState.CONNECTED:
+            self._session_lost = True
+        self.partitions.session_ok = state == SessionState.CONNECTED and not self._session_lost
+        if state in (SessionState.LOST, SessionState.CONNECTED):
             self._reregister.set()
 
     async def _registration_loop(self) -> None:
@@ -253,11 +258,26 @@ class Agent:
             await self.zk.connected.wait()
             try:
                 await self._register()
+                if self._session_lost:
+                    await self._reread_states()
+                    self._session_lost = False
                 self.partitions.session_ok = self.zk.state == SessionState.CONNECTED
             except MetadataError as exc:
                 log.warning("re-registration failed: %s", exc)
                 self._reregister.set()
                 await asyncio.sleep(0.2)
+
+    async def _reread_states(self) -> None:
+        """Read the state of every partition known here from ZooKeeper and wait until the
+        reconciler has applied them (after a session loss the watches may lag behind)."""
+        for key in list(self.partitions.latest):
+            got = await self.store.get_partition_state(*key)
+            self._pending[key] = None if got is None else got[0]
+        self._changed.set()
+        wanted = self._rounds_started + 1
+        while self._rounds_done < wanted:
+            self._applied.clear()
+            await self._applied.wait()
 
     # ---- watches ----------------------------------------------------------------------------
     def _watch_cluster(self) -> None:
@@ -369,6 +389,8 @@ class Agent:
         while True:
             await self._changed.wait()
             self._changed.clear()
+            self._rounds_started += 1
+            this_round = self._rounds_started
             pending, self._pending = self._pending, {}
             for (topic, partition), state in pending.items():
                 spec = self.view.topics.get(topic)
@@ -404,6 +426,7 @@ class Agent:
                 ):
                     await self._set_offline(key, False)  # deleted, moved away, or opened
             self.fetchers.update()
+            self._rounds_done = this_round
             self._applied.set()
 
     def _retry_later(self, key: tuple[str, int]) -> None:
