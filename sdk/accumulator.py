@@ -58,8 +58,9 @@ from storage.errors import BatchTooLargeError, OutOfOrderSequenceError, StrataEr
 #: per record: timestamp (8), key, value, header-list and tag-list offsets (4 x 4: a list
 #: column present for one record has offsets for all), validity bits (rounded up to 1)
 RECORD_OVERHEAD = 25
-#: per batch: header, body directory, worst-case padding of 15 buffers, the n+1-th offsets
-BATCH_OVERHEAD = HEADER_SIZE + 64 + 15 * 7 + 5 * 4
+#: per batch: header, body directory, worst-case padding of 15 buffers, the n+1-th offsets,
+#: the summary's fixed part and padding (its entries are counted per record, below)
+BATCH_OVERHEAD = HEADER_SIZE + 64 + 15 * 7 + 5 * 4 + 8 + 7
 
 #: clock readings this close count as equal (float sums of ms in seconds do not add up exactly)
 _EPSILON = 1e-6
@@ -74,12 +75,14 @@ def estimate_size(
     headers: Headers | None,
     tags: Sequence[str] | None,
 ) -> int:
-    """An upper bound of the bytes a record adds to an uncompressed batch."""
+    """An upper bound of the bytes a record adds to an uncompressed batch: its columns, and
+    the summary entries it could add if each of its tags and headers were new to the batch
+    (``storage.codec.summary``: 6 + n bytes a tag or a value, 8 + n a header key)."""
     size = RECORD_OVERHEAD + (len(value) if value else 0) + (len(key) if key else 0)
     if headers:
-        size += sum(8 + len(k.encode()) + len(v) for k, v in headers)
+        size += sum(22 + 2 * (len(k.encode()) + len(v)) for k, v in headers)
     if tags:
-        size += sum(4 + len(t.encode()) for t in tags)
+        size += sum(10 + 2 * len(t.encode()) for t in tags)
     return size
 
 

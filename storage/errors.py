@@ -17,6 +17,7 @@ at one boundary per adapter and never leak out.
     │   ├── InvalidPartitionsError     a partition count that is not allowed
     │   ├── InvalidReplicationFactorError  more replicas than live agents, or out of range
     │   ├── TopicAlreadyExistsError
+    │   ├── InvalidFilterError         a filter expression that does not parse (``position``)
     │   └── MalformedFrameError        a protocol frame that does not parse
     │       └── FrameTooLargeError     a frame over the connection's maximum size
     ├── OffsetOutOfRangeError          offset below the log start or above the log end
@@ -42,6 +43,7 @@ at one boundary per adapter and never leak out.
     │   ├── GroupIdNotFoundError       no such group
     │   ├── NonEmptyGroupError         the group has members (admin reset/delete refused)
     │   ├── FencedInstanceIdError      another process took this group.instance.id
+    │   ├── InconsistentFilterError    a member's subscription filter differs from the group's
     │   └── InvalidSessionTimeoutError session.timeout.ms outside the agent's bounds
     ├── MetadataError                  ZooKeeper said no
     │   ├── NodeNotFoundError
@@ -135,6 +137,18 @@ class InvalidReplicationFactorError(InvalidRequestError):
 
 class TopicAlreadyExistsError(InvalidRequestError):
     code = 36
+
+
+class InvalidFilterError(InvalidRequestError):
+    """A filter expression (``storage.filters``) that does not parse or is out of bounds;
+    ``position`` is the 0-based character index of the mistake in the expression."""
+
+    code = 1010
+
+    def __init__(self, message: str, *, position: int | None = None) -> None:
+        super().__init__(message)
+        self.reason = message
+        self.position = position
 
 
 class MalformedFrameError(InvalidRequestError):
@@ -275,6 +289,14 @@ class GroupIdNotFoundError(GroupError):
 
 class FencedInstanceIdError(GroupError):
     code = 82
+
+
+class InconsistentFilterError(GroupError):
+    """A member joined with another subscription filter than the group's members have: a
+    group has one subscription (as in RocketMQ), so its members split the partitions of one
+    filtered stream."""
+
+    code = 1011
 
 
 class MetadataError(StrataError):

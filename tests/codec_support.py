@@ -60,3 +60,67 @@ def columns(rb: pa.RecordBatch) -> dict[str, list[Any]]:
         ],
         "tags": rb.column("tags").to_pylist(),
     }
+
+
+def reference_summary(
+    n: int, tags: list[list[str]] | None, headers: list[list[tuple[str, bytes]]] | None
+) -> dict[str, Any]:
+    """The summary of records as ``storage/codec/summary.py`` documents it, computed record by
+    record: ``{"untagged", "tags", "headers"}`` with None for what the limits leave out."""
+    from storage.codec.summary import (
+        MAX_HEADER_KEYS,
+        MAX_SECTION_BYTES,
+        MAX_TAGS,
+        MAX_VALUES_PER_KEY,
+    )
+
+    tag_lists = tags or [[] for _ in range(n)]
+    header_lists = headers or [[] for _ in range(n)]
+    tag_counts: dict[bytes, int] = {}
+    for record in tag_lists:
+        for tag in {t.encode() for t in record}:
+            tag_counts[tag] = tag_counts.get(tag, 0) + 1
+    listed_tags: dict[bytes, int] | None = tag_counts
+    if len(tag_counts) > MAX_TAGS or sum(6 + len(t) for t in tag_counts) > MAX_SECTION_BYTES:
+        listed_tags = None
+    key_records: dict[bytes, int] = {}
+    value_records: dict[bytes, dict[bytes, int]] = {}
+    for record in header_lists:
+        for key in {k.encode() for k, _ in record}:
+            key_records[key] = key_records.get(key, 0) + 1
+        for key, value in {(k.encode(), v) for k, v in record}:
+            per_key = value_records.setdefault(key, {})
+            per_key[value] = per_key.get(value, 0) + 1
+    keyed: dict[bytes, tuple[int, dict[bytes, int] | None]] | None = {
+        k: (c, value_records[k] if len(value_records[k]) <= MAX_VALUES_PER_KEY else None)
+        for k, c in key_records.items()
+    }
+
+    def section(h: dict[bytes, tuple[int, dict[bytes, int] | None]]) -> int:
+        return sum(8 + len(k) + sum(6 + len(v) for v in (vals or {})) for k, (_, vals) in h.items())
+
+    if len(key_records) > MAX_HEADER_KEYS:
+        keyed = None
+    elif section(keyed or {}) > MAX_SECTION_BYTES:
+        keyed = {k: (c, None) for k, c in key_records.items()}
+        if section(keyed) > MAX_SECTION_BYTES:
+            keyed = None
+    return {
+        "untagged": sum(1 for record in tag_lists if not record),
+        "tags": listed_tags,
+        "headers": keyed,
+    }
+
+
+def summary_as_dict(s: Any) -> dict[str, Any]:
+    """A parsed ``storage.codec.summary.Summary`` in ``reference_summary``'s shape."""
+    return {
+        "untagged": s.untagged,
+        "tags": None if s.tags is None else dict(s.tags),
+        "headers": None
+        if s.headers is None
+        else {
+            k: (ks.records, None if ks.values is None else dict(ks.values))
+            for k, ks in s.headers.items()
+        },
+    }

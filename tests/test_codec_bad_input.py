@@ -113,7 +113,7 @@ def test_stamp_rewrites_offset_and_epoch_without_breaking_the_crc() -> None:
     assert columns(decode_batch(restamped))["offset"] == [5_000, 5_001, 5_002]
 
 
-@pytest.mark.parametrize("magic", [0, 2, 0x7F, 0xFF])
+@pytest.mark.parametrize("magic", [0, 3, 0x7F, 0xFF])
 def test_unknown_magic_is_unsupported_version(magic: int) -> None:
     bad = bytes(patch(SMALL, 16, "<B", magic))
     for fn in (read_header, check_batch, decode_batch):
@@ -123,6 +123,16 @@ def test_unknown_magic_is_unsupported_version(magic: int) -> None:
     framer.feed(bad)
     with pytest.raises(UnsupportedVersionError):
         framer.next_batch()
+
+
+def test_a_version_change_without_its_summary_is_corrupt() -> None:
+    # version 2 -> 1: a summary where version 1 has reserved zero bytes; 1 -> 2: no summary
+    v1 = encode_batch([b"old"], tags=[["t"]], summary=False)
+    for batch, other in ((SMALL, 1), (v1, 2)):
+        bad = with_crc(patch(batch, 16, "<B", other))
+        for fn in (read_header, check_batch, decode_batch):
+            with pytest.raises(CorruptBatchError):
+                fn(bad)
 
 
 @pytest.mark.parametrize("pos", [17, 18, 19])
@@ -280,11 +290,11 @@ def test_nonzero_padding_is_corrupt() -> None:
     for i in range(40):
         batch = encode_batch([b"p" * i], timestamps=1, compression=Compression.ZSTD)
         h = read_header(batch)
-        if h.size > HEADER_SIZE + h.body_length:
+        if h.summary_position > HEADER_SIZE + h.body_length:
             break
     else:
         pytest.fail("no test batch with padding")
-    bad = with_crc(patch(batch, len(batch) - 1, "<B", 1))
+    bad = with_crc(patch(batch, h.summary_position - 1, "<B", 1))
     for fn in (check_batch, decode_batch):
         with pytest.raises(CorruptBatchError):
             fn(bad)
@@ -446,7 +456,9 @@ def test_framer_raises_only_typed_errors(prefix: bytes, garbage: bytes, sizes: l
 
 
 def _rebuild(batch: bytes, buffers: dict[int, bytes]) -> bytes:
-    """The batch with some body buffers replaced (directory, lengths and CRC recomputed)."""
+    """The batch with some body buffers replaced (directory, lengths and CRC recomputed; the
+    summary kept as it was)."""
+    h = read_header(batch)
     parts = [batch[p : p + n] for p, n in body_buffers(batch)]
     for i, data in buffers.items():
         parts[i] = data
@@ -454,9 +466,9 @@ def _rebuild(batch: bytes, buffers: dict[int, bytes]) -> bytes:
         p + bytes(-len(p) % 8) for p in parts
     )
     header = bytearray(batch[:HEADER_SIZE])
-    struct.pack_into("<i", header, 8, HEADER_SIZE + len(body) - 12)
+    struct.pack_into("<i", header, 8, HEADER_SIZE + len(body) + h.summary_length - 12)
     struct.pack_into("<ii", header, 64, len(body), len(body))
-    return with_crc(bytes(header) + body)
+    return with_crc(bytes(header) + body + batch[h.summary_position :])
 
 
 @pytest.mark.parametrize("count_slot,child_slots", [(7, (8, 10)), (12, (13,))])

@@ -3,9 +3,13 @@
 Every later stage (WAL, followers, object tier, Spark, SDKs in other languages) reads these
 bytes, so an encoder change that moves a byte is a format change. Besides comparing with the
 stored hex, the tests read the stored bytes back through the layout documented in the
-``header`` and ``body`` module docstrings with their own ``struct`` calls, and rebuild each body
-from that documentation, so the vectors are checked against the spec and not only against the
-encoder that produced them.
+``header``, ``body`` and ``summary`` module docstrings with their own ``struct`` calls, and
+rebuild each body and summary from that documentation, so the vectors are checked against the
+spec and not only against the encoder that produced them.
+
+Format version 1 vectors (``single``, ``mixed``, ``control_no_keys``: written before batches
+had a summary) stay readable: the encoder writes them with ``summary=False`` and every reader
+decodes them. The ``v2_`` vectors are the same records in format version 2, summary included.
 
 Compressed batches have no golden vectors: zstd/lz4 output may change between library versions.
 """
@@ -60,6 +64,16 @@ GOLDEN: dict[str, dict[str, Any]] = {
         "leader_epoch": 0,
     },
 }
+V1 = tuple(GOLDEN)
+for _name in V1:
+    GOLDEN[f"v2_{_name}"] = dict(GOLDEN[_name])
+    GOLDEN[_name]["summary"] = False
+GOLDEN["v2_tags_repeat"] = {  # a tag repeated in a record and across records, a key twice
+    "values": [b"a", b"b", b"c"],
+    "timestamps": 7,
+    "headers": [[("region", b"eu"), ("region", b"us")], [("region", b"eu")], []],
+    "tags": [["x", "x", "y"], ["y"], []],
+}
 
 # (field, byte offset, struct format) exactly as the table in storage/codec/header.py says
 HEADER_FIELDS = [
@@ -69,6 +83,7 @@ HEADER_FIELDS = [
     ("magic", 16, "<B"),
     ("crc", 20, "<I"),
     ("attributes", 24, "<H"),
+    ("summary_length", 26, "<H"),
     ("record_count", 28, "<i"),
     ("first_timestamp", 32, "<q"),
     ("max_timestamp", 40, "<q"),
@@ -78,7 +93,7 @@ HEADER_FIELDS = [
     ("body_length", 64, "<i"),
     ("raw_body_length", 68, "<i"),
 ]
-RESERVED = [(17, 3), (26, 2), (58, 2)]
+RESERVED = [(17, 3), (58, 2)]  # and (26, 2) in version 1, where it is not summary_length
 
 
 def golden_bytes(name: str) -> bytes:
@@ -91,13 +106,18 @@ def timestamps_of(case: dict[str, Any]) -> list[int]:
     return [ts] * len(case["values"]) if isinstance(ts, int) else list(ts)
 
 
-def expected_header(case: dict[str, Any], size: int) -> dict[str, int]:
+def version(case: dict[str, Any]) -> int:
+    return 2 if case.get("summary", True) else 1
+
+
+def expected_header(case: dict[str, Any], size: int, summary_length: int) -> dict[str, int]:
     ts = timestamps_of(case)
     return {
         "base_offset": case.get("base_offset", 0),
         "batch_length": size - 12,
         "leader_epoch": case.get("leader_epoch", -1),
-        "magic": 1,
+        "magic": version(case),
+        "summary_length": summary_length,
         "attributes": (0x10 if case.get("transactional") else 0)
         | (0x20 if case.get("control") else 0),
         "record_count": len(case["values"]),
@@ -106,8 +126,8 @@ def expected_header(case: dict[str, Any], size: int) -> dict[str, int]:
         "producer_id": case.get("producer_id", -1),
         "producer_epoch": case.get("producer_epoch", -1),
         "base_sequence": case.get("base_sequence", -1),
-        "body_length": size - HEADER_SIZE,
-        "raw_body_length": size - HEADER_SIZE,
+        "body_length": size - HEADER_SIZE - summary_length,
+        "raw_body_length": size - HEADER_SIZE - summary_length,
     }
 
 
@@ -173,7 +193,42 @@ def reference_body(case: dict[str, Any]) -> bytes:
     return directory + b"".join(b + bytes(padded8(len(b)) - len(b)) for b in buffers)
 
 
+# --- the summary rebuilt from the storage/codec/summary.py docstring -------------------------
+
+
+def reference_summary_bytes(case: dict[str, Any]) -> bytes:
+    """The summary of a small case (nothing near the limits, so everything is listed)."""
+    n = len(case["values"])
+    tags = case.get("tags") or [[]] * n
+    headers = case.get("headers") or [[]] * n
+    tag_records: dict[bytes, int] = {}
+    for record in tags:
+        for tag in {t.encode() for t in record}:
+            tag_records[tag] = tag_records.get(tag, 0) + 1
+    key_records: dict[bytes, int] = {}
+    values: dict[bytes, dict[bytes, int]] = {}
+    for record in headers:
+        for key in {k.encode() for k, _ in record}:
+            key_records[key] = key_records.get(key, 0) + 1
+        for key, value in {(k.encode(), v) for k, v in record}:
+            values.setdefault(key, {})[value] = values.get(key, {}).get(value, 0) + 1
+    out = struct.pack("<IHH", sum(1 for r in tags if not r), len(tag_records), len(key_records))
+    for tag in sorted(tag_records):
+        out += struct.pack("<IH", tag_records[tag], len(tag)) + tag
+    for key in sorted(key_records):
+        out += struct.pack("<H", len(key)) + key
+        out += struct.pack("<IH", key_records[key], len(values[key]))
+        for value in sorted(values[key]):
+            out += struct.pack("<IH", values[key][value], len(value)) + value
+    return out + bytes(padded8(len(out)) - len(out))
+
+
 # ---------------------------------------------------------------------------------------------
+
+
+def test_the_golden_set_covers_both_versions() -> None:
+    assert {version(c) for c in GOLDEN.values()} == {1, 2}
+    assert all((GOLDEN_DIR / f"{name}.hex").exists() for name in GOLDEN)
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
@@ -185,19 +240,29 @@ def test_encoder_reproduces_golden_bytes(name: str) -> None:
 def test_golden_header_fields_sit_at_documented_offsets(name: str) -> None:
     batch = golden_bytes(name)
     got = {field: struct.unpack_from(fmt, batch, pos)[0] for field, pos, fmt in HEADER_FIELDS}
-    want = expected_header(GOLDEN[name], len(batch))
+    summary_length = len(reference_summary_bytes(GOLDEN[name])) if version(GOLDEN[name]) == 2 else 0
+    want = expected_header(GOLDEN[name], len(batch), summary_length)
     assert got.pop("crc") == google_crc32c.value(batch[24:])
     assert got == want
     for pos, size in RESERVED:
         assert batch[pos : pos + size] == bytes(size)
     assert len(batch) % 8 == 0
-    assert len(batch) == padded8(HEADER_SIZE + got["body_length"])
+    assert len(batch) == padded8(HEADER_SIZE + got["body_length"]) + summary_length
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
 def test_golden_body_follows_documented_layout(name: str) -> None:
     batch = golden_bytes(name)
-    assert batch[HEADER_SIZE:] == reference_body(GOLDEN[name])
+    body_length = struct.unpack_from("<i", batch, 64)[0]
+    body = reference_body(GOLDEN[name])
+    assert batch[HEADER_SIZE : HEADER_SIZE + padded8(body_length)] == body
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in GOLDEN.items() if version(c) == 2))
+def test_golden_summary_follows_documented_layout(name: str) -> None:
+    batch = golden_bytes(name)
+    body_length = struct.unpack_from("<i", batch, 64)[0]
+    assert batch[padded8(HEADER_SIZE + body_length) :] == reference_summary_bytes(GOLDEN[name])
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))

@@ -20,8 +20,9 @@ from storage.codec import (
     decode_batch,
     encode_batch,
     read_header,
+    summary,
 )
-from tests.codec_support import HEADER_SIZE, columns
+from tests.codec_support import HEADER_SIZE, columns, reference_summary, summary_as_dict
 
 INT64_MAX = 2**63 - 1
 binaries = st.binary(max_size=24)
@@ -97,7 +98,14 @@ def test_round_trip_preserves_records_and_header(inputs: dict[str, Any]) -> None
     )
     assert (h.first_timestamp, h.max_timestamp) == (want["timestamp"][0], max(want["timestamp"]))
     assert (h.last_offset, h.next_offset) == (want["offset"][-1], want["offset"][-1] + 1)
-    assert batch[HEADER_SIZE + h.body_length :] == bytes(len(batch) - HEADER_SIZE - h.body_length)
+    assert batch[HEADER_SIZE + h.body_length : h.summary_position] == bytes(
+        h.summary_position - HEADER_SIZE - h.body_length
+    )
+    assert h.summary_position + h.summary_length == len(batch)
+    said = summary.of_batch(batch, 0, h)
+    assert said is not None
+    assert summary_as_dict(said) == reference_summary(n, inputs["tags"], inputs["headers"])
+    check_batch(batch, deep=True)  # the leader's check: the summary agrees with the body
 
     rb = decode_batch(batch)
     assert rb.schema == SCHEMA

@@ -512,7 +512,7 @@ BAD_INPUT: dict[str, tuple[Callable[[bytes], bytes], Any]] = {
     "extended": (lambda b: b + bytes(8), CorruptBatchError),
     "two-batches": (lambda b: b + b, CorruptBatchError),
     "length-field": (lambda b: b[:8] + struct.pack("<i", len(b) - 4) + b[12:], CorruptBatchError),
-    "unknown-magic": (lambda b: b[:16] + b"\x02" + b[17:], UnsupportedVersionError),
+    "unknown-magic": (lambda b: b[:16] + b"\x03" + b[17:], UnsupportedVersionError),
     "empty": (lambda b: b"", CorruptBatchError),
     "garbage": (lambda b: random.Random(16).randbytes(len(b)), UnsupportedVersionError),
     "garbage-with-magic": (_garbage_with_magic, CorruptBatchError),

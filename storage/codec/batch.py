@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from storage.codec import summary
 from storage.codec.body import (
     DIRECTORY,
     DIRECTORY_SIZE,
@@ -36,6 +37,7 @@ from storage.codec.header import (
     HEADER,
     HEADER_SIZE,
     MAGIC,
+    MAGIC_V1,
     MAX_BATCH_SIZE,
     BatchHeader,
     Compression,
@@ -75,6 +77,7 @@ def encode_batch(
     control: bool = False,
     base_offset: int = 0,
     leader_epoch: int = -1,
+    summary: bool = True,
 ) -> bytes:
     """Encode records into one batch.
 
@@ -82,6 +85,8 @@ def encode_batch(
     ``keys``: same, or None for no keys. ``timestamps``: ms since the epoch, one int for all
     records, a sequence, or an int64 numpy array (default: now). ``headers``: per record a list
     of ``(str, bytes)`` pairs, or None. ``tags``: per record a list of ``str``, or None.
+    ``summary``: write format version 2, with the summary of tags and headers that filters
+    use (``storage.codec.summary``); False writes version 1, without one.
     """
     n = len(values)
     if n == 0:
@@ -98,17 +103,21 @@ def encode_batch(
         if ts.shape != (n,):
             raise ValueError(f"{ts.shape} timestamps for {n} records")
         first_ts, max_ts = int(ts[0]), int(ts.max())
-    parts = encode_body(n, ts, keys, values, headers, tags)
+    parts, summary_bytes = encode_body(n, ts, keys, values, headers, tags, with_summary=summary)
     raw_len = sum(memoryview(p).nbytes for p in parts)
     if compression != Compression.NONE:
         body = _codec(compression).compress(pa.py_buffer(b"".join(parts)), asbytes=True)
         parts = [body]
     body_len = sum(memoryview(p).nbytes for p in parts)
-    total = padded(HEADER_SIZE + body_len)
+    body_end = padded(HEADER_SIZE + body_len)
+    if body_end != HEADER_SIZE + body_len:
+        parts.append(_PAD[: body_end - HEADER_SIZE - body_len])
+    summary_len = 0 if summary_bytes is None else len(summary_bytes)
+    if summary_bytes is not None:
+        parts.append(summary_bytes)
+    total = body_end + summary_len
     if total > MAX_BATCH_SIZE:
         raise BatchTooLargeError(total, MAX_BATCH_SIZE)
-    if total != HEADER_SIZE + body_len:
-        parts.append(_PAD[: total - HEADER_SIZE - body_len])
     attributes = (
         int(compression)
         | (ATTR_TRANSACTIONAL if transactional else 0)
@@ -119,9 +128,10 @@ def encode_batch(
             base_offset,
             total - 12,
             leader_epoch,
-            MAGIC,
+            MAGIC if summary else MAGIC_V1,
             0,
             attributes,
+            summary_len,
             n,
             first_ts,
             max_ts,
@@ -183,7 +193,7 @@ def check_batch(
     if crc32c(view) != h.crc:
         raise CorruptBatchError("record batch CRC32C mismatch", position=pos)
     body_end = pos + HEADER_SIZE + h.body_length
-    if any(memoryview(buf)[body_end : pos + size]):
+    if any(memoryview(buf)[body_end : pos + h.summary_position]):
         raise CorruptBatchError("record batch padding is not zero", position=pos)
     if h.compression == Compression.NONE:
         if h.raw_body_length != h.body_length or h.body_length < DIRECTORY_SIZE:
@@ -203,10 +213,21 @@ def check_batch(
             f"compressed body claims {h.raw_body_length} bytes raw", position=pos
         )
     if deep:
+        said = summary.of_batch(buf, pos, h)
         if h.compression == Compression.NONE and not any(lengths[7:N_BUFFERS]):
             check_flat_body(buf, pos + HEADER_SIZE, lengths, h.record_count)
+            if said is not None and (said.untagged != h.record_count or said.tags or said.headers):
+                raise CorruptBatchError(
+                    "the batch summary lists tags or headers the body does not have",
+                    position=pos,
+                )
         else:
-            decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=True)
+            rb = decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=True)
+            if said is not None:
+                try:
+                    summary.verify(said, rb)
+                except CorruptBatchError as exc:
+                    raise CorruptBatchError(exc.reason, position=pos) from None
     return h
 
 

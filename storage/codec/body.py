@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from storage.codec import summary
 from storage.codec.header import padded
 from storage.errors import CorruptBatchError
 
@@ -154,8 +155,11 @@ def encode_body(
     values: Any,
     headers: Any,
     tags: Any,
-) -> list[Any]:
-    """The raw body as a list of buffer-protocol parts (directory first, padding included)."""
+    *,
+    with_summary: bool = False,
+) -> tuple[list[Any], bytes | None]:
+    """The raw body as a list of buffer-protocol parts (directory first, padding included),
+    and with ``with_summary`` its records' summary (``storage.codec.summary``)."""
     if timestamps.shape != (n,):
         raise ValueError(f"{timestamps.shape[0]} timestamps for {n} records")
     if keys is None:
@@ -202,7 +206,12 @@ def encode_body(
             parts.append(buf)
             if length & 7:
                 parts.append(_PAD[: 8 - (length & 7)])
-    return parts
+    if not with_summary:
+        return parts, None
+    if tag_values is None and pairs is None:
+        return parts, summary.empty(n)
+    built = summary.build(n, tag_list, tag_values, header_list, pairs)
+    return parts, summary.encode(built)
 
 
 def raw_body_length(parts: Sequence[Any]) -> int:

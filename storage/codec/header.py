@@ -1,18 +1,20 @@
 """The record-batch header: 72 bytes, little-endian, in front of every batch.
 
 A batch is the unit a producer encodes once and every later stage (leader WAL, follower,
-object tier, consumer, Spark) stores or ships as the same bytes. Layout (format version 1)::
+object tier, consumer, Spark) stores or ships as the same bytes. Layout (format versions 1
+and 2; they differ only in the summary)::
 
     offset size field              notes
     0      8    base_offset        int64, stamped by the partition leader   } outside the CRC:
     8      4    batch_length       int32, bytes after this field            } rewritten without
     12     4    leader_epoch       int32, stamped by the partition leader   } re-encoding
-    16     1    magic              uint8, format version = 1
+    16     1    magic              uint8, format version: 1 or 2
     17     3    reserved           zero
     20     4    crc                uint32, CRC32C of bytes [24, end of batch)
     24     2    attributes         uint16: bits 0-2 compression (0 none, 1 zstd, 2 lz4),
                                    bit 4 transactional, bit 5 control; other bits zero
-    26     2    reserved           zero
+    26     2    summary_length     uint16: bytes of the summary (version 2: >= 8, a multiple
+                                   of 8; version 1: reserved, zero)
     28     4    record_count       int32 > 0; records take offsets base_offset + [0, count)
     32     8    first_timestamp    int64, ms since the epoch
     40     8    max_timestamp      int64, ms since the epoch
@@ -23,7 +25,15 @@ object tier, consumer, Spark) stores or ships as the same bytes. Layout (format 
     64     4    body_length        int32, stored body bytes (compressed size if compressed)
     68     4    raw_body_length    int32, body bytes after decompression
     72     -    body               see :mod:`storage.codec.body`
-    72+body_length  0..7  padding  zero; the whole batch is a multiple of 8 bytes long
+    72+body_length  0..7  padding  zero, up to a multiple of 8
+    then   summary_length  summary version 2 only: the batch's tags and headers in brief,
+                                   never compressed (see :mod:`storage.codec.summary`)
+
+The whole batch is a multiple of 8 bytes long: ``padded(72 + body_length) + summary_length``.
+The summary lets a reader that filters by tag or header (the agent serving a filtered fetch)
+skip a batch, or take it whole, without decompressing or decoding the body; a version 1
+batch (written before summaries existed, or by an encoder told not to) has none and is
+decoded to be filtered. Readers accept both versions.
 
 Batches are laid end to end in segment files and objects; because every batch length is a
 multiple of 8 and segments start page-aligned, every batch (and every buffer inside an
@@ -44,19 +54,24 @@ from typing import Any
 
 from storage.errors import CorruptBatchError, UnsupportedVersionError
 
-MAGIC = 1
+#: the format version an encoder writes (with a summary); ``MAGIC_V1`` batches have none
+MAGIC = 2
+MAGIC_V1 = 1
+MAGICS = frozenset({MAGIC_V1, MAGIC})
 HEADER_SIZE = 72
 ALIGNMENT = 8
 #: bytes of the header covered by the CRC start here
 CRC_START = 24
 #: smallest possible batch: a header and an empty body directory is still 72 + 64
 MIN_BATCH_SIZE = HEADER_SIZE
+#: a version 2 batch's summary is at least its fixed part (``storage.codec.summary``)
+MIN_SUMMARY = 8
 #: hard ceiling regardless of configuration (positions in a segment are 32-bit)
 MAX_BATCH_SIZE = 1 << 30
 
-#                      base  len  epoch magic res crc  attrs res count first max  pid  pep res seq  blen rawlen
+#                      base  len  epoch magic res crc  attrs summ count first max  pid  pep res seq  blen rawlen
 HEADER = struct.Struct(
-    "<q    i    i     B     3x  I    H     2x  i     q     q    q    h   2x  i    i    i".replace(
+    "<q    i    i     B     3x  I    H     H    i     q     q    q    h   2x  i    i    i".replace(
         " ", ""
     )
 )
@@ -102,6 +117,7 @@ class BatchHeader:
     magic: int
     crc: int
     attributes: int
+    summary_length: int
     record_count: int
     first_timestamp: int
     max_timestamp: int
@@ -115,6 +131,11 @@ class BatchHeader:
     def size(self) -> int:
         """Total bytes of the batch, header and padding included."""
         return self.batch_length + 12
+
+    @property
+    def summary_position(self) -> int:
+        """Where the summary starts, from the start of the batch (the end of the padded body)."""
+        return padded(HEADER_SIZE + self.body_length)
 
     @property
     def last_offset(self) -> int:
@@ -156,14 +177,19 @@ def read_header(buf: Any, pos: int = 0) -> BatchHeader:
     if size < HEADER_SIZE or size % ALIGNMENT:
         # framing first (as BatchFramer does): a zero-filled or torn tail is corrupt, not a new version
         raise CorruptBatchError(f"batch length field says {size} bytes", position=pos)
-    if h.magic != MAGIC:
+    if h.magic not in MAGICS:
         raise UnsupportedVersionError(f"unknown record batch magic {h.magic} at byte {pos}")
+    if h.magic == MAGIC:
+        bad_summary = h.summary_length < MIN_SUMMARY or h.summary_length % ALIGNMENT
+    else:
+        bad_summary = h.summary_length != 0  # reserved in version 1
     if (
-        size > MAX_BATCH_SIZE
+        bad_summary
+        or size > MAX_BATCH_SIZE
         or _RESERVED_AFTER_MAGIC.unpack_from(buf, pos + 17)[0] != b"\0\0\0"  # outside the CRC
         or h.body_length < 0
         or h.raw_body_length < 0
-        or padded(HEADER_SIZE + h.body_length) != size
+        or padded(HEADER_SIZE + h.body_length) + h.summary_length != size
         or h.record_count <= 0
         or h.attributes & ~_ATTR_KNOWN
         or (h.attributes & ATTR_COMPRESSION_MASK) > Compression.LZ4

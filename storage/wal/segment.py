@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from storage.codec.batch import check_batch
-from storage.codec.header import HEADER_SIZE, MAGIC, BatchHeader, read_header
+from storage.codec.header import HEADER_SIZE, MAGIC, MAGIC_V1, BatchHeader, read_header
 from storage.errors import CorruptBatchError, CorruptSegmentError, StrataError
 from storage.wal.fileio import pwrite_all, storage_error, storage_errors
 from storage.wal.index import NO_TIMESTAMP, SparseIndex
@@ -284,7 +284,7 @@ def _valid_batch_after(buf: Any, position: int, size: int) -> bool:
         | arr[19 : 19 + 8 * usable : 8]
     )
     n = min(len(magic), len(zeros))
-    candidates = np.flatnonzero((magic[:n] == MAGIC) & (zeros[:n] == 0))
+    candidates = np.flatnonzero(((magic[:n] == MAGIC) | (magic[:n] == MAGIC_V1)) & (zeros[:n] == 0))
     for c in candidates:
         try:
             h = check_batch(buf, start + 8 * int(c), exact=False)

@@ -1,0 +1,320 @@
+"""The batch summary (format version 2): a batch's tags and headers in brief, outside the body.
+
+A filtered fetch (``storage.filters``) asks of every batch "can a record here match?" and
+"does every record match?". The summary answers both for most batches from a few hundred
+bytes, so the agent skips a batch or sends it whole without decompressing or decoding its
+body; only a batch it cannot decide is decoded. It is written once, by the producer's encoder,
+right after the body's padding (never compressed), and covered by the batch's CRC like
+everything from byte 24 on. Layout (little-endian, ``summary_length`` bytes at
+``padded(72 + body_length)``)::
+
+    0  4  untagged          uint32  records that carry no tag
+    4  2  tag_count         uint16  distinct tags listed; 0xFFFF: the tags are not listed
+    6  2  header_key_count  uint16  distinct header keys listed; 0xFFFF: not listed
+    8  -  tag_count x         uint32 records carrying the tag, uint16 length, its UTF-8
+          header_key_count x  uint16 length, the key's UTF-8, uint32 records carrying the key,
+                              uint16 value_count (0xFFFF: the key's values are not listed),
+                              value_count x (uint32 records, uint16 length, the value's bytes)
+    -  0..7 zero padding to a multiple of 8
+
+Entries are sorted by their bytes, without duplicates (tags; keys; each key's values), so the
+summary of a set of records is one byte string. "Records carrying" counts a record once
+however often it repeats a tag or a header. A section (the tags, the header keys, one key's
+values) is listed completely or not at all: in a listed section, a missing entry means that
+no record has it. The encoder leaves out what would make the summary large — more than
+``MAX_TAGS`` distinct tags, more than ``MAX_HEADER_KEYS`` header keys, more than
+``MAX_VALUES_PER_KEY`` values of a key, a section over ``MAX_SECTION_BYTES`` — so a summary
+is at most about 8 KiB; whoever needs what was left out decodes the batch.
+
+The partition leader checks a producer's summary against the body (:func:`verify`, run by
+``check_batch(deep=True)``), so what agents and readers trust later was true when stored.
+Pure functions, no I/O; a summary that does not parse raises ``CorruptBatchError``.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage.codec.header import MAGIC, BatchHeader, padded
+from storage.errors import CorruptBatchError
+
+NOT_LISTED = 0xFFFF
+MAX_TAGS = 256
+MAX_HEADER_KEYS = 64
+MAX_VALUES_PER_KEY = 16
+MAX_SECTION_BYTES = 4096
+
+_FIXED = struct.Struct("<IHH")  # untagged, tag_count, header_key_count
+_ENTRY = struct.Struct("<IH")  # records, length (a tag; a header value)
+_LENGTH = struct.Struct("<H")  # a header key's length
+_KEY_TAIL = struct.Struct("<IH")  # records carrying the key, value_count
+_PAD = bytes(8)
+
+
+@dataclass(frozen=True, slots=True)
+class KeySummary:
+    """One header key: the records carrying it, and its values (None: not listed)."""
+
+    records: int
+    values: Mapping[bytes, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What a summary says about a batch of ``records`` records (``None``: not listed)."""
+
+    records: int
+    untagged: int
+    tags: Mapping[bytes, int] | None
+    headers: Mapping[bytes, KeySummary] | None
+
+
+# ---- building -------------------------------------------------------------------------------
+
+
+def _parents(offsets: Any, n: int) -> np.ndarray:
+    """The record index of each list element, from int32[n+1] list offsets starting at 0."""
+    counts: np.ndarray = np.diff(np.asarray(offsets, dtype=np.int64))
+    return np.repeat(np.arange(n, dtype=np.int64), counts)
+
+
+def _record_counts(
+    parents: np.ndarray, values: pa.Array, cap: int
+) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
+    """(distinct values, records carrying each, each element's index into them); None when
+    there are more than ``cap`` distinct values."""
+    encoded = pc.dictionary_encode(values.cast(pa.binary()))
+    distinct = len(encoded.dictionary)
+    if distinct > cap:
+        return None
+    idx = np.asarray(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    once = np.unique(parents * distinct + idx)  # (record, value) pairs, each record once
+    counts = np.bincount(once % distinct, minlength=distinct)
+    return encoded.dictionary.to_pylist(), counts, idx
+
+
+def _tag_stats(
+    offsets: Any, values: pa.Array | None, n: int, cap: int
+) -> tuple[int, dict[bytes, int] | None]:
+    """(untagged records, records per distinct tag or None over ``cap``)."""
+    if values is None or not len(values):
+        return n, {}
+    lengths = np.diff(np.asarray(offsets, dtype=np.int64))
+    untagged = int(np.count_nonzero(lengths == 0))
+    found = _record_counts(_parents(offsets, n), values, cap)
+    if found is None:
+        return untagged, None
+    names, counts, _ = found
+    return untagged, dict(zip(names, counts.tolist(), strict=True))
+
+
+def _header_stats(
+    offsets: Any, pairs: pa.Array | None, n: int, max_keys: int, max_values: int
+) -> dict[bytes, KeySummary] | None:
+    """Per header key, the records carrying it and (up to ``max_values`` distinct) its values;
+    None with more than ``max_keys`` keys."""
+    if pairs is None or not len(pairs):
+        return {}
+    parents = _parents(offsets, n)
+    keys, values = pairs.field("key"), pairs.field("value")
+    found = _record_counts(parents, keys, max_keys)
+    if found is None:
+        return None
+    key_names, key_records, kidx = found
+    k = len(key_names)
+    venc = pc.dictionary_encode(values.cast(pa.binary()))
+    v = len(venc.dictionary)
+    vidx = np.asarray(venc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    pair_ids = kidx * v + vidx
+    distinct_pairs = np.unique(pair_ids)
+    per_key = np.bincount(distinct_pairs // v, minlength=k)
+    listable = per_key <= max_values
+    listed: dict[int, dict[bytes, int]] = {i: {} for i in range(k) if listable[i]}
+    if listed:
+        keep = listable[kidx]
+        compact, inverse = np.unique(pair_ids[keep], return_inverse=True)
+        once = np.unique(parents[keep] * len(compact) + inverse)
+        counts = np.bincount(once % len(compact), minlength=len(compact)).tolist()
+        names = venc.dictionary.take(pa.array(compact % v)).to_pylist()
+        for pid, name, count in zip(compact.tolist(), names, counts, strict=True):
+            listed[pid // v][name] = count
+    return {key_names[i]: KeySummary(int(key_records[i]), listed.get(i)) for i in range(k)}
+
+
+def _tag_section(tags: Mapping[bytes, int]) -> int:
+    return sum(_ENTRY.size + len(t) for t in tags)
+
+
+def _header_section(headers: Mapping[bytes, KeySummary]) -> int:
+    size = 0
+    for key, ks in headers.items():
+        size += _LENGTH.size + len(key) + _KEY_TAIL.size
+        if ks.values is not None:
+            size += sum(_ENTRY.size + len(v) for v in ks.values)
+    return size
+
+
+def build(
+    n: int,
+    tag_offsets: Any,
+    tag_values: pa.Array | None,
+    header_offsets: Any,
+    header_pairs: pa.Array | None,
+) -> Summary:
+    """The summary of ``n`` records from their tag and header lists as the body lays them out:
+    int32[n+1] list offsets starting at 0 and the child values (None: every list empty)."""
+    untagged, tags = _tag_stats(tag_offsets, tag_values, n, MAX_TAGS)
+    if tags is not None and _tag_section(tags) > MAX_SECTION_BYTES:
+        tags = None
+    headers = _header_stats(header_offsets, header_pairs, n, MAX_HEADER_KEYS, MAX_VALUES_PER_KEY)
+    if headers is not None and _header_section(headers) > MAX_SECTION_BYTES:
+        headers = {key: KeySummary(ks.records, None) for key, ks in headers.items()}
+        if _header_section(headers) > MAX_SECTION_BYTES:
+            headers = None
+    return Summary(n, untagged, tags, headers)
+
+
+def empty(n: int) -> bytes:
+    """The summary bytes of ``n`` records without tags or headers."""
+    return _FIXED.pack(n, 0, 0)
+
+
+def encode(s: Summary) -> bytes:
+    """The summary's bytes (entries sorted, padded to a multiple of 8)."""
+    out = [
+        _FIXED.pack(
+            s.untagged,
+            NOT_LISTED if s.tags is None else len(s.tags),
+            NOT_LISTED if s.headers is None else len(s.headers),
+        )
+    ]
+    for tag in sorted(s.tags or ()):
+        out += [_ENTRY.pack((s.tags or {})[tag], len(tag)), tag]
+    for key in sorted(s.headers or ()):
+        ks = (s.headers or {})[key]
+        out += [_LENGTH.pack(len(key)), key]
+        out.append(_KEY_TAIL.pack(ks.records, NOT_LISTED if ks.values is None else len(ks.values)))
+        for value in sorted(ks.values or ()):
+            out += [_ENTRY.pack((ks.values or {})[value], len(value)), value]
+    data = b"".join(out)
+    return data + _PAD[: padded(len(data)) - len(data)]
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+
+class _Reader:
+    __slots__ = ("buf", "end", "pos", "start")
+
+    def __init__(self, buf: Any, pos: int, end: int) -> None:
+        self.buf, self.pos, self.end, self.start = buf, pos, end, pos
+
+    def fail(self, what: str) -> CorruptBatchError:
+        return CorruptBatchError(f"batch summary: {what} at byte {self.pos - self.start}")
+
+    def take(self, s: struct.Struct) -> tuple[Any, ...]:
+        if self.pos + s.size > self.end:
+            raise self.fail("truncated")
+        out = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return out
+
+    def blob(self, length: int) -> bytes:
+        if self.pos + length > self.end:
+            raise self.fail("truncated")
+        out = bytes(self.buf[self.pos : self.pos + length])
+        self.pos += length
+        return out
+
+    def entries(self, count: int, most: int) -> dict[bytes, int]:
+        """``count`` (records, length, bytes) entries, sorted, each record count in [1, most]."""
+        out: dict[bytes, int] = {}
+        prev: bytes | None = None
+        for _ in range(count):
+            records, length = self.take(_ENTRY)
+            name = self.blob(length)
+            if not 0 < records <= most or (prev is not None and name <= prev):
+                raise self.fail("entry out of order or with an impossible record count")
+            out[name] = records
+            prev = name
+        return out
+
+
+def parse(buf: Any, pos: int, length: int, n: int, *, headers: bool = True) -> Summary:
+    """The summary in ``buf[pos : pos + length]`` of a batch of ``n`` records. With
+    ``headers=False`` the header section is not read (``Summary.headers`` is None)."""
+    r = _Reader(buf, pos, pos + length)
+    untagged, tag_count, key_count = r.take(_FIXED)
+    if untagged > n:
+        raise r.fail(f"{untagged} untagged records of {n}")
+    tags = None
+    if tag_count != NOT_LISTED:
+        tags = r.entries(tag_count, n - untagged)
+        if (untagged < n) != bool(tags):
+            raise r.fail("tag list inconsistent with the untagged count")
+    if not headers:
+        return Summary(n, untagged, tags, None)
+    keyed: dict[bytes, KeySummary] | None = None
+    if key_count != NOT_LISTED:
+        keyed = {}
+        prev: bytes | None = None
+        for _ in range(key_count):
+            (key_length,) = r.take(_LENGTH)
+            key = r.blob(key_length)
+            records, value_count = r.take(_KEY_TAIL)
+            if not 0 < records <= n or (prev is not None and key <= prev):
+                raise r.fail("header key out of order or with an impossible record count")
+            values = None
+            if value_count != NOT_LISTED:
+                values = r.entries(value_count, records)
+                if not values:
+                    raise r.fail("a listed header key without values")
+            keyed[key] = KeySummary(records, values)
+            prev = key
+    rest = r.end - r.pos
+    if padded(r.pos - r.start) != length or any(r.blob(rest)):
+        raise r.fail("trailing bytes that are not the zero padding to a multiple of 8")
+    return Summary(n, untagged, tags, keyed)
+
+
+def of_batch(buf: Any, pos: int, h: BatchHeader, *, headers: bool = True) -> Summary | None:
+    """The summary of the batch at ``buf[pos:]`` (header ``h``); None for a version 1 batch."""
+    if h.magic != MAGIC:
+        return None
+    return parse(buf, pos + h.summary_position, h.summary_length, h.record_count, headers=headers)
+
+
+def verify(s: Summary, rb: pa.RecordBatch) -> None:
+    """Raise ``CorruptBatchError`` unless ``s`` tells the truth about the decoded records."""
+    n = rb.num_rows
+    tags, hdrs = rb.column("tags"), rb.column("headers")
+    tag_offsets = np.frombuffer(
+        tags.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * tags.offset
+    )
+    hdr_offsets = np.frombuffer(
+        hdrs.buffers()[1], dtype=np.int32, count=n + 1, offset=4 * hdrs.offset
+    )
+    tag_values = tags.values.slice(tag_offsets[0], tag_offsets[n] - tag_offsets[0])
+    pairs = hdrs.values.slice(hdr_offsets[0], hdr_offsets[n] - hdr_offsets[0])
+    tag_offsets = tag_offsets - tag_offsets[0]
+    hdr_offsets = hdr_offsets - hdr_offsets[0]
+    untagged, got_tags = _tag_stats(tag_offsets, tag_values, n, len(s.tags or ()))
+    if untagged != s.untagged or (s.tags is not None and got_tags != s.tags):
+        raise CorruptBatchError("the batch summary does not match its tags")
+    if s.headers is None:
+        return
+    most = max((len(ks.values) for ks in s.headers.values() if ks.values is not None), default=0)
+    got = _header_stats(hdr_offsets, pairs, n, len(s.headers), most)
+    if got is None or got.keys() != s.headers.keys():
+        raise CorruptBatchError("the batch summary does not match its header keys")
+    for key, ks in s.headers.items():
+        mine = got[key]
+        if mine.records != ks.records or (ks.values is not None and mine.values != ks.values):
+            raise CorruptBatchError(f"the batch summary does not match header {key!r}")

@@ -1,0 +1,200 @@
+"""The batch summary (format version 2, storage/codec/summary.py): limits, the leader's check
+that a summary tells the truth, and bad bytes (typed errors only)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from storage.codec import Compression, check_batch, encode_batch, read_header
+from storage.codec import summary as sm
+from storage.errors import CorruptBatchError
+from tests.codec_support import reference_summary, summary_as_dict, with_crc
+
+
+def _summary(batch: bytes) -> sm.Summary:
+    s = sm.of_batch(batch, 0, read_header(batch))
+    assert s is not None
+    return s
+
+
+def _replace_summary(batch: bytes, new: bytes) -> bytes:
+    """``batch`` with another summary (lengths and CRC fixed up), as a buggy encoder makes it."""
+    h = read_header(batch)
+    out = bytearray(batch[: h.summary_position] + new)
+    struct.pack_into("<i", out, 8, len(out) - 12)
+    struct.pack_into("<H", out, 26, len(new))
+    return with_crc(out)
+
+
+def test_a_batch_without_tags_or_headers_has_the_eight_byte_summary() -> None:
+    batch = encode_batch([b"x"] * 5, timestamps=1)
+    h = read_header(batch)
+    assert (h.magic, h.summary_length) == (2, 8)
+    assert batch[h.summary_position :] == struct.pack("<IHH", 5, 0, 0)
+
+
+def test_the_summary_is_outside_the_compressed_body() -> None:
+    tags = [["a"]] * 100
+    for compression in (Compression.ZSTD, Compression.LZ4):
+        batch = encode_batch([b"x" * 100] * 100, tags=tags, compression=compression)
+        assert dict(_summary(batch).tags or {}) == {b"a": 100}
+        check_batch(batch, deep=True)
+
+
+def test_records_without_tags_may_be_given_as_none() -> None:
+    """The producer's accumulator hands over None for a record without tags or headers."""
+    batch = encode_batch(
+        [b"a", b"b", b"c"], tags=[["x"], None, ["x", "y"]], headers=[None, [("k", b"v")], None]
+    )
+    check_batch(batch, deep=True)
+    s = _summary(batch)
+    assert (s.untagged, dict(s.tags or {})) == (1, {b"x": 2, b"y": 1})
+    assert s.headers == {b"k": sm.KeySummary(1, {b"v": 1})}
+
+
+@pytest.mark.parametrize(
+    "tags,headers,listed",
+    [
+        ([[f"t{i}"] for i in range(sm.MAX_TAGS + 1)], None, (False, True)),
+        ([["x" * 3000], ["y" * 3000]], None, (False, True)),  # over MAX_SECTION_BYTES
+        (None, [[(f"k{i}", b"v")] for i in range(sm.MAX_HEADER_KEYS + 1)], (True, False)),
+    ],
+)
+def test_what_would_make_a_summary_large_is_left_out(
+    tags: list[list[str]] | None,
+    headers: list[list[tuple[str, bytes]]] | None,
+    listed: tuple[bool, bool],
+) -> None:
+    n = len(tags or headers or [])
+    batch = encode_batch([b"v"] * n, tags=tags, headers=headers)
+    s = _summary(batch)
+    assert (s.tags is not None, s.headers is not None) == listed
+    assert read_header(batch).summary_length <= 2 * sm.MAX_SECTION_BYTES + 16
+    assert summary_as_dict(s) == reference_summary(n, tags, headers)
+    check_batch(batch, deep=True)
+
+
+def test_a_key_with_many_values_is_listed_without_them() -> None:
+    headers = [[("trace", f"id-{i}".encode()), ("region", b"eu")] for i in range(40)]
+    s = _summary(encode_batch([b"v"] * 40, headers=headers))
+    assert s.headers == {
+        b"region": sm.KeySummary(40, {b"eu": 40}),
+        b"trace": sm.KeySummary(40, None),
+    }
+
+
+def test_big_header_values_drop_every_value_list_first() -> None:
+    headers = [[("k", bytes([i]) * 400)] for i in range(12)]
+    s = _summary(encode_batch([b"v"] * 12, headers=headers))
+    assert s.headers == {b"k": sm.KeySummary(12, None)}
+
+
+# ---- the leader's check ---------------------------------------------------------------------
+
+
+TAGGED = encode_batch(
+    [b"a", b"b", b"c"],
+    tags=[["x"], ["x", "y"], []],
+    headers=[[("region", b"eu")], [], [("region", b"us")]],
+)
+HONEST = sm.Summary(3, 1, {b"x": 2, b"y": 1}, {b"region": sm.KeySummary(2, {b"eu": 1, b"us": 1})})
+
+
+def test_the_honest_summary_is_what_the_encoder_wrote() -> None:
+    assert _summary(TAGGED) == HONEST
+    assert sm.encode(HONEST) == TAGGED[read_header(TAGGED).summary_position :]
+
+
+@pytest.mark.parametrize(
+    "lie",
+    [
+        sm.Summary(3, 0, HONEST.tags, HONEST.headers),  # untagged count
+        sm.Summary(3, 1, {b"x": 2}, HONEST.headers),  # a tag missing
+        sm.Summary(3, 1, {b"x": 1, b"y": 1}, HONEST.headers),  # a wrong count
+        sm.Summary(3, 1, {b"x": 2, b"y": 1, b"z": 1}, HONEST.headers),  # a tag too many
+        sm.Summary(3, 1, HONEST.tags, {}),  # header keys missing
+        sm.Summary(3, 1, HONEST.tags, {b"region": sm.KeySummary(2, {b"eu": 2})}),
+        sm.Summary(3, 1, HONEST.tags, {b"region": sm.KeySummary(3, None)}),
+    ],
+)
+def test_the_deep_check_refuses_a_summary_that_lies(lie: sm.Summary) -> None:
+    forged = _replace_summary(TAGGED, sm.encode(lie))
+    check_batch(forged)  # the O(1) check does not read the summary
+    with pytest.raises(CorruptBatchError, match="summary"):
+        check_batch(forged, deep=True)
+
+
+@pytest.mark.parametrize(
+    "partial",
+    [
+        sm.Summary(3, 1, None, HONEST.headers),
+        sm.Summary(3, 1, HONEST.tags, None),
+        sm.Summary(3, 1, HONEST.tags, {b"region": sm.KeySummary(2, None)}),
+    ],
+)
+def test_the_deep_check_accepts_a_summary_that_leaves_things_out(partial: sm.Summary) -> None:
+    check_batch(_replace_summary(TAGGED, sm.encode(partial)), deep=True)
+
+
+def test_a_flat_body_must_not_have_a_summary_with_tags() -> None:
+    flat = encode_batch([b"a", b"b"])
+    for lie in (sm.Summary(2, 1, {b"x": 1}, {}), sm.Summary(2, 0, None, None)):
+        with pytest.raises(CorruptBatchError, match="summary"):
+            check_batch(_replace_summary(flat, sm.encode(lie)), deep=True)
+    check_batch(_replace_summary(flat, sm.encode(sm.Summary(2, 2, None, None))), deep=True)
+
+
+# ---- bad bytes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        struct.pack("<IHH", 4, 0, 0),  # 4 untagged of 3 records
+        struct.pack("<IHH", 1, 0, 0),  # records have tags but none is listed
+        struct.pack("<IHH", 3, 1, 0)
+        + struct.pack("<IH", 1, 1)
+        + b"x"
+        + bytes(1),  # all untagged, yet a tag
+        struct.pack("<IHH", 0, 2, 0)
+        + struct.pack("<IH", 1, 1)
+        + b"b"
+        + struct.pack("<IH", 1, 1)
+        + b"a"
+        + bytes(2),  # unsorted
+        struct.pack("<IHH", 0, 1, 0) + struct.pack("<IH", 0, 1) + b"a" + bytes(1),  # zero records
+        struct.pack("<IHH", 0, 1, 0) + struct.pack("<IH", 3, 9) + b"a",  # runs past the end
+        struct.pack("<IHH", 3, 0, 0) + b"\x00" * 7 + b"\x01",  # not padding
+        struct.pack("<IHH", 3, 0, 0) + bytes(8),  # too much padding
+        struct.pack("<IHH", 3, 0, 1)
+        + struct.pack("<H", 1)
+        + b"k"
+        + struct.pack("<IH", 2, 0)
+        + bytes(5),  # key without values
+    ],
+)
+def test_malformed_summaries_are_corrupt(raw: bytes) -> None:
+    with pytest.raises(CorruptBatchError, match="batch summary"):
+        sm.parse(raw, 0, len(raw), 3)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.binary(max_size=80), st.integers(1, 5))
+def test_any_bytes_parse_or_raise_corrupt_batch(raw: bytes, n: int) -> None:
+    try:
+        s = sm.parse(raw, 0, len(raw), n)
+    except CorruptBatchError:
+        return
+    assert s.untagged <= n and all(0 < c <= n for c in (s.tags or {}).values())
+
+
+def test_a_truncated_summary_is_corrupt_at_every_cut() -> None:
+    h = read_header(TAGGED)
+    raw = TAGGED[h.summary_position :]
+    for cut in range(len(raw)):
+        with pytest.raises(CorruptBatchError):
+            sm.parse(raw[:cut], 0, cut, 3)
