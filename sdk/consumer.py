@@ -23,6 +23,16 @@ the position past what they return. ``getmany`` then turns Arrow columns into
 :class:`~sdk.records.ConsumerRecord` tuples; ``getmany_arrow`` returns the Arrow table itself,
 which is the fast path for analytics and replay.
 
+Filters: ``subscribe(topics, tags="TagA || TagB")`` / ``subscribe(topics, filter=...)`` and
+``assign(partitions, filter=...)`` take an expression over records' tags and headers
+(``storage.filters``; ``docs/filters.md``), parsed once (a mistake raises
+``InvalidFilterError`` with its position) and sent with every fetch as its canonical text. The
+agent answers with only the batches that hold matching records (a mixed batch comes whole,
+with a selection bitmap that the consumer applies after decoding) and with the offset where it
+stopped looking (``next_offset``); once the records before it are handed out, the position
+moves there, so records the filter skipped count as consumed (commits and lag include them)
+and a sparse filter never fetches the same range twice.
+
 Errors: OFFSET_OUT_OF_RANGE resets the position by ``auto.offset.reset`` (``none``: raises
 ``OffsetOutOfRangeError`` from ``getmany``); NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION, network
 errors and the like refresh metadata and retry the partition after ``retry.backoff.ms``; any
@@ -48,6 +58,7 @@ from itertools import repeat
 from types import TracebackType
 from typing import Any, Self
 
+import numpy as np
 import pyarrow as pa
 
 from sdk.backoff import ExponentialBackoff
@@ -59,12 +70,14 @@ from sdk.records import ConsumerRecord, OffsetAndTimestamp, TopicPartition
 from storage.codec import SCHEMA, decode_batch, read_header
 from storage.errors import (
     CorruptBatchError,
+    InvalidFilterError,
     InvalidOffsetError,
     OffsetOutOfRangeError,
     RequestTimedOutError,
     StrataError,
     from_wire,
 )
+from storage.filters import Filter, as_filter, parse_tags, selection_mask
 from storage.protocol import DEFAULT_MAX_FRAME
 from storage.protocol.messages import (
     CONSUMER_REPLICA_ID,
@@ -88,15 +101,33 @@ _INT64 = pa.int64()
 
 
 class _Buffered:
-    """One fetch response's record bytes for one partition, consumed batch by batch."""
+    """One fetch response's record bytes for one partition, consumed batch by batch; for a
+    filtered fetch, the selections of its mixed batches and where the agent stopped looking
+    (``end``, -1 unfiltered)."""
 
-    __slots__ = ("current", "current_base", "data", "pos", "seen_whole")
+    __slots__ = (
+        "current",
+        "current_base",
+        "current_next",
+        "current_offsets",
+        "data",
+        "end",
+        "pos",
+        "seen_whole",
+        "selections",
+    )
 
-    def __init__(self, data: memoryview) -> None:
+    def __init__(
+        self, data: memoryview, end: int = -1, selections: dict[int, Any] | None = None
+    ) -> None:
         self.data = data
         self.pos = 0
+        self.end = end
+        self.selections = selections
         self.current: pa.RecordBatch | None = None
         self.current_base = 0
+        self.current_next = 0
+        self.current_offsets: np.ndarray | None = None  # of a batch cut by its selection
         self.seen_whole = False
 
 
@@ -202,6 +233,7 @@ class Consumer:
         self._group: GroupClient | None = None
         self._group_task: asyncio.Task[None] | None = None
         self._subscription: tuple[list[str], RebalanceListener | None] | None = None
+        self._filter: Filter | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -307,6 +339,10 @@ class Consumer:
             raise IllegalStateError("the consumer is not started: await consumer.start()")
         return self._cluster
 
+    def wake_pollers(self) -> None:
+        """Wake ``getmany`` callers waiting for records (the group's state changed)."""
+        self._notify()
+
     def _notify(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
         changed.set()
@@ -319,12 +355,25 @@ class Consumer:
 
     # ---- assignment and positions ---------------------------------------------------------
     # ---- consumer groups (sdk/group.py) -----------------------------------------------------
-    def subscribe(self, topics: Iterable[str], listener: RebalanceListener | None = None) -> None:
+    def subscribe(
+        self,
+        topics: Iterable[str],
+        listener: RebalanceListener | None = None,
+        *,
+        tags: str | None = None,
+        filter: str | Filter | None = None,
+    ) -> None:
         """Join the group ``group.id`` and consume the partitions it assigns from ``topics``.
 
         ``listener`` may define ``on_partitions_revoked(set)``, ``on_partitions_assigned(set)``
         and ``on_partitions_lost(set)`` (plain or async); commit in ``on_partitions_revoked``
-        to keep what was processed before a partition moves."""
+        to keep what was processed before a partition moves.
+
+        ``tags`` (RocketMQ's ``"TagA || TagB"``, ``"*"`` for all) or ``filter`` (an expression
+        over tags and headers, ``docs/filters.md``) make the agents send only matching records;
+        a mistake raises ``InvalidFilterError`` here, with its position. The filter is part of
+        the subscription: every member of the group must have the same one (a member with
+        another is refused, ``InconsistentFilterError`` from ``getmany``)."""
         if self.config.group_id is None:
             raise IllegalStateError("subscribe needs group.id in the consumer's config")
         if self._subscription is not None:
@@ -332,7 +381,9 @@ class Consumer:
         names = sorted(set(topics))
         if not names or not all(isinstance(t, str) for t in names):
             raise TypeError(f"subscribe needs topic names, got {names!r}")
+        chosen = _subscription_filter(tags, filter)
         self.assign([])
+        self._filter = chosen
         self._subscription = (names, listener)
         if self._tg is not None:
             self._start_group()
@@ -340,7 +391,7 @@ class Consumer:
     def _start_group(self) -> asyncio.Task[None]:
         assert self._group is not None and self._subscription is not None
         topics, listener = self._subscription
-        self._group.subscribe(topics, listener)
+        self._group.subscribe(topics, listener, self._filter)
         assert self._cluster is not None
         self._cluster.add_topics(topics)
         self._group_task = self._spawn(self._group.run(), "strata-consumer-group")
@@ -422,11 +473,28 @@ class Consumer:
         tp = _as_tp(tp)
         return (await self._group_client().committed([tp])).get(tp)
 
-    def assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
-        """Consume exactly these partitions (replacing any earlier assignment)."""
+    def assign(
+        self,
+        partitions: Iterable[TopicPartition | tuple[str, int]],
+        *,
+        filter: str | Filter | None = None,
+    ) -> None:
+        """Consume exactly these partitions (replacing any earlier assignment), only their
+        records that match ``filter`` (an expression, ``docs/filters.md``; None: all)."""
         if self._subscription is not None:
             raise IllegalStateError("the consumer is subscribed: the group assigns partitions")
-        self._assign(partitions)
+        chosen = as_filter(filter)
+        wanted = [_as_tp(tp) for tp in partitions]
+        if chosen != self._filter:
+            self._filter = chosen
+            for tp, st in self._states.items():  # what was fetched for the old filter goes
+                self._reposition(tp, st)
+        self._assign(wanted)
+
+    @property
+    def filter(self) -> Filter | None:
+        """The filter of the subscription or assignment (None: every record)."""
+        return self._filter
 
     def _assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
         wanted = [_as_tp(tp) for tp in partitions]
@@ -700,6 +768,7 @@ class Consumer:
                     state.position,
                     cfg.max_partition_fetch_bytes,
                     cluster.leader_epoch(tp.topic, tp.partition),
+                    None if self._filter is None else self._filter.text,
                 )
             )
         request = FetchRequest(
@@ -744,8 +813,13 @@ class Consumer:
             st.attempts = 0
             if r.records is not None and len(r.records):
                 data = memoryview(r.records)
-                st.buffered = _Buffered(data)
+                selections = (
+                    {s.base_offset: s.bitmap for s in r.selections} if r.selections else None
+                )
+                st.buffered = _Buffered(data, r.next_offset, selections)
                 self._buffered_bytes += len(data)
+            elif st.position is not None and r.next_offset > st.position:
+                st.position = r.next_offset  # a filtered fetch that matched nothing: skipped
             return
         if r.error_code == _OUT_OF_RANGE:
             policy = self.config.auto_offset_reset
@@ -828,6 +902,8 @@ class Consumer:
         self._check_running()
         if self._group is not None:
             self._group.polled()
+            if self._group.refused is not None:
+                raise self._group.refused
         limit = self.config.max_poll_records if max_records is None else max_records
         if limit < 1:
             raise ValueError(f"max_records must be at least 1, got {limit}")
@@ -844,6 +920,8 @@ class Consumer:
                 return {}
             await self._wait_changed(remaining)
             self._check_running()
+            if self._group is not None and self._group.refused is not None:
+                raise self._group.refused
 
     def _take(
         self, tps: list[TopicPartition], limit: int
@@ -891,11 +969,14 @@ class Consumer:
         self, st: _PartitionState, buf: _Buffered, max_rows: int
     ) -> pa.RecordBatch | None:
         """The next records at or after the position (at most ``max_rows``), or None when
-        the buffer holds no more; moves the position past them."""
+        the buffer holds no more; moves the position past them (and, at the end of a
+        filtered fetch's records, to where the agent stopped looking)."""
         assert st.position is not None
         while True:
             if buf.current is None:
                 if buf.pos >= len(buf.data):
+                    if buf.end > st.position:
+                        st.position = buf.end
                     return None
                 try:
                     h = read_header(buf.data, buf.pos)
@@ -915,18 +996,40 @@ class Consumer:
                 if h.is_control:
                     st.position = h.next_offset
                     continue
-                buf.current = decode_batch(buf.data, start, verify=self.config.check_crcs)
+                rb = decode_batch(buf.data, start, verify=self.config.check_crcs)
+                buf.current_offsets = None
+                bitmap = None if buf.selections is None else buf.selections.get(h.base_offset)
+                if bitmap is not None:
+                    rb = rb.filter(pa.array(selection_mask(bitmap, h.record_count)))
+                    buf.current_offsets = np.asarray(rb.column(0))
+                buf.current = rb
                 buf.current_base = h.base_offset
+                buf.current_next = h.next_offset
             rb = buf.current
-            skip = max(st.position - buf.current_base, 0)
+            offsets = buf.current_offsets
+            if offsets is None:  # every record of the batch: offsets are base + row
+                skip = max(st.position - buf.current_base, 0)
+            else:
+                skip = int(np.searchsorted(offsets, st.position))
             if skip >= rb.num_rows:
                 buf.current = None
+                st.position = max(st.position, buf.current_next)
                 continue
             take = min(rb.num_rows - skip, max_rows)
             if skip + take >= rb.num_rows:
                 buf.current = None
-            st.position = buf.current_base + skip + take
+                st.position = buf.current_next
+            elif offsets is None:
+                st.position = buf.current_base + skip + take
+            else:
+                st.position = int(offsets[skip + take - 1]) + 1
             return rb.slice(skip, take)
+
+
+def _subscription_filter(tags: str | None, filter_: str | Filter | None) -> Filter | None:
+    if tags is not None and filter_ is not None:
+        raise InvalidFilterError("subscribe takes tags or filter, not both", position=0)
+    return parse_tags(tags) if tags is not None else as_filter(filter_)
 
 
 def log_commit_failure(error: BaseException) -> None:

@@ -46,6 +46,7 @@ from storage.errors import (
     CoordinatorNotAvailableError,
     FencedInstanceIdError,
     IllegalGenerationError,
+    InconsistentFilterError,
     NetworkError,
     NotCoordinatorError,
     RebalanceInProgressError,
@@ -54,6 +55,7 @@ from storage.errors import (
     UnknownMemberIdError,
     from_wire,
 )
+from storage.filters import Filter
 from storage.protocol import consumer as cp
 from storage.protocol import messages as m
 
@@ -115,6 +117,9 @@ class GroupClient:
         self.protocol: str | None = None
         self.topics: tuple[str, ...] = ()
         self.listener: RebalanceListener | None = None
+        self.filter: Filter | None = None
+        #: why the coordinator will not have this member (its filter is not the group's)
+        self.refused: InconsistentFilterError | None = None
         self.owned: set[TopicPartition] = set()
         self.coordinator: int | None = None
         self._need_join = asyncio.Event()
@@ -256,9 +261,15 @@ class GroupClient:
         return out
 
     # ---- membership ---------------------------------------------------------------------
-    def subscribe(self, topics: Iterable[str], listener: RebalanceListener | None) -> None:
+    def subscribe(
+        self,
+        topics: Iterable[str],
+        listener: RebalanceListener | None,
+        filter_: Filter | None = None,
+    ) -> None:
         self.topics = tuple(sorted(set(topics)))
         self.listener = listener
+        self.filter = filter_
         self._need_join.set()
 
     def polled(self) -> None:
@@ -296,6 +307,13 @@ class GroupClient:
                     await self._join_and_sync()
                 except FencedInstanceIdError:
                     raise
+                except InconsistentFilterError as exc:
+                    # not a member, and joining again cannot change that: the application
+                    # gets the error from its next poll, and the loop ends
+                    log.warning("group %s: %s", self.group_id, exc)
+                    self.refused = exc
+                    self.consumer.wake_pollers()
+                    return
                 except StrataError as exc:
                     log.info("group %s: join failed: %s", self.group_id, exc)
                     await asyncio.sleep(cfg.retry_backoff_ms / 1000)
@@ -391,6 +409,7 @@ class GroupClient:
                 cfg.group_instance_id,
                 m.CONSUMER_PROTOCOL_TYPE,
                 [m.JoinGroupProtocol(name, meta) for name in cfg.partition_assignment_strategy],
+                None if self.filter is None else self.filter.text,
             ),
             request_timeout=rebalance_s + cfg.request_timeout_ms / 1000,
         )

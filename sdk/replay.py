@@ -17,7 +17,10 @@ Theory of operation:
 * **Reading** (:func:`read_segment`) range-reads the task's bytes, walks the batch headers,
   skips batches wholly outside the wanted offsets or times, decodes the rest with the shared
   codec (CRC32C checked per batch) and filters rows with Arrow compute kernels: no Python code
-  runs per record.
+  runs per record. A filter over tags and headers (``storage.filters``, the same expressions
+  a consumer subscribes with) is pushed down the way the agent applies it: a batch whose
+  summary rules it out is not decoded, one whose summary says every record matches is not
+  filtered, and only the rest are filtered with Arrow kernels.
 * **Storage.** ``pyarrow.fs`` (``S3FileSystem`` with request/connect timeouts and a bounded
   retry strategy; or a local directory for ``file://`` endpoints, which benchmarks use). Its
   ``OSError``s become ``ObjectNotFoundError`` / ``ObjectStoreError`` in :class:`Archive` only.
@@ -29,6 +32,7 @@ its executors.
 from __future__ import annotations
 
 import bisect
+import functools
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,6 +45,8 @@ import pyarrow.compute as pc
 
 from storage.codec import SCHEMA, decode_batch, iter_batches
 from storage.errors import CorruptSegmentError, ObjectNotFoundError, ObjectStoreError
+from storage.filters import Filter, Verdict, as_filter, classify, parse
+from storage.filters.expr import Tag, conjunction
 from storage.tier.layout import Footer, decode_footer
 from storage.tier.manifest import Manifest, SegmentEntry
 from storage.tier.snapshot import (
@@ -219,6 +225,7 @@ class SegmentRead:
     end_offset: int | None = None
     min_ts: int | None = None
     max_ts: int | None = None
+    filter: str | None = None  # a storage.filters expression (canonical text); None: all rows
 
     @property
     def nbytes(self) -> int:
@@ -312,11 +319,12 @@ def plan(
     *,
     split_bytes: int = DEFAULT_SPLIT_BYTES,
     manifests: Mapping[int, tuple[str, Manifest]] | None = None,
+    filter: Filter | None = None,
 ) -> tuple[list[SegmentRead], PlanReport]:
     """The read tasks for ``topic`` within ``bounds``, in (partition, offset) order.
 
     ``manifests`` (partition -> (topic_id, manifest)) overrides the bucket's snapshots (the
-    Spark driver passes ZooKeeper's when told to).
+    Spark driver passes ZooKeeper's when told to). ``filter`` goes with every task.
     """
     if manifests is None:
         manifests = {p: (s.topic_id, s.manifest) for p, s in archive.snapshots(topic).items()}
@@ -370,6 +378,7 @@ def plan(
                         end if cut_end else None,
                         bounds.min_ts,
                         bounds.max_ts,
+                        None if filter is None else filter.text,
                     )
                 )
     report.tasks = len(tasks)
@@ -399,6 +408,7 @@ def read_segment(archive: Archive, task: SegmentRead) -> Iterator[pa.RecordBatch
     """The wanted rows of ``task`` as record batches of ``codec.SCHEMA``, in offset order."""
     buf = archive.get_range(task.key, task.byte_start, task.byte_end)
     start, end, min_ts, max_ts = task.start_offset, task.end_offset, task.min_ts, task.max_ts
+    filt = None if task.filter is None else _parsed(task.filter)
     for h, pos in iter_batches(buf):
         if start is not None and h.next_offset <= start:
             continue
@@ -406,14 +416,20 @@ def read_segment(archive: Archive, task: SegmentRead) -> Iterator[pa.RecordBatch
             break
         if min_ts is not None and h.max_timestamp < min_ts:
             continue
+        verdict = Verdict.WHOLE if filt is None else classify(filt, buf, pos, h)
+        if verdict is Verdict.SKIP:
+            continue
         batch = decode_batch(buf, pos)
         mask = None
+        if filt is not None and verdict is Verdict.DECODE:
+            mask = pa.array(filt.mask(batch))
         if (start is not None and h.base_offset < start) or (
             end is not None and h.next_offset > end
         ):
             offsets = batch.column(0)
             lo = pc.greater_equal(offsets, start if start is not None else h.base_offset)
-            mask = pc.and_(lo, pc.less(offsets, end if end is not None else h.next_offset))
+            cut = pc.and_(lo, pc.less(offsets, end if end is not None else h.next_offset))
+            mask = cut if mask is None else pc.and_(mask, cut)
         if (min_ts is not None and h.first_timestamp < min_ts) or max_ts is not None:
             ts = batch.column(1).cast(pa.int64())
             cond = None
@@ -427,6 +443,11 @@ def read_segment(archive: Archive, task: SegmentRead) -> Iterator[pa.RecordBatch
             batch = batch.filter(mask)
         if batch.num_rows:
             yield batch
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(text: str) -> Filter:
+    return parse(text)
 
 
 def segment_table(archive: Archive, task: SegmentRead) -> pa.Table:
@@ -455,6 +476,7 @@ def replay(
     end_ms: int | None = None,
     keys: Iterable[bytes] | None = None,
     tags: Iterable[str] | None = None,
+    filter: str | Filter | None = None,
     partitions: Iterable[int] | None = None,
     archive: Archive | ArchiveConfig | None = None,
     split_bytes: int = DEFAULT_SPLIT_BYTES,
@@ -462,9 +484,12 @@ def replay(
     """Tables of ``topic``'s committed history (``REPLAY_SCHEMA``), read from the object tier.
 
     Rows have timestamps in ``[start_ms, end_ms)``; with ``keys``, only rows whose key is one
-    of them; with ``tags``, only rows carrying at least one of them. One table per segment (or
-    byte range of a large one), partition by partition, each in offset order; empty tables are
-    not yielded. ``archive`` defaults to ``ArchiveConfig.from_env()``.
+    of them; with ``tags``, only rows carrying at least one of them; with ``filter`` (an
+    expression over tags and headers, ``docs/filters.md``; ``InvalidFilterError`` if it does
+    not parse), only rows that match it. Tags and filter are pushed down to the batches'
+    summaries. One table per segment (or byte range of a large one), partition by partition,
+    each in offset order; empty tables are not yielded. ``archive`` defaults to
+    ``ArchiveConfig.from_env()``.
     """
     if archive is None:
         archive = ArchiveConfig.from_env()
@@ -475,29 +500,20 @@ def replay(
         min_ts=start_ms,
         max_ts=end_ms,
     )
-    tasks, _ = plan(archive, topic, bounds, split_bytes=split_bytes)
+    chosen = as_filter(filter)
+    if tags is not None:
+        by_tag = Filter(Tag(frozenset(tags)))
+        chosen = by_tag if chosen is None else Filter(conjunction([by_tag.expr, chosen.expr]))
+    tasks, _ = plan(archive, topic, bounds, split_bytes=split_bytes, filter=chosen)
     key_set = None if keys is None else pa.array(list(keys), pa.binary())
-    tag_set = None if tags is None else pa.array(list(tags), pa.string())
     for task in tasks:
         table = segment_table(archive, task)
         if key_set is not None and table.num_rows:
             table = table.filter(pc.is_in(table.column("key"), value_set=key_set))
-        if tag_set is not None and table.num_rows:
-            table = table.filter(_has_any_tag(table.column("tags"), tag_set))
         if table.num_rows:
             yield table.add_column(
                 0, REPLAY_SCHEMA.field(0), [constant_int32(task.partition, table.num_rows)]
             )
-
-
-def _has_any_tag(column: pa.ChunkedArray, tag_set: pa.Array) -> pa.Array:
-    tags = column.combine_chunks()
-    flat = pc.list_flatten(tags)
-    parents = pc.list_parent_indices(tags)
-    hit = pc.filter(parents, pc.is_in(flat, value_set=tag_set))
-    mask = np.zeros(len(tags), dtype=bool)
-    mask[np.asarray(hit, dtype=np.int64)] = True
-    return pa.array(mask)
 
 
 __all__ = [

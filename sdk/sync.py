@@ -33,6 +33,7 @@ from sdk.errors import IllegalStateError, ProducerClosedError
 from sdk.producer import Producer
 from sdk.records import ConsumerRecord, OffsetAndTimestamp, RecordMetadata, TopicPartition
 from storage.errors import StrataError
+from storage.filters import Filter, as_filter
 
 T = TypeVar("T")
 
@@ -247,11 +248,19 @@ class SyncConsumer:
     def subscribe(self, *args: Any, **kwargs: Any) -> None:
         self._consumer.subscribe(*args, **kwargs)
 
-    def assign(self, partitions: Iterable[TopicPartition | tuple[str, int]]) -> None:
+    def assign(
+        self,
+        partitions: Iterable[TopicPartition | tuple[str, int]],
+        *,
+        filter: str | Filter | None = None,
+    ) -> None:
         tps = list(partitions)
-        self._thread.call(self._consumer.assign, tps)
+        changed = as_filter(filter) != self._consumer.filter
+        self._thread.call(lambda: self._consumer.assign(tps, filter=filter))
         keep = {(tp[0], tp[1]) for tp in tps}
-        self._records = deque(r for r in self._records if (r.topic, r.partition) in keep)
+        self._records = deque(
+            r for r in self._records if (r.topic, r.partition) in keep and not changed
+        )
 
     def assignment(self) -> set[TopicPartition]:
         return self._thread.call(self._consumer.assignment)

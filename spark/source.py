@@ -15,6 +15,11 @@ Theory of operation (user-facing details in ``docs/spark.md``):
   ``pyarrow.fs`` reader, batches decoded by the shared codec (CRC32C checked), rows filtered
   and the ``topic``/``partition`` columns added with Arrow kernels, yielded as Arrow record
   batches: no Python code per record, no agent and no ZooKeeper in the path.
+* **Tag and header filters**: option ``filter`` (an expression over tags and headers, the
+  language of ``docs/filters.md``) or ``tags`` (RocketMQ's ``"TagA || TagB"``) is parsed on
+  the driver (a mistake fails the query with ``InvalidFilterError`` and its position) and
+  applied by every read task as the agents apply a consumer's filter: batches whose summary
+  rules it out are not decoded, the rest filtered with Arrow kernels.
 * **Pushdown** (Spark 4.1+, ``spark.sql.python.filterPushdown.enabled=true``, which
   :func:`register` sets): comparisons and ``IN`` on ``partition`` and ``offset`` are applied
   exactly by the source; comparisons on ``timestamp`` prune segments and ranges and are also
@@ -64,6 +69,7 @@ from sdk.replay import (
     plan,
     read_segment,
 )
+from storage import filters as record_filters
 from storage.tier.manifest import Manifest
 
 SCHEMA_DDL = (
@@ -109,6 +115,7 @@ class Options:
     plan_report: str | None
     starting: str  # streaming: "earliest" | "latest" | JSON
     pushdown: bool
+    filter: str | None = None  # canonical text of option filter / tags (None: every record)
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -140,6 +147,13 @@ class Options:
             raise ValueError("option manifest must be 'bucket' or 'zookeeper'")
         if source == "zookeeper" and not o.get("zookeeper"):
             raise ValueError("manifest=zookeeper needs option zookeeper (host:port/chroot)")
+        if o.get("filter") is not None and o.get("tags") is not None:
+            raise ValueError("options filter and tags cannot be used together")
+        chosen = (
+            record_filters.parse_tags(o["tags"])
+            if o.get("tags") is not None
+            else record_filters.as_filter(o.get("filter"))
+        )
         return cls(
             topic,
             archive,
@@ -152,7 +166,12 @@ class Options:
             o.get("planreport"),
             o.get("startingoffsets", "earliest"),
             o.get("pushdown", "true").lower() != "false",
+            None if chosen is None else chosen.text,
         )
+
+    @property
+    def parsed_filter(self) -> record_filters.Filter | None:
+        return None if self.filter is None else record_filters.parse(self.filter)
 
 
 def _offsets(raw: str | None, open_word: str) -> dict[int, int]:
@@ -327,6 +346,7 @@ class StrataReader(DataSourceReader):
             self.bounds,
             split_bytes=self.opts.split_bytes,
             manifests=manifests_for(self.opts, archive),
+            filter=self.opts.parsed_filter,
         )
         _write_report(self.opts.plan_report, report)
         if not tasks:
@@ -462,6 +482,7 @@ class StrataStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             bounds,
             split_bytes=self.opts.split_bytes,
             manifests=manifests_for(self.opts, archive),
+            filter=self.opts.parsed_filter,
         )
         _write_report(self.opts.plan_report, report)
         return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)

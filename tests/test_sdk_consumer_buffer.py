@@ -110,3 +110,45 @@ def test_to_records_and_arrow_agree() -> None:
     ]
     plain = consumer((TP1, 0, batch(0, 2)))._take([TP1], 10)
     assert [r.headers for r in to_records(TP1, plain[TP1])] == [(), ()]
+
+
+# ---- filtered fetches: selections and the agent's next_offset ---------------------------------
+
+
+def filtered(
+    tp: TopicPartition, position: int, data: bytes, end: int, sel: dict[int, bytes]
+) -> Consumer:
+    c = consumer((tp, position, data))
+    c._states[tp].buffered = _Buffered(memoryview(data), end, sel)
+    return c
+
+
+def test_a_selection_hands_out_only_the_selected_records_and_the_position_ends_at_next_offset() -> (
+    None
+):
+    # batch 10-14 mixed (11 and 13 match), 20-22 whole; the agent looked up to offset 40
+    c = filtered(TP0, 10, batch(10, 5) + batch(20, 3), 40, {10: bytes([0b01010])})
+    assert offsets(c._take([TP0], 100), TP0) == [11, 13, 20, 21, 22]
+    assert c._states[TP0].position == 40 and c._states[TP0].buffered is None
+
+
+def test_max_records_cuts_a_selected_batch_and_resumes_after_the_last_record_handed_out() -> None:
+    c = filtered(TP0, 0, batch(0, 8), 8, {0: bytes([0b10110110])})  # 1, 2, 4, 5, 7
+    assert offsets(c._take([TP0], 2), TP0) == [1, 2]
+    assert c._states[TP0].position == 3
+    assert offsets(c._take([TP0], 2), TP0) == [4, 5]
+    assert c._states[TP0].position == 6
+    assert offsets(c._take([TP0], 2), TP0) == [7]
+    assert c._states[TP0].position == 8
+    assert c._take([TP0], 2) == {}
+
+
+def test_selected_records_below_the_position_are_dropped() -> None:
+    c = filtered(TP0, 3, batch(0, 8), 8, {0: bytes([0b10110110])})
+    assert offsets(c._take([TP0], 100), TP0) == [4, 5, 7]
+
+
+def test_a_selection_of_the_wrong_size_is_an_error_for_that_partition() -> None:
+    c = filtered(TP0, 0, batch(0, 8), 8, {0: b"\x01\x00"})
+    with pytest.raises(CorruptBatchError):
+        c._take([TP0], 100)

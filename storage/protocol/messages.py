@@ -192,11 +192,13 @@ class FetchPartition(Message):
     fetch_offset: int
     partition_max_bytes: int
     current_leader_epoch: int = -1  # -1: do not check
+    filter: str | None = None  # a storage.filters expression (consumers only); None: every record
     SCHEMA = (
         ("partition", INT32),
         ("fetch_offset", INT64),
         ("partition_max_bytes", INT32),
         ("current_leader_epoch", INT32),
+        ("filter", STRING),
     )
 
 
@@ -226,6 +228,16 @@ class FetchRequest(Message):
 
 
 @dataclass(slots=True)
+class BatchSelection(Message):
+    """The records of a sent batch that match a fetch's filter: bit i (LSB first) of
+    ``bitmap`` is record ``base_offset + i`` (``storage.filters.scan``)."""
+
+    base_offset: int
+    bitmap: Any
+    SCHEMA = (("base_offset", INT64), ("bitmap", BYTES))
+
+
+@dataclass(slots=True)
 class FetchPartitionResult(Message):
     partition: int
     error_code: int
@@ -234,6 +246,10 @@ class FetchPartitionResult(Message):
     leader_id: int
     leader_epoch: int
     records: Any  # whole batches exactly as stored (may start before fetch_offset)
+    # filtered fetches: where the agent stopped looking (the next fetch starts there once the
+    # records before it are consumed); -1 for an unfiltered fetch
+    next_offset: int = -1
+    selections: list[BatchSelection] | None = None  # the mixed batches' matching records
     SCHEMA = (
         ("partition", INT32),
         ("error_code", INT16),
@@ -242,6 +258,8 @@ class FetchPartitionResult(Message):
         ("leader_id", INT32),
         ("leader_epoch", INT32),
         ("records", BYTES),
+        ("next_offset", INT64),
+        ("selections", Array(struct_of(BatchSelection))),
     )
 
 
@@ -401,6 +419,9 @@ class JoinGroupRequest(Message):
     group_instance_id: str | None  # static membership
     protocol_type: str
     protocols: list[JoinGroupProtocol]
+    # the subscription's filter, canonical text (storage.filters); every member of a group
+    # has the same one (INCONSISTENT_FILTER otherwise); None: every record
+    filter: str | None = None
     SCHEMA = (
         ("group_id", STRING),
         ("session_timeout_ms", INT32),
@@ -409,6 +430,7 @@ class JoinGroupRequest(Message):
         ("group_instance_id", STRING),
         ("protocol_type", STRING),
         ("protocols", Array(struct_of(JoinGroupProtocol))),
+        ("filter", STRING),
     )
 
 
