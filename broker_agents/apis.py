@@ -13,14 +13,18 @@ while their fsync waits overlap (group commit).
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from storage.codec import check_batch, iter_batches
 from storage.errors import (
     CorruptBatchError,
     FencedLeaderEpochError,
+    InvalidFilterError,
+    InvalidRequestError,
     InvalidTopicError,
     NotEnoughReplicasAfterAppendError,
     NotEnoughReplicasError,
@@ -31,6 +35,7 @@ from storage.errors import (
     UnknownTopicOrPartitionError,
     UnsupportedVersionError,
 )
+from storage.filters import Filter, FilterScan, parse
 from storage.names import validate_topic_name
 from storage.protocol import messages as m
 from storage.protocol.schema import Message
@@ -43,19 +48,42 @@ if TYPE_CHECKING:
 Handler = Callable[[Any], Awaitable[Message]]
 
 
+Tiered = memoryview | FilterScan | StrataError
+"""A tier read for one partition of a fetch: its batches, a filtered scan of them, or why not."""
+
+
 class TierAccess(Protocol):
     """What the request handlers need of the object tier (``broker_agents.tiering``)."""
 
     def check_backlog(self, p: Partition) -> None: ...
     async def prefetch(
-        self, req: m.FetchRequest
-    ) -> dict[tuple[str, int], memoryview | StrataError] | None: ...
+        self, req: m.FetchRequest, filters: Mapping[tuple[str, int], Filter]
+    ) -> dict[tuple[str, int], Tiered] | None: ...
     def log_start(self, p: Partition) -> int: ...
     async def offset_for_timestamp(self, p: Partition, ts: int) -> int | None: ...
 
 
 def _code(exc: BaseException) -> int:
     return exc.code if isinstance(exc, StrataError) else StrataError.code
+
+
+@functools.lru_cache(maxsize=256)
+def parse_filter(text: str) -> Filter:
+    """A fetch's filter, parsed once per distinct text (consumers send the same one)."""
+    return parse(text)
+
+
+#: the local log is scanned in reads of at most this many bytes
+SCAN_READ_BYTES = 4 << 20
+
+
+@dataclass(slots=True)
+class _Progress:
+    """A filtered partition of one fetch request across its long-poll rounds: before
+    ``skip_to`` nothing matched (the next round scans from there); ``scanned`` bytes so far."""
+
+    skip_to: int
+    scanned: int = 0
 
 
 class Apis:
@@ -76,6 +104,8 @@ class Apis:
         self.tier = tier
         self.wake_isr = wake_isr
         self.check_space = check_space
+        #: called with every filtered scan a fetch answers with (metrics)
+        self.on_filter_scan: Callable[[FilterScan], None] | None = None
         self.handlers: dict[int, Handler] = {
             m.ApiKey.API_VERSIONS: self.api_versions,
             m.ApiKey.METADATA: self.metadata,
@@ -234,30 +264,65 @@ class Apis:
 
     # ---- Fetch ------------------------------------------------------------------------------
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
+        """Long polling: answer once ``min_bytes`` are there, an error or a filtered scan's
+        progress needs telling, or ``max_wait_ms`` has passed; any new data on a requested
+        partition makes it look again. A filtered partition that matched nothing up to the
+        high watermark waits like any other, and the next round scans only what arrived."""
         deadline = time.monotonic() + max(req.max_wait_ms, 0) / 1000
-        tiered = await self.tier.prefetch(req)  # offsets below the local log, from S3
+        filters = self._filters(req)
+        usable = {k: f for k, f in filters.items() if isinstance(f, Filter)}
+        tiered = await self.tier.prefetch(req, usable)  # offsets below the local log, from S3
+        progress: dict[tuple[str, int], _Progress] = {}
         while True:
             waits: list[asyncio.Future[None]] = []
-            response, total, errors = self._collect(req, waits, tiered)
+            response, total, answer_now, scans = self._collect(
+                req, waits, tiered, filters, progress
+            )
             remaining = deadline - time.monotonic()
-            if total >= req.min_bytes or errors or remaining <= 0 or not waits:
+            if total >= req.min_bytes or answer_now or remaining <= 0 or not waits:
+                if self.on_filter_scan is not None:
+                    for scan in scans:
+                        self.on_filter_scan(scan)
                 return response
             await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+
+    def _filters(self, req: m.FetchRequest) -> dict[tuple[str, int], Filter | StrataError]:
+        """The parsed filter of every partition that has one (or why it is refused)."""
+        out: dict[tuple[str, int], Filter | StrataError] = {}
+        for topic in req.topics:
+            for fp in topic.partitions:
+                if fp.filter is None:
+                    continue
+                key = (topic.name, fp.partition)
+                if req.replica_id >= 0:
+                    out[key] = InvalidRequestError("a follower's fetch cannot have a filter")
+                    continue
+                try:
+                    out[key] = parse_filter(fp.filter)
+                except InvalidFilterError as exc:
+                    out[key] = exc
+        return out
 
     def _collect(
         self,
         req: m.FetchRequest,
         waits: list[asyncio.Future[None]],
-        tiered: dict[tuple[str, int], memoryview | StrataError] | None = None,
-    ) -> tuple[m.FetchResponse, int, bool]:
+        tiered: Mapping[tuple[str, int], Tiered] | None,
+        filters: Mapping[tuple[str, int], Filter | StrataError],
+        progress: dict[tuple[str, int], _Progress],
+    ) -> tuple[m.FetchResponse, int, bool, list[FilterScan]]:
+        """One round: (response, bytes of records in it, whether to answer at once, the
+        filtered partitions' scans)."""
         budget = max(req.max_bytes, 0)
         total = 0
-        errors = False
+        answer_now = False
+        scans: list[FilterScan] = []
         topics = []
         for topic in req.topics:
             results = []
             for fp in topic.partitions:
                 r = m.FetchPartitionResult(fp.partition, 0, -1, -1, -1, -1, None)
+                key = (topic.name, fp.partition)
                 try:
                     p = self._readable(topic.name, fp.partition, req.replica_id)
                     replica = req.replica_id >= 0
@@ -275,28 +340,46 @@ class Apis:
                     r.high_watermark = p.high_watermark
                     r.log_start_offset = self.tier.log_start(p)
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
+                    filt = filters.get(key)
+                    if isinstance(filt, StrataError):
+                        raise filt
                     limit = min(fp.partition_max_bytes, budget) if total else fp.partition_max_bytes
                     if limit > 0 or not total:
-                        pre = tiered.get((topic.name, fp.partition)) if tiered else None
+                        pre = tiered.get(key) if tiered else None
                         if isinstance(pre, StrataError):
                             raise pre
-                        chunk = (
-                            pre
-                            if pre is not None
-                            else p.log.read(
-                                fp.fetch_offset,
-                                max(limit, 1),
-                                max_offset=None if replica else p.high_watermark,
-                            ).data
-                        )
-                        if len(chunk):
-                            r.records = chunk
-                            total += len(chunk)
-                            budget -= len(chunk)
+                        if filt is not None:
+                            scan, now_ = self._filtered(p, fp, filt, pre, max(limit, 1), progress)
+                            scans.append(scan)
+                            answer_now = answer_now or now_
+                            r.next_offset = scan.next_offset
+                            if scan.parts:
+                                r.records = scan.parts
+                                r.selections = [
+                                    m.BatchSelection(s.base_offset, s.bitmap)
+                                    for s in scan.selections
+                                ] or None
+                                total += scan.bytes
+                                budget -= scan.bytes
+                        else:
+                            assert not isinstance(pre, FilterScan)
+                            chunk = (
+                                pre
+                                if pre is not None
+                                else p.log.read(
+                                    fp.fetch_offset,
+                                    max(limit, 1),
+                                    max_offset=None if replica else p.high_watermark,
+                                ).data
+                            )
+                            if len(chunk):
+                                r.records = chunk
+                                total += len(chunk)
+                                budget -= len(chunk)
                     waits.append(p.data_arrived)
                 except StrataError as exc:
                     r.error_code = exc.code
-                    errors = True
+                    answer_now = True
                     if isinstance(exc, NotLeaderError):
                         r.leader_id, r.leader_epoch = exc.leader_id, exc.leader_epoch
                     if isinstance(exc, OffsetOutOfRangeError):
@@ -308,7 +391,38 @@ class Apis:
                             )
                 results.append(r)
             topics.append(m.FetchTopicResult(topic.name, results))
-        return m.FetchResponse(topics), total, errors
+        return m.FetchResponse(topics), total, answer_now, scans
+
+    def _filtered(
+        self,
+        p: Partition,
+        fp: m.FetchPartition,
+        filt: Filter,
+        pre: memoryview | FilterScan | None,
+        limit: int,
+        progress: dict[tuple[str, int], _Progress],
+    ) -> tuple[FilterScan, bool]:
+        """A filtered partition of one round: its scan, and whether the scan has progress to
+        tell before any new data arrives (it stopped short of the high watermark)."""
+        hw = p.high_watermark
+        if isinstance(pre, FilterScan):  # below the local log: the tier scanned it already
+            return pre, pre.done or pre.next_offset < hw
+        prog = progress.setdefault((p.topic, p.index), _Progress(fp.fetch_offset))
+        max_scan = self.config.fetch_filter_max_scan_bytes
+        scan = FilterScan(filt, prog.skip_to, limit, max(max_scan - prog.scanned, 1))
+        while not scan.done and scan.next_offset < hw:
+            chunk = p.log.read(
+                scan.next_offset,
+                max(1, min(SCAN_READ_BYTES, max_scan - prog.scanned - scan.scanned)),
+                max_offset=hw,
+            )
+            if not len(chunk):
+                break
+            scan.feed(chunk.data)
+        prog.scanned += scan.scanned
+        if not scan.parts:
+            prog.skip_to = scan.next_offset
+        return scan, scan.done or (scan.next_offset < hw and prog.scanned >= max_scan)
 
     def _readable(self, topic: str, partition: int, replica_id: int) -> Partition:
         p = self.pm.hosted(topic, partition)

@@ -36,6 +36,12 @@ class AgentConfig(_Config):
     log_dir_min_free_bytes: int = Field(256 << 20, alias="log.dir.min.free.bytes", ge=0)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)
+    # a filtered fetch looks at most this many bytes of batches per partition before it
+    # answers with how far it got (docs/filters.md): bounds one fetch's work on a long range
+    # that matches nothing
+    fetch_filter_max_scan_bytes: int = Field(
+        64 << 20, alias="fetch.filter.max.scan.bytes", ge=1 << 16
+    )
     # ---- the object tier (off unless a bucket is given here or in STRATA_BUCKET) ----------
     # endpoint, region and credentials: boto3's own (AWS_ENDPOINT_URL, AWS_REGION, AWS_*)
     s3_bucket: str | None = Field(None, alias="s3.bucket")

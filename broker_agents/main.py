@@ -104,6 +104,7 @@ async def _main(config: AgentConfig) -> None:
     agent.server.observer = metrics
     agent.server.give_back_memory = give_back_freed_memory
     agent.tiering.on_upload = metrics.observe_upload
+    agent.apis.on_filter_scan = metrics.observe_filter_scan
     set_fsync_observer(metrics.observe_fsync)
     metrics_port = await metrics.start(config.metrics_host, config.metrics_port)
     loop = asyncio.get_running_loop()

@@ -37,6 +37,7 @@ from storage.protocol import messages as m
 
 if TYPE_CHECKING:
     from broker_agents.partitions import Partition, PartitionManager
+    from storage.filters import FilterScan
 
 
 class AgentState(Protocol):
@@ -106,6 +107,28 @@ class AgentMetrics:
         self.uploaded_bytes = Counter(
             "strata_tier_uploaded_bytes", "Bytes of segment objects uploaded", registry=r
         )
+        self.filter_batches = Counter(
+            "strata_fetch_filter_batches",
+            "Batches looked at by filtered fetches, by what was done with them: skipped (by"
+            " the summary or after decoding), sent whole, or sent with a selection",
+            ["outcome"],
+            registry=r,
+        )
+        self.filter_decoded = Counter(
+            "strata_fetch_filter_decoded_batches",
+            "Batches filtered fetches decoded (their summary could not decide, or none)",
+            registry=r,
+        )
+        self.filter_scanned = Counter(
+            "strata_fetch_filter_scanned_bytes",
+            "Bytes of batches looked at by filtered fetches",
+            registry=r,
+        )
+        self.filter_sent = Counter(
+            "strata_fetch_filter_sent_bytes",
+            "Bytes of batches filtered fetches sent",
+            registry=r,
+        )
         r.register(_StateCollector(agent))
         self._server: asyncio.Server | None = None
 
@@ -123,6 +146,14 @@ class AgentMetrics:
 
     def observe_fsync(self, seconds: float) -> None:
         self.fsync_seconds.observe(seconds)
+
+    def observe_filter_scan(self, scan: FilterScan) -> None:
+        self.filter_batches.labels("skipped").inc(scan.skipped_batches)
+        self.filter_batches.labels("whole").inc(scan.whole_batches)
+        self.filter_batches.labels("selected").inc(len(scan.selections))
+        self.filter_decoded.inc(scan.decoded_batches)
+        self.filter_scanned.inc(scan.scanned)
+        self.filter_sent.inc(scan.bytes)
 
     def observe_upload(self, seconds: float, nbytes: int) -> None:
         self.upload_seconds.observe(seconds)

@@ -49,7 +49,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from storage.errors import (
@@ -62,6 +62,7 @@ from storage.errors import (
     StrataError,
     UploadBacklogError,
 )
+from storage.filters import Filter, FilterScan
 from storage.metadata.store import partition_path, state_path
 from storage.protocol import messages as m
 from storage.tier import (
@@ -170,9 +171,12 @@ class Tiering:
         manifest = cached[0]
         return manifest.start if manifest.segments else max(manifest.start, local)
 
-    async def prefetch(self, req: m.FetchRequest) -> dict[Key, memoryview | StrataError]:
-        """Tier reads for the partitions of a fetch whose offset is below the local log."""
-        out: dict[Key, memoryview | StrataError] = {}
+    async def prefetch(
+        self, req: m.FetchRequest, filters: Mapping[Key, Filter]
+    ) -> dict[Key, memoryview | FilterScan | StrataError]:
+        """Tier reads for the partitions of a fetch whose offset is below the local log; a
+        partition with a filter gets a filtered scan of the tier (``read_filtered``)."""
+        out: dict[Key, memoryview | FilterScan | StrataError] = {}
         if not self.enabled:
             return out
         jobs = []
@@ -186,16 +190,31 @@ class Tiering:
                 ):
                     continue
                 limit = max(1, min(fp.partition_max_bytes, max(req.max_bytes, 1)))
-                jobs.append((p, fp.fetch_offset, limit))
+                jobs.append((p, fp.fetch_offset, limit, filters.get((topic.name, fp.partition))))
 
-        async def one(p: Partition, offset: int, limit: int) -> None:
+        async def one(p: Partition, offset: int, limit: int, filt: Filter | None) -> None:
             try:
-                out[(p.topic, p.index)] = await self.read(p, offset, limit)
+                out[(p.topic, p.index)] = (
+                    await self.read(p, offset, limit)
+                    if filt is None
+                    else await self.read_filtered(p, offset, limit, filt)
+                )
             except StrataError as exc:
                 out[(p.topic, p.index)] = exc
 
         await asyncio.gather(*(one(*j) for j in jobs))
         return out
+
+    async def read_filtered(
+        self, p: Partition, offset: int, max_bytes: int, filt: Filter
+    ) -> FilterScan:
+        """A filtered scan of the tiered batches from ``offset``, up to the local log's start,
+        ``max_bytes`` of matching batches or ``fetch.filter.max.scan.bytes`` looked at."""
+        scan = FilterScan(filt, offset, max_bytes, self.config.fetch_filter_max_scan_bytes)
+        block = self.config.tier_read_block_bytes
+        while not scan.done and scan.next_offset < p.log.log_start_offset:
+            scan.feed(await self.read(p, scan.next_offset, block))
+        return scan
 
     async def read(self, p: Partition, offset: int, max_bytes: int) -> memoryview:
         assert self.reader is not None

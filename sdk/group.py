@@ -82,6 +82,8 @@ class GroupMember(Protocol):
         self, partitions: set[TopicPartition], positions: Mapping[TopicPartition, int]
     ) -> None: ...
 
+    def wake_pollers(self) -> None: ...
+
 
 class RebalanceListener(Protocol):
     """Callbacks (plain or async) around rebalances; implement the ones you need."""
@@ -312,6 +314,8 @@ class GroupClient:
                     # gets the error from its next poll, and the loop ends
                     log.warning("group %s: %s", self.group_id, exc)
                     self.refused = exc
+                    await self._lose_all()
+                    await self.leave()
                     self.consumer.wake_pollers()
                     return
                 except StrataError as exc:
@@ -416,6 +420,12 @@ class GroupClient:
         if join.error_code == UnknownMemberIdError.code:
             await self._lose_all()
             self.member_id, self.generation = "", m.NO_GENERATION
+        if join.error_code == InconsistentFilterError.code:
+            mine = "no filter" if self.filter is None else f"filter {self.filter.text!r}"
+            raise InconsistentFilterError(
+                f"group {self.group_id!r} refused this consumer: its members subscribe with"
+                f" another filter than this consumer's {mine} (a group has one subscription)"
+            )
         if join.error_code:
             self._need_join.set()
             self._check(join.error_code, "join")

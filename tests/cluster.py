@@ -256,6 +256,7 @@ def fetch_request(
     max_wait_ms: int = 0,
     min_bytes: int = 1,
     max_bytes: int = 1 << 20,
+    filter: str | None = None,
 ) -> m.FetchRequest:
     return m.FetchRequest(
         -1,
@@ -263,7 +264,7 @@ def fetch_request(
         min_bytes,
         max_bytes,
         0,
-        [m.FetchTopic(topic, [m.FetchPartition(partition, offset, max_bytes)])],
+        [m.FetchTopic(topic, [m.FetchPartition(partition, offset, max_bytes, -1, filter)])],
     )
 
 

@@ -23,6 +23,10 @@ Theory of operation (``docs/groups.md`` has the full text):
   and moves the group to STABLE. A static member (``group.instance.id``) that rejoins with a
   new member id while the group is stable takes its old place, fencing the previous process,
   and gets its old assignment back without a rebalance.
+* **One subscription per group.** A JoinGroup carries the member's filter (the canonical
+  text of its ``storage.filters`` expression, or none). A member whose filter differs from
+  the other members' is refused with ``INCONSISTENT_FILTER`` and does not join; a member
+  alone in its group may change it. Filters are persisted with the members.
 * **Sessions.** A member not heard from (join, sync, heartbeat, commit) for its
   ``session.timeout.ms`` is removed and the group rebalances; a member that does not rejoin
   within the rebalance timeout (the client's ``max.poll.interval.ms``) is removed too.
@@ -51,6 +55,7 @@ from storage.errors import (
     FencedInstanceIdError,
     GroupError,
     IllegalGenerationError,
+    InconsistentFilterError,
     InconsistentGroupProtocolError,
     InvalidRequestError,
     InvalidSessionTimeoutError,
@@ -106,6 +111,7 @@ class Member:
     last_seen: float = 0.0
     join: asyncio.Future[m.JoinGroupResponse] | None = None
     sync: asyncio.Future[m.SyncGroupResponse] | None = None
+    filter: str | None = None  # the subscription's filter (canonical text); None: all records
 
     def record(self) -> MemberRecord:
         return MemberRecord(
@@ -116,6 +122,7 @@ class Member:
             rebalance_timeout_ms=self.rebalance_timeout_ms,
             protocols=[(name, b64(meta)) for name, meta in self.protocols],
             assignment=b64(self.assignment),
+            filter=self.filter,
         )
 
 
@@ -242,6 +249,7 @@ class GroupCoordinator:
                     [(name, unb64(meta)) for name, meta in mr.protocols],
                     unb64(mr.assignment),
                     last_seen=now,
+                    filter=mr.filter,
                 )
             phase = Phase(record.phase)
             if not group.members:
@@ -353,6 +361,12 @@ class GroupCoordinator:
             raise FencedInstanceIdError(
                 f"group.instance.id {req.group_instance_id!r} belongs to another member now"
             )
+        others = [mb for mb in group.members.values() if mb is not member and mb is not static]
+        if any(mb.filter != req.filter for mb in others):
+            raise InconsistentFilterError(
+                f"group {group.group_id!r} subscribes with filter {others[0].filter!r}: a member"
+                f" with filter {req.filter!r} cannot join it (one subscription per group)"
+            )
         if member is None and static is not None:
             # a static member back under a new member id: it takes the old one's place
             old_id = static.member_id
@@ -368,7 +382,11 @@ class GroupCoordinator:
             group.members[new_id] = static
             if group.leader == old_id:
                 group.leader = new_id
-            if group.phase == Phase.STABLE and static.protocols == protocols:
+            if (
+                group.phase == Phase.STABLE
+                and static.protocols == protocols
+                and static.filter == req.filter
+            ):
                 await self._persist(group)
                 return m.JoinGroupResponse(
                     0, group.generation, group.protocol, group.leader or "", new_id, []
@@ -386,6 +404,7 @@ class GroupCoordinator:
             group.members[member.member_id] = member
             group.protocol_type = req.protocol_type
         member.protocols = protocols
+        member.filter = req.filter
         member.session_timeout_ms = req.session_timeout_ms
         member.rebalance_timeout_ms = req.rebalance_timeout_ms
         member.last_seen = now

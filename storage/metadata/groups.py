@@ -77,6 +77,8 @@ class MemberRecord(BaseModel):
     """(assignor name, base64 subscription) in the member's order of preference."""
     assignment: str = ""
     """Base64 of the ConsumerAssignment the leader gave it ("" before the sync)."""
+    filter: str | None = None
+    """The subscription's filter (canonical text, ``storage.filters``); None: every record."""
 
 
 class GroupRecord(BaseModel):
