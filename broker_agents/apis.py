@@ -402,12 +402,20 @@ class Apis:
         limit: int,
         progress: dict[tuple[str, int], _Progress],
     ) -> tuple[FilterScan, bool]:
-        """A filtered partition of one round: its scan, and whether the scan has progress to
-        tell before any new data arrives (it stopped short of the high watermark)."""
+        """A filtered partition of one round: its scan, and whether to answer at once with it.
+
+        It answers at once when the scan stopped short of the high watermark (``max_bytes``
+        or ``fetch.filter.max.scan.bytes`` reached, or the tier's part done), and when the
+        request's first round caught up with the high watermark without a match: the
+        consumer was behind, and its position (and lag) should move now rather than after
+        ``max_wait_ms``; its next fetch starts at the high watermark and waits there. Later
+        rounds (new data arrived during the wait) keep waiting as long as nothing matches."""
         hw = p.high_watermark
         if isinstance(pre, FilterScan):  # below the local log: the tier scanned it already
-            return pre, pre.done or pre.next_offset < hw
-        prog = progress.setdefault((p.topic, p.index), _Progress(fp.fetch_offset))
+            return pre, pre.done or pre.next_offset < hw or not pre.parts
+        key = (p.topic, p.index)
+        first_round = key not in progress
+        prog = progress.setdefault(key, _Progress(fp.fetch_offset))
         max_scan = self.config.fetch_filter_max_scan_bytes
         scan = FilterScan(filt, prog.skip_to, limit, max(max_scan - prog.scanned, 1))
         while not scan.done and scan.next_offset < hw:
@@ -422,7 +430,8 @@ class Apis:
         prog.scanned += scan.scanned
         if not scan.parts:
             prog.skip_to = scan.next_offset
-        return scan, scan.done or (scan.next_offset < hw and prog.scanned >= max_scan)
+        caught_up = first_round and not scan.parts and scan.next_offset > fp.fetch_offset
+        return scan, scan.done or caught_up or (scan.next_offset < hw and prog.scanned >= max_scan)
 
     def _readable(self, topic: str, partition: int, replica_id: int) -> Partition:
         p = self.pm.hosted(topic, partition)

@@ -274,37 +274,46 @@ def test_a_filtered_long_poll_waits_through_records_that_do_not_match(agent: Clu
     agent.wait_for_leaders("lp")
     handle = agent.agents[1]
 
+    def produce(tags: list[list[str]]) -> m.ProduceRequest:
+        return produce_request("lp", 0, encode_batch([b"v"] * len(tags), tags=tags))
+
     async def run() -> None:
-        producer = await WireClient.connect(handle.host, handle.port)
-        fetcher = await WireClient.connect(handle.host, handle.port)
+        a = await WireClient.connect(handle.host, handle.port)
+        b = await WireClient.connect(handle.host, handle.port)
         try:
             started = time.monotonic()
-            cid = await fetcher.send(
+            # on one connection, handlers start in request order: the fetch's first look (at
+            # the empty partition) comes before this produce, whose records then wake it
+            cid = await a.send(
                 m.ApiKey.FETCH,
                 fetch_request("lp", 0, 0, max_wait_ms=30_000, filter="tag = 'wanted'"),
             )
-            for tags in (["other"], ["other", "more"]):  # wake the fetch, match nothing
-                batch = encode_batch([b"no"] * 3, tags=[tags] * 3)
-                await producer.call(m.ApiKey.PRODUCE, produce_request("lp", 0, batch))
-            batch = encode_batch([b"no", b"yes", b"no"], tags=[["x"], ["wanted"], []])
-            await producer.call(m.ApiKey.PRODUCE, produce_request("lp", 0, batch))
-            frame = await fetcher.receive(40)
+            await a.send(m.ApiKey.PRODUCE, produce([["other"]] * 3))
+            await b.call(m.ApiKey.PRODUCE, produce([["other", "more"]] * 3))
+            await b.call(m.ApiKey.PRODUCE, produce([["x"], ["wanted"], []]))
+            frame = await a.receive(40)
             assert frame.correlation_id == cid
             r = m.FetchResponse.decode(frame.body).topics[0].partitions[0]
             assert time.monotonic() - started < 30  # the matching record ended the wait
             assert r.next_offset == 9
-            batches = list(iter_batches(r.records))
-            assert [h.base_offset for h, _ in batches] == [6]  # the earlier ones skipped
+            assert [h.base_offset for h, _ in iter_batches(r.records)] == [6]  # others skipped
             assert [(s.base_offset, bytes(s.bitmap)) for s in r.selections] == [(6, b"\x02")]
             # nothing new: the wait runs out and says how far the agent looked
-            resp = await fetcher.call(
+            resp = await b.call(
                 m.ApiKey.FETCH, fetch_request("lp", 0, 9, max_wait_ms=300, filter="tag = 'x'")
             )
             r = resp.topics[0].partitions[0]
             assert (r.records, r.next_offset) == (None, 9)
+            # a consumer that is behind gets its progress at once, without waiting
+            resp = await b.call(
+                m.ApiKey.FETCH, fetch_request("lp", 0, 0, max_wait_ms=30_000, filter="tag = 'z'")
+            )
+            r = resp.topics[0].partitions[0]
+            assert (r.records, r.next_offset) == (None, 9)
+            assert time.monotonic() - started < 30
         finally:
-            await producer.close()
-            await fetcher.close()
+            await a.close()
+            await b.close()
 
     asyncio.run(run())
 

@@ -134,3 +134,52 @@ def test_small_segment_reads_are_packed_into_spark_partitions_in_order(archive: 
     assert [len(p.tasks) for p in pack(tasks, max_bytes=3 * per, open_cost=per // 2)] == [2] * 3
     rows = sum(b.num_rows for p in parts for b in read_tasks(archive, p.tasks))
     assert rows == sum(t.entry.next_offset - t.entry.base_offset for t in tasks)
+
+
+def test_replay_pushes_a_filter_down_to_the_batch_summaries(tmp_path: Path) -> None:
+    """A batch its summary rules out is never decoded (here its body is damaged: decoding it
+    would fail the read); mixed and old-format batches are filtered after decoding."""
+    from storage.codec import read_header
+    from storage.errors import CorruptBatchError, InvalidFilterError
+
+    def batch(off: int, tags: list[list[str]], *, summary: bool = True) -> bytearray:
+        raw = bytearray(
+            encode_batch(
+                [b"o%d" % (off + i) for i in range(len(tags))],
+                tags=tags,
+                headers=[[("region", b"eu" if i % 3 else b"us")] for i in range(len(tags))],
+                timestamps=T0,
+                summary=summary,
+            )
+        )
+        raw[:16] = stamp(off, len(raw) - 12, 1)
+        return raw
+
+    only_b = batch(10, [["b"]] * 10)
+    only_b[read_header(only_b).summary_position - 8] ^= 0xFF  # damage the body, not the summary
+    data = (
+        batch(0, [["a"]] * 10)
+        + only_b
+        + batch(20, [["a"] if i % 2 else ["b"] for i in range(10)])
+        + batch(30, [["a", "b"] if i % 4 == 0 else [] for i in range(10)], summary=False)
+    )
+    footer = build_footer(bytes(data), interval=4096)
+    e = SegmentEntry.of(decode_footer(footer))
+    path = tmp_path / "b" / e.key("f", "id", 0)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(bytes(data) + footer)
+    snap = tmp_path / "b" / snapshot_key("f", 0)
+    snap.parent.mkdir(parents=True, exist_ok=True)
+    snap.write_bytes(ManifestSnapshot("f", "id", 0, Manifest().appended(e, 1)).encode())
+    archive = Archive(ArchiveConfig(bucket="b", endpoint_url=f"file://{tmp_path}"))
+
+    def offsets(**how: object) -> list[int]:
+        tables = list(replay("f", archive=archive, **how))  # type: ignore[arg-type]
+        return [o for t in tables for o in t.column("offset").to_pylist()]
+
+    assert offsets(filter="tag = 'a'") == [*range(10), 21, 23, 25, 27, 29, 30, 34, 38]
+    assert offsets(tags=["a"], filter="header.region = 'us'") == [0, 3, 6, 9, 23, 29, 30]
+    with pytest.raises(InvalidFilterError):
+        offsets(filter="tag = ")
+    with pytest.raises(CorruptBatchError):  # without the filter the damage is found
+        offsets()

@@ -163,10 +163,12 @@ def test_one_million_messages_read_from_the_bucket_with_pruning_and_no_orphans(
 
     report = tmp_path / "plan.json"
 
-    def load() -> Any:
+    def load(**extra: str) -> Any:
         # a fresh DataFrame per query: Spark 4.3 reuses a DataFrame's last pushed-down scan
         # for a later query without filters on the same DataFrame (docs/spark.md)
-        reader = spark.read.format("strata").options(**_options(s3, planReport=str(report)))
+        reader = spark.read.format("strata").options(
+            **_options(s3, planReport=str(report), **extra)
+        )
         return reader.option("topic", topic).load()
 
     df = load()
@@ -222,6 +224,13 @@ def test_one_million_messages_read_from_the_bucket_with_pruning_and_no_orphans(
     one = df.filter((df["partition"] == 2) & (df["offset"] >= 1000) & (df["offset"] < 3000))
     assert one.count() == 2000
     assert _report(report)["segments_planned"] <= 2
+    # the consumers' tag and header filters, applied by the read tasks (docs/filters.md)
+    evens = load(filter="tag = 'even' AND NOT header.x IS NOT NULL").filter("partition = 1")
+    assert evens.count() == per // 2
+    assert {r["offset"] % 2 for r in evens.select("offset").distinct().collect()} == {0}
+    assert load(tags="odd || none").count() == parts * per // 2
+    with pytest.raises(Exception, match="position 10"):
+        load(filter="tag = 'a' &&").count()
 
     # a stray object and a duplicate upload change nothing: only committed segments count
     archive = Archive(_archive(s3))
