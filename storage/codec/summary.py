@@ -79,25 +79,24 @@ class Summary:
 # ---- building -------------------------------------------------------------------------------
 
 
-def _parents(offsets: Any, n: int) -> np.ndarray:
-    """The record index of each list element, from int32[n+1] list offsets starting at 0."""
-    counts: np.ndarray = np.diff(np.asarray(offsets, dtype=np.int64))
-    return np.repeat(np.arange(n, dtype=np.int64), counts)
+def _lists(offsets: Any, n: int) -> tuple[np.ndarray, bool]:
+    """(the record index of each list element, whether every record's list is at most one
+    element long), from int32[n+1] list offsets starting at 0."""
+    lengths: np.ndarray = np.diff(np.asarray(offsets, dtype=np.int64))
+    return np.repeat(np.arange(n, dtype=np.int64), lengths), bool(lengths.max(initial=0) <= 1)
 
 
-def _record_counts(
-    parents: np.ndarray, values: pa.Array, cap: int
-) -> tuple[list[bytes], np.ndarray, np.ndarray] | None:
-    """(distinct values, records carrying each, each element's index into them); None when
-    there are more than ``cap`` distinct values."""
-    encoded = pc.dictionary_encode(values.cast(pa.binary()))
-    distinct = len(encoded.dictionary)
-    if distinct > cap:
-        return None
-    idx = np.asarray(encoded.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    once = np.unique(parents * distinct + idx)  # (record, value) pairs, each record once
-    counts = np.bincount(once % distinct, minlength=distinct)
-    return encoded.dictionary.to_pylist(), counts, idx
+def _encoded(values: pa.Array) -> tuple[np.ndarray, pa.Array]:
+    """(each element's index into the distinct values, the distinct values as binary)."""
+    enc = pc.dictionary_encode(values)
+    idx = np.asarray(enc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
+    return idx, enc.dictionary.cast(pa.binary())
+
+
+def _once(ids: np.ndarray, parents: np.ndarray, single: bool, space: int) -> np.ndarray:
+    """``ids`` (each < ``space``) with repeats within one record removed (a record counts once
+    per id); as they are when no record has more than one element (``single``)."""
+    return ids if single else np.unique(parents * space + ids) % space
 
 
 def _tag_stats(
@@ -108,11 +107,13 @@ def _tag_stats(
         return n, {}
     lengths = np.diff(np.asarray(offsets, dtype=np.int64))
     untagged = int(np.count_nonzero(lengths == 0))
-    found = _record_counts(_parents(offsets, n), values, cap)
-    if found is None:
+    idx, names = _encoded(values)
+    distinct = len(names)
+    if distinct > cap:
         return untagged, None
-    names, counts, _ = found
-    return untagged, dict(zip(names, counts.tolist(), strict=True))
+    parents, single = _lists(offsets, n)
+    counts = np.bincount(_once(idx, parents, single, distinct), minlength=distinct)
+    return untagged, dict(zip(names.to_pylist(), counts.tolist(), strict=True))
 
 
 def _header_stats(
@@ -122,29 +123,24 @@ def _header_stats(
     None with more than ``max_keys`` keys."""
     if pairs is None or not len(pairs):
         return {}
-    parents = _parents(offsets, n)
-    keys, values = pairs.field("key"), pairs.field("value")
-    found = _record_counts(parents, keys, max_keys)
-    if found is None:
+    kidx, keys = _encoded(pairs.field("key"))
+    k = len(keys)
+    if k > max_keys:
         return None
-    key_names, key_records, kidx = found
-    k = len(key_names)
-    venc = pc.dictionary_encode(values.cast(pa.binary()))
-    v = len(venc.dictionary)
-    vidx = np.asarray(venc.indices.to_numpy(zero_copy_only=False), dtype=np.int64)
-    pair_ids = kidx * v + vidx
-    distinct_pairs = np.unique(pair_ids)
-    per_key = np.bincount(distinct_pairs // v, minlength=k)
-    listable = per_key <= max_values
-    listed: dict[int, dict[bytes, int]] = {i: {} for i in range(k) if listable[i]}
-    if listed:
-        keep = listable[kidx]
-        compact, inverse = np.unique(pair_ids[keep], return_inverse=True)
-        once = np.unique(parents[keep] * len(compact) + inverse)
-        counts = np.bincount(once % len(compact), minlength=len(compact)).tolist()
-        names = venc.dictionary.take(pa.array(compact % v)).to_pylist()
-        for pid, name, count in zip(compact.tolist(), names, counts, strict=True):
+    parents, single = _lists(offsets, n)
+    key_records = np.bincount(_once(kidx, parents, single, k), minlength=k)
+    vidx, values = _encoded(pairs.field("value"))
+    v = len(values)
+    ids, counts = np.unique(_once(kidx * v + vidx, parents, single, k * v), return_counts=True)
+    per_key = np.bincount(ids // v, minlength=k)
+    listed: dict[int, dict[bytes, int]] = {i: {} for i in range(k) if per_key[i] <= max_values}
+    keep = (per_key <= max_values)[ids // v]
+    if keep.any():
+        ids, counts = ids[keep], counts[keep]
+        names = values.take(pa.array(ids % v)).to_pylist()
+        for pid, name, count in zip(ids.tolist(), names, counts.tolist(), strict=True):
             listed[pid // v][name] = count
+    key_names = keys.to_pylist()
     return {key_names[i]: KeySummary(int(key_records[i]), listed.get(i)) for i in range(k)}
 
 
