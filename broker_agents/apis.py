@@ -265,9 +265,9 @@ class Apis:
     # ---- Fetch ------------------------------------------------------------------------------
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
         """Long polling: answer once ``min_bytes`` are there, an error or a filtered scan's
-        progress needs telling, or ``max_wait_ms`` has passed; any new data on a requested
-        partition makes it look again. A filtered partition that matched nothing up to the
-        high watermark waits like any other, and the next round scans only what arrived."""
+        progress needs telling (``_filtered``), or ``max_wait_ms`` has passed; any new data on
+        a requested partition makes it look again. A filtered partition waiting at the high
+        watermark looks only at what arrived since its last round (``_Progress``)."""
         deadline = time.monotonic() + max(req.max_wait_ms, 0) / 1000
         filters = self._filters(req)
         usable = {k: f for k, f in filters.items() if isinstance(f, Filter)}
