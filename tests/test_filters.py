@@ -399,3 +399,11 @@ def test_a_selection_must_fit_its_batch() -> None:
     with pytest.raises(CorruptBatchError):
         selection_mask(b"\x01\x02", 3)
     assert selection_mask(b"\x05", 3).tolist() == [True, False, True]
+
+
+def test_the_scan_also_stops_after_max_batches() -> None:
+    """Tiny batches cost Python work per batch whatever their bytes: a count bounds it too."""
+    data, bases = _log([batch_of(_records(["b"])) for _ in range(10)])
+    scan = FilterScan(parse("tag = 'a'"), 0, 1 << 20, 1 << 30, max_batches=3)
+    scan.feed(data)
+    assert scan.done and scan.looked == 3 and scan.next_offset == bases[3]

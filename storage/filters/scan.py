@@ -23,8 +23,10 @@ there once it has the records before it, so skipped records are consumed too (la
 commits see them) and a sparse filter does not fetch the same range again. The scan stops
 when what it would send reaches ``max_bytes`` (soft: the first matching batch goes whatever
 its size; a later one only if it fits, else it is left for the next fetch) or when it has
-looked at ``max_scan_bytes`` of batches (after the batch that crosses it), which bounds the
-work of one fetch over a long range that matches nothing.
+looked at ``max_scan_bytes`` of batches (after the batch that crosses it) or at
+``max_batches`` batches, which bounds the work of one fetch over a long range that matches
+nothing: in bytes read, and in Python work per batch (about 15 us a batch here, so tiny
+batches of a linger-0 producer would otherwise cost seconds of the agent's event loop).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ from storage.codec.header import BatchHeader
 from storage.codec.summary import of_batch
 from storage.errors import CorruptBatchError
 from storage.filters.evaluate import Filter, Verdict
+
+#: a filtered pass looks at no more batches than this (see the module docstring)
+MAX_SCAN_BATCHES = 2048
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,11 +92,13 @@ class FilterScan:
     start_offset: int
     max_bytes: int
     max_scan_bytes: int
+    max_batches: int = MAX_SCAN_BATCHES
     next_offset: int = field(init=False)
     parts: list[Any] = field(default_factory=list)
     selections: list[Selection] = field(default_factory=list)
     bytes: int = 0  # of the parts
     scanned: int = 0  # bytes of batches looked at
+    looked: int = 0  # batches looked at
     full: bool = False  # max_bytes reached: the next batch that matches did not fit
     skipped_batches: int = 0
     whole_batches: int = 0
@@ -102,8 +109,9 @@ class FilterScan:
 
     @property
     def done(self) -> bool:
-        """Nothing more to do in this fetch: full, or ``max_scan_bytes`` looked at."""
-        return self.full or self.scanned >= self.max_scan_bytes
+        """Nothing more to do in this fetch: full, or ``max_scan_bytes`` or ``max_batches``
+        looked at."""
+        return self.full or self.scanned >= self.max_scan_bytes or self.looked >= self.max_batches
 
     def feed(self, data: Any) -> None:
         """Look at the whole batches in ``data`` (laid end to end, from a batch boundary)
@@ -118,6 +126,7 @@ class FilterScan:
 
     def _one(self, view: memoryview, pos: int, h: BatchHeader) -> None:
         self.scanned += h.size
+        self.looked += 1
         bitmap: bytes | None = None
         verdict = Verdict.WHOLE if h.is_control else classify(self.filter, view, pos, h)
         if verdict is Verdict.DECODE:
@@ -139,6 +148,7 @@ class FilterScan:
         if self.parts and self.bytes + h.size > self.max_bytes:
             self.full = True
             self.scanned -= h.size  # looked at again by the next fetch
+            self.looked -= 1
             return
         self.parts.append(view[pos : pos + h.size])
         self.bytes += h.size
