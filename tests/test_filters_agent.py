@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sdk import Consumer, Producer, TopicPartition
+from sdk import Consumer, Producer, SyncConsumer, SyncProducer, TopicPartition
 from storage.codec import encode_batch, iter_batches
 from storage.errors import InconsistentFilterError, InvalidFilterError
 from storage.filters import parse, parse_tags
@@ -193,6 +193,21 @@ def test_malformed_filters_are_refused_with_the_position(agent: Cluster) -> None
         assert resp.topics[0].partitions[0].error_code == InvalidFilterError.code
 
     asyncio.run(run())
+
+
+def test_the_blocking_consumer_takes_a_filter_too(agent: Cluster) -> None:
+    agent.create_topic("s", 1)
+    agent.wait_for_leaders("s")
+    with SyncProducer({"bootstrap.servers": agent.bootstrap}) as producer:
+        for i in range(30):
+            producer.produce("s", b"%d" % i, partition=0, tags=["even" if i % 2 == 0 else "odd"])
+        producer.flush()
+    with SyncConsumer({"bootstrap.servers": agent.bootstrap}) as consumer:
+        consumer.assign([("s", 0)], filter="tag = 'odd'")
+        consumer.seek(("s", 0), 0)
+        got = consumer.consume(15, timeout=30)
+        assert [r.value for r in got] == [b"%d" % i for i in range(1, 30, 2)]
+        assert consumer.position(("s", 0)) == 30
 
 
 # ---- a filter that matches nothing on a long partition ----------------------------------------

@@ -29,13 +29,17 @@ T0 = 1_700_000_000_000
 
 
 def _segment(spec: list[tuple[int, int, int, int]], base: int) -> bytes:
-    """Batches of (records, value size, leader epoch, timestamp delta) with offsets from base."""
+    """Batches of (records, value size, leader epoch, timestamp delta) with offsets from base,
+    in record-batch format version 1 (still valid; the golden footer below pins the footer
+    codec, so its segment keeps the bytes it was made from)."""
     out = bytearray()
     offset = base
     for i, (n, size, epoch, dt) in enumerate(spec):
         values = [bytes([i % 256]) * size for _ in range(n)]
         ts = [T0 + dt + j for j in range(n)]
-        out += encode_batch(values, timestamps=ts, base_offset=offset, leader_epoch=epoch)
+        out += encode_batch(
+            values, timestamps=ts, base_offset=offset, leader_epoch=epoch, summary=False
+        )
         offset += n
     return bytes(out)
 
