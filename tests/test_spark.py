@@ -163,12 +163,10 @@ def test_one_million_messages_read_from_the_bucket_with_pruning_and_no_orphans(
 
     report = tmp_path / "plan.json"
 
-    def load(**extra: str) -> Any:
+    def load() -> Any:
         # a fresh DataFrame per query: Spark 4.3 reuses a DataFrame's last pushed-down scan
         # for a later query without filters on the same DataFrame (docs/spark.md)
-        reader = spark.read.format("strata").options(
-            **_options(s3, planReport=str(report), **extra)
-        )
+        reader = spark.read.format("strata").options(**_options(s3, planReport=str(report)))
         return reader.option("topic", topic).load()
 
     df = load()
@@ -224,13 +222,6 @@ def test_one_million_messages_read_from_the_bucket_with_pruning_and_no_orphans(
     one = df.filter((df["partition"] == 2) & (df["offset"] >= 1000) & (df["offset"] < 3000))
     assert one.count() == 2000
     assert _report(report)["segments_planned"] <= 2
-    # the consumers' tag and header filters, applied by the read tasks (docs/filters.md)
-    evens = load(filter="tag = 'even' AND NOT header.x IS NOT NULL").filter("partition = 1")
-    assert evens.count() == per // 2
-    assert {r["offset"] % 2 for r in evens.select("offset").distinct().collect()} == {0}
-    assert load(tags="odd || none").count() == parts * per // 2
-    with pytest.raises(Exception, match="position 10"):
-        load(filter="tag = 'a' &&").count()
 
     # a stray object and a duplicate upload change nothing: only committed segments count
     archive = Archive(_archive(s3))
@@ -299,6 +290,33 @@ def test_streaming_available_now_reads_everything_once_then_only_new_segments(
     assert both.select("partition", "offset").distinct().count() == 60_000
     row = both.filter((both["partition"] == 1) & (both["offset"] == 25_000)).collect()[0]
     assert bytes(row["value"]) == _value(1, 25_000)
+
+
+def test_filter_and_tags_options_apply_the_consumers_filters(
+    spark: Any,
+    processes: ProcessGroup,
+    zk_chroot: ZooKeeperChroot,
+    s3: S3Target,
+    tmp_path: Path,
+) -> None:
+    """Options ``filter`` and ``tags`` (docs/filters.md) filter in the read tasks; a mistake
+    fails the query with the position."""
+    topic, parts, per = "tagged", 2, 20_000
+    cluster = _start(processes, zk_chroot, s3, tmp_path, {topic: parts}, 128 * 1024)
+    asyncio.run(_produce(cluster.bootstrap, topic, parts, 0, per))
+    _wait_committed(s3, topic, dict.fromkeys(range(parts), per))
+
+    def load(**extra: str) -> Any:
+        reader = spark.read.format("strata").options(**_options(s3, **extra))
+        return reader.option("topic", topic).load()
+
+    evens = load(filter="tag = 'even' AND header.x IS NULL").filter("partition = 1")
+    assert evens.count() == per // 2
+    assert {r["offset"] % 2 for r in evens.select("offset").distinct().collect()} == {0}
+    assert load(tags="odd || none").count() == parts * per // 2
+    assert load(filter="tag = 'nothing'").count() == 0
+    with pytest.raises(Exception, match="position 10"):
+        load(filter="tag = 'a' &&").count()
 
 
 async def _consume(bootstrap: str, topic: str, partitions: int, total: int) -> dict[int, Any]:
