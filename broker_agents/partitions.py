@@ -201,14 +201,16 @@ class PartitionManager:
                 role = "leader"
             elif self.agent_id == state.leader:
                 # elected before this process started: what it had not fsynced may be gone,
-                # so it waits (as a replica) for the controller to see the restart and elect
-                # again (another in-sync replica, or this one at a new epoch)
+                # so it waits for the controller to see the restart and elect again (another
+                # in-sync replica, or this one at a new epoch); its log stays as it is
                 log.info(
                     "%s-%d: led by an earlier incarnation of this agent; waiting for the"
                     " controller",
                     topic,
                     partition,
                 )
+                if current is None:
+                    return
                 role = "follower"
             elif self.agent_id in state.replicas:
                 role = "follower"
@@ -219,6 +221,17 @@ class PartitionManager:
                     # moved away (reassignment): the new replicas have everything
                     await self._close(current, delete=True)
                 return
+            if (
+                current is not None
+                and role == "leader"
+                and current.role != "leader"
+                and self.tier_start_offset is not None
+                and current.log.log_end_offset < await self.tier_start_offset(topic, partition)
+            ):
+                # promoted with a log that ends below the object tier (a replica that had
+                # not caught up): reopen it where the tier ends, as a new leader's open does
+                await self._close(current, delete=False)
+                current = None
             if current is None:
                 assert config is not None
                 plog = await self._open_log(topic, partition, config, role)
