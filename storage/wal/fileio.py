@@ -1,9 +1,28 @@
-"""Small, careful file primitives: whole writes, directory fsync, OSError translation."""
+"""Small, careful file primitives, and the one seam every change to the data directory takes.
+
+Every write, truncation, fsync, creation, rename and removal of a file or directory under an
+agent's data directory goes through ``fs``, a ``FileSystem``. The plain ``FileSystem`` is a
+thin layer over ``os`` (one attribute lookup per call). Tests and fault drills swap in
+``storage.wal.crashfs.RecordingFileSystem``, which records what each fsync made durable so a
+simulated power loss can later put every file back to exactly that, and which can inject
+``EIO`` on fsync or ``ENOSPC`` past a byte quota. Reads (``mmap``, ``read_bytes``) do not go
+through the seam: they change nothing.
+
+Durability rules the callers rely on (POSIX, and what the recording layer models):
+
+* bytes written to a file are durable once an fsync of that file that *started* after the
+  write has returned successfully; a failed fsync makes nothing durable, and on Linux the
+  pages it failed to write may be dropped from the cache later ("fsyncgate"), so a caller
+  never retries it as if it had worked;
+* a name created, renamed or removed in a directory is durable once that directory is
+  fsynced (``fsync_dir``); ``make_dirs`` fsyncs the parent of every directory it creates.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -49,21 +68,79 @@ def pwrite_all(fd: int, parts: Sequence[Any], position: int) -> int:
     return total
 
 
+class FileSystem:
+    """The real thing: each method is the ``os`` call it names, raising ``OSError``."""
+
+    def open(self, path: Path, flags: int, mode: int = 0o644) -> int:
+        return os.open(path, flags, mode)
+
+    def pwrite(self, fd: int, parts: Sequence[Any], position: int) -> int:
+        return pwrite_all(fd, parts, position)
+
+    def ftruncate(self, fd: int, size: int) -> None:
+        os.ftruncate(fd, size)
+
+    def fsync(self, fd: int) -> None:
+        os.fsync(fd)
+
+    def fsync_dir(self, path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def replace(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+
+    def unlink(self, path: Path, *, missing_ok: bool = False) -> None:
+        path.unlink(missing_ok=missing_ok)
+
+    def make_dirs(self, path: Path) -> None:
+        """``mkdir -p``, fsyncing the parent of every directory created so its name is durable."""
+        if path.is_dir():
+            return
+        parent = path.parent
+        if parent != path:
+            self.make_dirs(parent)
+        try:
+            os.mkdir(path)
+        except FileExistsError:
+            if not path.is_dir():
+                raise
+            return
+        self.fsync_dir(parent)
+
+    def remove_tree(self, path: Path) -> None:
+        """``rm -r`` (a missing path is fine), then fsync the parent: the removal is durable."""
+        if not path.exists():
+            return
+        shutil.rmtree(path, ignore_errors=True)
+        self.fsync_dir(path.parent)
+
+
+#: the file system every storage module writes through (see the module docstring)
+fs: FileSystem = FileSystem()
+
+
+def set_file_system(new: FileSystem) -> FileSystem:
+    """Install ``new`` as ``fs``; returns the one it replaces."""
+    global fs
+    old, fs = fs, new
+    return old
+
+
 def write_file_atomically(path: Path, data: bytes) -> None:
     """Write ``path`` through a temp file, fsync and rename; the caller fsyncs the directory."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = fs.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        pwrite_all(fd, [data], 0)
-        os.fsync(fd)
+        fs.pwrite(fd, [data], 0)
+        fs.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, path)
+    fs.replace(tmp, path)
 
 
 def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fs.fsync_dir(path)

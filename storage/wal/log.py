@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -60,6 +59,7 @@ from storage.errors import (
     StorageError,
     StrataError,
 )
+from storage.wal import fileio
 from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
 from storage.wal.index import SparseIndex
 from storage.wal.producers import ProducerStateTable
@@ -156,7 +156,7 @@ class PartitionLog:
         config = config or LogConfig()
         directory = Path(directory)
         with storage_errors(f"cannot open log directory {directory}"):
-            directory.mkdir(parents=True, exist_ok=True)
+            fileio.fs.make_dirs(directory)
             names = sorted(p.name for p in directory.iterdir())
         quarantined = [n for n in names if n.endswith(QUARANTINE_SUFFIX)]
         if quarantined:
@@ -168,7 +168,7 @@ class PartitionLog:
             if n.endswith(".tmp") or (
                 n.endswith(INDEX_SUFFIX) and n[: -len(INDEX_SUFFIX)] + LOG_SUFFIX not in names
             ):
-                (directory / n).unlink()
+                fileio.fs.unlink(directory / n)
         logs = [
             directory / n
             for n in names
@@ -495,8 +495,8 @@ def _recover(seg: Segment, *, last: bool, verify_all: bool) -> None:
     if last and not result.valid_batch_after_error:
         # torn tail: bytes of an append that never completed (or never reached the disk)
         with storage_errors(f"cannot truncate {seg.path}"):
-            os.ftruncate(seg.fd, result.valid_size)
-            os.fsync(seg.fd)
+            fileio.fs.ftruncate(seg.fd, result.valid_size)
+            fileio.fs.fsync(seg.fd)
         seg.size = result.valid_size
         seg._map = None
         return

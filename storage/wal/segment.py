@@ -23,7 +23,8 @@ import numpy as np
 from storage.codec.batch import check_batch
 from storage.codec.header import HEADER_SIZE, MAGIC, MAGIC_V1, BatchHeader, read_header
 from storage.errors import CorruptBatchError, CorruptSegmentError, StrataError
-from storage.wal.fileio import pwrite_all, storage_error, storage_errors
+from storage.wal import fileio
+from storage.wal.fileio import storage_error, storage_errors
 from storage.wal.index import NO_TIMESTAMP, SparseIndex
 
 LOG_SUFFIX = ".log"
@@ -100,7 +101,7 @@ class Segment:
     def create(cls, directory: Path, base_offset: int, index_interval: int) -> Segment:
         path = directory / (segment_name(base_offset) + LOG_SUFFIX)
         with storage_errors(f"cannot create segment {path}"):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = fileio.fs.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
         seg = cls(directory, base_offset, fd, index_interval)
         seg.dirty = True
         return seg
@@ -109,7 +110,7 @@ class Segment:
     def open_existing(cls, path: Path, index_interval: int) -> Segment:
         base = int(path.name[: -len(LOG_SUFFIX)])
         with storage_errors(f"cannot open segment {path}"):
-            fd = os.open(path, os.O_RDWR)
+            fd = fileio.fs.open(path, os.O_RDWR)
             size = os.fstat(fd).st_size
         seg = cls(path.parent, base, fd, index_interval)
         seg.size = size
@@ -126,7 +127,7 @@ class Segment:
         self.deleted = True
         for p in (self.path, self.index_path):
             with storage_errors(f"cannot delete {p}"):
-                p.unlink(missing_ok=True)
+                fileio.fs.unlink(p, missing_ok=True)
         if not self.pins:
             self.close()
 
@@ -143,8 +144,8 @@ class Segment:
         self.close()
         target = self.path.with_name(self.path.name + QUARANTINE_SUFFIX)
         with storage_errors(f"cannot quarantine {self.path}"):
-            os.replace(self.path, target)
-            self.index_path.unlink(missing_ok=True)
+            fileio.fs.replace(self.path, target)
+            fileio.fs.unlink(self.index_path, missing_ok=True)
         return CorruptSegmentError(
             f"corrupt record batch ({error}); segment quarantined",
             path=str(target),
@@ -156,10 +157,10 @@ class Segment:
         """Write one stamped batch at the end; returns its position. Leaves the file unchanged on error."""
         position = self.size
         try:
-            pwrite_all(self.fd, parts, position)
+            fileio.fs.pwrite(self.fd, parts, position)
         except OSError as exc:
             with storage_errors(f"cannot roll back a failed append to {self.path}"):
-                os.ftruncate(self.fd, position)
+                fileio.fs.ftruncate(self.fd, position)
             raise storage_error(f"append to {self.path} failed", exc) from exc
         self._note_batch(header, position)
         self.size = position + size
@@ -177,16 +178,16 @@ class Segment:
 
     def fsync(self) -> None:
         try:
-            os.fsync(self.fd)
+            fileio.fs.fsync(self.fd)
         except OSError as exc:
             raise storage_error(f"fsync of {self.path} failed", exc) from exc
 
     def truncate(self, position: int) -> None:
         """Cut the file at ``position`` (a batch boundary) and rebuild the in-memory state."""
         with storage_errors(f"cannot truncate {self.path}"):
-            os.ftruncate(self.fd, position)
-            os.fsync(self.fd)
-            self.index_path.unlink(missing_ok=True)
+            fileio.fs.ftruncate(self.fd, position)
+            fileio.fs.fsync(self.fd)
+            fileio.fs.unlink(self.index_path, missing_ok=True)
         self._map = None
         self.size = position
         self.index.truncate_after(position)
