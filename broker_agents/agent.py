@@ -49,6 +49,7 @@ from storage.metadata.store import (
     state_path,
     topic_path,
 )
+from storage.wal import fileio
 
 log = logging.getLogger(__name__)
 
@@ -175,7 +176,7 @@ class Agent:
         return out
 
     async def run(self, on_ready: Callable[[str, int], None] | None = None) -> None:
-        self.config.data_dir.mkdir(parents=True, exist_ok=True)
+        fileio.fs.make_dirs(self.config.data_dir)
         await self.zk.start()
         try:
             await self.store.init()

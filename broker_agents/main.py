@@ -25,6 +25,7 @@ from broker_agents.agent import Agent
 from broker_agents.config import AgentConfig
 from broker_agents.metrics import AgentMetrics
 from storage import jsonlog
+from storage.wal import crashfs
 from storage.wal.group_commit import set_fsync_observer
 
 log = logging.getLogger(__name__)
@@ -135,6 +136,7 @@ async def _main(config: AgentConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     jsonlog.configure()
     keep_freed_memory()
+    crashfs.install_from_env()  # tests and fault drills only: off unless STRATA_CRASHFS is set
     asyncio.run(_main(parse_args(argv)))
     return 0
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,7 +26,7 @@ from pathlib import Path
 
 from storage.errors import NotLeaderError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
-from storage.wal import GroupCommitLog, PartitionLog
+from storage.wal import GroupCommitLog, PartitionLog, fileio
 
 log = logging.getLogger(__name__)
 
@@ -291,7 +290,7 @@ class PartitionManager:
                 start,
             )
             plog.close()
-            await asyncio.to_thread(shutil.rmtree, directory, True)
+            await asyncio.to_thread(fileio.fs.remove_tree, directory)
             plog = await asyncio.to_thread(
                 PartitionLog.open, directory, config.log_config(), start_offset=start
             )
@@ -303,7 +302,7 @@ class PartitionManager:
         p.notify()
         await p.committer.close()
         if delete:
-            await asyncio.to_thread(shutil.rmtree, self.directory(p.topic, p.index), True)
+            await asyncio.to_thread(fileio.fs.remove_tree, self.directory(p.topic, p.index))
 
     async def close(self) -> None:
         async with self._lock:

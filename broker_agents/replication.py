@@ -8,7 +8,9 @@ body was deep-checked by the leader). Before fetching a partition (at start, and
 leadership change) the follower asks the leader where its latest leader epoch ended and cuts
 its log there (KIP-101, ``_truncate_by_epoch``), so what it wrote in an epoch the leader does
 not have is gone before it appends; an OFFSET_OUT_OF_RANGE answer with the follower ahead of
-the leader's high watermark still truncates to it.
+the leader's high watermark still truncates to it. Under ``fsync.policy=always`` the next
+fetch waits for the fsync of what the last one appended (``_acknowledgeable``): a fetch offset
+is what the leader counts toward acks=all.
 """
 
 from __future__ import annotations
@@ -135,7 +137,8 @@ class ReplicaFetchers:
                     err = frame.error()
                     if err is not None:
                         raise err
-                    self._apply(m.FetchResponse.decode(frame.body), partitions)
+                    appended = self._apply(m.FetchResponse.decode(frame.body), partitions)
+                    await self._acknowledgeable(appended)
                     backoff = 0.05
             except (
                 OSError,
@@ -230,7 +233,21 @@ class ReplicaFetchers:
             [m.FetchTopic(t, ps) for t, ps in by_topic.items()],
         )
 
-    def _apply(self, resp: m.FetchResponse, partitions: list[Partition]) -> None:
+    @staticmethod
+    async def _acknowledgeable(partitions: list[Partition]) -> None:
+        """Before the next fetch, which tells the leader (and its high watermark, and so
+        acks=all) that this follower has everything below its fetch offset, wait as the
+        partition's ``fsync.policy`` requires of any acknowledgement: under ``always`` the
+        group-commit fsync of what was just appended, so an acknowledged record is on the disk
+        of every in-sync replica and survives all of them losing power at once; under
+        ``interval`` and ``never``, nothing (in memory, as Kafka's acks=all)."""
+        await asyncio.gather(
+            *(p.committer.wait_acknowledgeable(p.log.log_end_offset) for p in partitions)
+        )
+
+    def _apply(self, resp: m.FetchResponse, partitions: list[Partition]) -> list[Partition]:
+        """Append what the leader sent; returns the partitions that got records."""
+        appended: list[Partition] = []
         hosted = {(p.topic, p.index): p for p in partitions}
         for topic in resp.topics:
             for r in topic.partitions:
@@ -263,7 +280,10 @@ class ReplicaFetchers:
                     p.log.append(
                         r.records[pos : pos + h.size], leader_epoch=h.leader_epoch, deep_check=False
                     )
+                    if not appended or appended[-1] is not p:
+                        appended.append(p)
                 p.hw = max(p.hw, min(r.high_watermark, p.log.log_end_offset))
+        return appended
 
 
 class IsrMaintenance:
