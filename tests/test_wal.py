@@ -607,6 +607,71 @@ def test_failed_fsync_fences_the_log(
     log.close()  # releases the files without trying to flush again
 
 
+def test_a_failed_fsync_at_a_roll_fences_the_log_instead_of_being_retried(
+    tmp_path: Path, open_log: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under ``always`` a roll fsyncs the segment it seals. A failure there must fence the log:
+    the next append would otherwise roll again, fsync again, and take the "success" of an
+    fsync whose pages the kernel may already have dropped (fsyncgate)."""
+    log = open_log(tmp_path, config(segment_bytes=4096))
+    errors: list[StorageError] = []
+    log.on_io_error = errors.append
+    rng = random.Random(21)
+    fill(log, rng, 1, count=1, value_size=1000)
+    flushed = log.flush()
+    fill(log, rng, 1, count=1, value_size=1000)  # unflushed: the failed fsync covers it
+    assert len(log.segments) == 1
+    calls = 0
+    real_fsync = os.fsync
+
+    def fails_once(fd: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fails_once)
+    with pytest.raises(StorageError, match="fenced"):
+        while len(log.segments) == 1:
+            fill(log, rng, 1, count=1, value_size=1000)
+    with pytest.raises(StorageError, match="fenced"):
+        fill(log, rng, 1, count=1, value_size=1000)
+    assert calls == 1
+    assert log.durable_end_at_failure == flushed
+    assert len(errors) == 1 and "fenced" in str(errors[0])
+
+
+def test_disk_errors_are_reported_and_only_failed_fsyncs_fence(
+    tmp_path: Path, open_log: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    log = open_log(tmp_path)
+    errors: list[StorageError] = []
+    log.on_io_error = errors.append
+    rng = random.Random(22)
+    fill(log, rng, 2)
+
+    def disk_full(fd: int, buffers: Any, offset: int) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwritev", disk_full)
+    with pytest.raises(StorageError, match="No space"):
+        fill(log, rng, 1)
+    monkeypatch.undo()
+    assert len(errors) == 1 and log.durable_end_at_failure is None
+    fill(log, rng, 1)  # still usable: the write was rolled back
+    flushed = log.flush()
+    fill(log, rng, 1)
+
+    def broken_fsync(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", broken_fsync)
+    with pytest.raises(StorageError, match="fenced"):
+        log.truncate_to(log.log_end_offset - 1)  # a truncation ends with an fsync
+    assert len(errors) == 2 and log.durable_end_at_failure == flushed
+
+
 # ---- reopening --------------------------------------------------------------------------
 
 

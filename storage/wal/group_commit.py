@@ -12,7 +12,8 @@ file) and otherwise leaves write-back to the OS. Either way ``append`` returns a
 bytes are in the page cache.
 
 An fsync failure fences the log (see ``PartitionLog.complete_flush``): every waiter and every
-later append gets ``StorageError``.
+later append gets ``StorageError``, the ticker stops, and ``close`` releases the files
+without trying again.
 """
 
 from __future__ import annotations
@@ -103,13 +104,16 @@ class GroupCommitLog:
 
     async def _tick(self) -> None:
         interval = self.log.config.fsync_interval_ms / 1000
-        while True:
-            await asyncio.sleep(interval)
-            if self.policy == FsyncPolicy.INTERVAL:
-                if self.log.flushed_offset < self.log.log_end_offset:
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                if self.policy == FsyncPolicy.INTERVAL:
+                    if self.log.flushed_offset < self.log.log_end_offset:
+                        await self.flush()
+                elif self.log.has_unflushed_sealed_segment:
                     await self.flush()
-            elif self.log.has_unflushed_sealed_segment:
-                await self.flush()
+        except StorageError:
+            return  # the log is fenced; its owner heard of it (``PartitionLog.on_io_error``)
 
     async def close(self) -> None:
         if self._ticker is not None:
@@ -118,5 +122,6 @@ class GroupCommitLog:
                 await self._ticker
             self._ticker = None
         if self._flushing is not None:
-            await asyncio.shield(self._flushing)
+            with contextlib.suppress(StorageError):  # a failed fsync fenced the log: no retry
+                await asyncio.shield(self._flushing)
         self.log.close()

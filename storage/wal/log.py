@@ -7,9 +7,16 @@ Theory of operation
   opts out — every Arrow buffer of the body) *before* touching the file, then writes the leader's 16 stamped bytes (base offset, length, leader epoch — all
   outside the CRC) followed by the producer's bytes from byte 16 on: the batch is never
   re-encoded. A failed write is rolled back with ``ftruncate``, so bad input and I/O errors
-  both leave the log as it was.
+  both leave the log as it was (an I/O error is also reported, see *Disk errors*).
 * **Roll.** Before an append, the active segment is sealed and a new one started if the batch
   would push it past ``segment.bytes`` or its first batch is older than ``segment.ms``.
+* **Disk errors.** ``on_io_error`` tells the owner of every disk error (the agent takes the
+  partition offline and opens it again later). A failed append or segment creation leaves
+  the log as it was and usable; a failed fsync, truncation or removal fences it: every later
+  call raises the same ``StorageError``. A failed fsync is never retried as if it had
+  worked: the page cache may still show bytes the disk never got (fsyncgate), so
+  ``durable_end_at_failure`` keeps the offset below which everything was fsynced, and the
+  owner cuts the reopened log there before trusting it.
 * **Flush.** ``flush`` fsyncs the segments written since the last flush, writes the index
   files of newly sealed segments, and fsyncs the directory when files were created. It is
   split in three (``prepare_flush`` / ``FlushJob.run`` / ``complete_flush``) so that an asyncio
@@ -124,6 +131,10 @@ class PartitionLog:
         self._clock = clock
         self._closed = False
         self._failed: StorageError | None = None
+        #: after a failed fsync: ``flushed_offset`` then, the end of what is known to be on disk
+        self.durable_end_at_failure: int | None = None
+        #: told (on the thread that owns the log) when a disk error fences the log
+        self.on_io_error: Callable[[StorageError], None] | None = None
         self._dir_dirty = False
         self.flushed_offset = segments[-1].next_offset if segments else 0
         #: (leader epoch, first offset written in it), ascending: the leader-epoch cache
@@ -264,7 +275,13 @@ class PartitionLog:
         base = active.next_offset
         view = memoryview(batch)
         stamped = dataclasses.replace(h, base_offset=base, leader_epoch=leader_epoch)
-        active.append([STAMP.pack(base, h.batch_length, leader_epoch), view[16:]], stamped, h.size)
+        try:
+            active.append(
+                [STAMP.pack(base, h.batch_length, leader_epoch), view[16:]], stamped, h.size
+            )
+        except StorageError as exc:  # disk full, I/O error: the segment was rolled back
+            self._report(exc)
+            raise
         if not self.epochs or self.epochs[-1][0] != leader_epoch:
             self.epochs.append((leader_epoch, base))
         self.producers.update(stamped, now)
@@ -280,11 +297,18 @@ class PartitionLog:
         old.dirty = True  # its index file is written by the next flush
         if self.config.fsync_policy == FsyncPolicy.ALWAYS:
             # keep "only the last segment can have a torn tail" true for the strictest policy
-            old.fsync()
+            try:
+                old.fsync()
+            except StorageError as exc:
+                raise self._fence(exc, fsync_failed=True) from exc
         return self._new_segment(old.next_offset)
 
     def _new_segment(self, base: int) -> Segment:
-        seg = Segment.create(self.directory, base, self.config.index_interval_bytes)
+        try:
+            seg = Segment.create(self.directory, base, self.config.index_interval_bytes)
+        except StorageError as exc:  # the sealed segment stays the last one; a retry rolls again
+            self._report(exc)
+            raise
         seg.created_at = self._clock()
         self._segments.append(seg)
         self._bases.append(base)
@@ -314,9 +338,8 @@ class PartitionLog:
         for seg, _, _ in job.segments:
             seg.unpin()
         if error is not None:
-            # After a failed fsync the page cache state is unknown (see "fsyncgate"): stop.
-            self._failed = StorageError(f"fsync failed, log fenced: {error}")
-            raise self._failed from error
+            exc = error if isinstance(error, StorageError) else StorageError(str(error))
+            raise self._fence(exc, fsync_failed=True) from error
         self.flushed_offset = max(self.flushed_offset, min(job.end_offset, self.log_end_offset))
 
     def flush(self) -> int:
@@ -410,16 +433,19 @@ class PartitionLog:
             raise InvalidOffsetError(
                 f"cannot truncate to {offset}, below the log start {self.log_start_offset}"
             )
-        while len(self._segments) > 1 and self._segments[-1].base_offset >= offset:
-            self._segments.pop().delete()
-            self._bases.pop()
-            self._dir_dirty = True
-        seg = self.active
-        found = seg.position_of(offset)
-        if found is not None:
-            seg.truncate(found[1])
-        elif seg.sealed:
-            seg.truncate(seg.size)  # cut at its end: it takes appends again, so unseal it
+        try:
+            while len(self._segments) > 1 and self._segments[-1].base_offset >= offset:
+                self._segments.pop().delete()
+                self._bases.pop()
+                self._dir_dirty = True
+            seg = self.active
+            found = seg.position_of(offset)
+            if found is not None:
+                seg.truncate(found[1])
+            elif seg.sealed:
+                seg.truncate(seg.size)  # cut at its end: it takes appends again, so unseal it
+        except StorageError as exc:  # (a truncation ends with an fsync)
+            raise self._fence(exc, fsync_failed=True) from exc
         end = self.log_end_offset
         while self.epochs and self.epochs[-1][1] >= end:
             self.epochs.pop()
@@ -435,7 +461,10 @@ class PartitionLog:
             seg = self._segments[0]
             if seg.next_offset > offset or seg.dirty or not seg.sealed:
                 break
-            seg.delete()
+            try:
+                seg.delete()
+            except StorageError as exc:
+                raise self._fence(exc, fsync_failed=False) from exc
             self._segments.pop(0)
             self._bases.pop(0)
             deleted.append(seg.base_offset)
@@ -460,6 +489,23 @@ class PartitionLog:
             self._closed = True
             for s in self._segments:
                 s.close()
+
+    def _fence(self, exc: StorageError, *, fsync_failed: bool) -> StorageError:
+        """Stop the log after a disk error and tell ``on_io_error``; returns the error every
+        later call raises. After a failed fsync nothing past ``flushed_offset`` may be trusted,
+        even if the page cache still shows it (fsyncgate): ``durable_end_at_failure``."""
+        if self._failed is None:
+            self._failed = StorageError(
+                f"log {self.directory.name} fenced after a disk error: {exc}"
+            )
+            if fsync_failed:
+                self.durable_end_at_failure = self.flushed_offset
+            self._report(self._failed)
+        return self._failed
+
+    def _report(self, exc: StorageError) -> None:
+        if self.on_io_error is not None:
+            self.on_io_error(exc)
 
     def _check_open(self) -> None:
         if self._closed:
