@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-spark bench-venv bench-compare lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-spark bench-venv bench-compare lint clean
 
 venv: $(STAMP)
 
@@ -22,6 +22,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 test: venv lint
 	$(PY) -m pytest
+
+# the long fault-injection variants (power loss under every fsync policy, ...): a few minutes
+chaos: venv
+	$(PY) -m pytest -m chaos
 
 demo: venv
 	$(PY) -m infra.demo

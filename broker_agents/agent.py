@@ -65,6 +65,7 @@ class Agent:
         )
         self.store = MetadataStore(self.zk)
         self.partitions = PartitionManager(config.agent_id, config.data_dir)
+        self.partitions.on_disk_failure = self._disk_failure
         self.view = ClusterView()
         self.tiering = Tiering(
             self.agent_id, config, self.partitions, self.view, self.zk, self.store
@@ -429,6 +430,13 @@ class Agent:
             self.fetchers.update()
             self._rounds_done = this_round
             self._applied.set()
+
+    async def _disk_failure(self, key: tuple[str, int], exc: StorageError) -> None:
+        """A hosted partition's log failed on disk (a full disk, a failed fsync) and was closed:
+        offline here, like a log that cannot be opened, until a retry opens it again."""
+        log.error("%s-%d is offline on this agent: %s", key[0], key[1], exc)
+        await self._set_offline(key, True)
+        self._retry_later(key)
 
     def _retry_later(self, key: tuple[str, int]) -> None:
         """Apply ``key``'s latest state again after a backoff (1 s, doubling up to 30 s)."""

@@ -5,18 +5,19 @@ retention; an object tier that is down for longer than the disk can buffer, or a
 long for the disk, would otherwise end in ENOSPC in the middle of an append. Produce requests
 are refused with the retriable ``LogDirFullError`` while the filesystem has less than
 ``log.dir.min.free.bytes`` free; producers back off and retry, and writes resume as soon as
-uploads (or retention) give space back. The free space is read with ``statvfs`` at most every
+uploads (or retention) give space back. The free space is read with ``statvfs`` (through the
+``fileio`` seam, so a fault drill's quota counts) at most every
 ``interval`` seconds (a produce request does not pay a system call).
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from storage.errors import LogDirFullError
+from storage.wal import fileio
 
 
 class DiskGuard:
@@ -39,8 +40,7 @@ class DiskGuard:
     def free_bytes(self) -> int:
         now = self.clock()
         if now - self._read_at >= self.interval:
-            st = os.statvfs(self.path)
-            self._free = st.f_bavail * st.f_frsize
+            self._free = fileio.fs.free_bytes(self.path)
             self._read_at = now
         return self._free
 

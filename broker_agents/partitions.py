@@ -17,6 +17,7 @@ fetches wait on it instead of sleeping.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 import uuid
@@ -24,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from storage.errors import NotLeaderError, UnknownTopicOrPartitionError
+from storage.errors import NotLeaderError, StorageError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
 from storage.wal import GroupCommitLog, PartitionLog, fileio
 
@@ -148,6 +149,16 @@ class PartitionManager:
         self._lock = asyncio.Lock()
         #: the object tier's hook: where a new leader's log must start (its manifest's end)
         self.tier_start_offset: Callable[[str, int], Awaitable[int]] | None = None
+        #: told after a hosted partition's log failed on disk and was closed here (the agent
+        #: marks it offline, so the controller moves it away, and applies its state again later)
+        self.on_disk_failure: Callable[[tuple[str, int], StorageError], Awaitable[None]] | None = (
+            None
+        )
+        #: partitions closed after a disk error and not opened again yet
+        self._disk_failed: set[tuple[str, int]] = set()
+        #: of those, the ones closed after a failed fsync: the end of what their disk holds
+        self._durable_end: dict[tuple[str, int], int] = {}
+        self._failing: dict[tuple[str, int], asyncio.Task[None]] = {}
 
     def directory(self, topic: str, partition: int) -> Path:
         return self.data_dir / f"{topic}-{partition}"
@@ -192,6 +203,8 @@ class PartitionManager:
             current = self.partitions.get(key)
             if state is None:
                 self.latest.pop(key, None)
+                self._disk_failed.discard(key)
+                self._durable_end.pop(key, None)
                 if current is not None:
                     await self._close(current, delete=True)
                 return
@@ -240,6 +253,7 @@ class PartitionManager:
                     topic, partition, config, state, plog, committer, role, agent_id=self.agent_id
                 )
                 self.partitions[key] = current
+                plog.on_io_error = functools.partial(self._disk_error, key)
                 log.info(
                     "hosting %s-%d as %s (epoch %d)", topic, partition, role, state.leader_epoch
                 )
@@ -272,14 +286,44 @@ class PartitionManager:
     async def _open_log(
         self, topic: str, partition: int, config: TopicConfig, role: str
     ) -> PartitionLog:
-        """Open the local log; a leader whose disk is behind the object tier starts at its end."""
+        """Open the local log; a leader whose disk is behind the object tier starts at its end.
+
+        After a disk error (``_disk_error``) the log is opened again only once the data
+        directory has room for the largest batch, and after a failed fsync it is first cut
+        back to what was fsynced before the failure: the page cache may still show the rest,
+        but the disk may not have it (fsyncgate)."""
+        key = (topic, partition)
         directory = self.directory(topic, partition)
+        if key in self._disk_failed:
+            need = config.log_config().max_message_bytes
+            free = await asyncio.to_thread(fileio.fs.free_bytes, self.data_dir)
+            if free < need:
+                raise StorageError(
+                    f"{free} bytes free in {self.data_dir}: not taking {topic}-{partition}"
+                    f" back before {need} are"
+                )
         start = 0
         if role == "leader" and self.tier_start_offset is not None:
             start = await self.tier_start_offset(topic, partition)
         plog = await asyncio.to_thread(
             PartitionLog.open, directory, config.log_config(), start_offset=start
         )
+        durable = self._durable_end.get(key)
+        if durable is not None and plog.log_end_offset > durable:
+            log.warning(
+                "%s-%d: cutting the log back from %d to %d, where it was last fsynced",
+                topic,
+                partition,
+                plog.log_end_offset,
+                durable,
+            )
+            try:
+                await asyncio.to_thread(plog.truncate_to, max(durable, plog.log_start_offset))
+            except BaseException:
+                plog.close()
+                raise
+        self._durable_end.pop(key, None)
+        self._disk_failed.discard(key)
         if plog.log_end_offset < start:
             # everything on this disk is committed to the tier: serve history from there
             log.info(
@@ -295,6 +339,32 @@ class PartitionManager:
                 PartitionLog.open, directory, config.log_config(), start_offset=start
             )
         return plog
+
+    def _disk_error(self, key: tuple[str, int], exc: StorageError) -> None:
+        """``PartitionLog.on_io_error``: close the partition here and report it (once)."""
+        p = self.partitions.get(key)
+        if p is None or key in self._failing:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._close_failed(key, p, exc), name=f"disk-failure:{key[0]}-{key[1]}"
+        )
+        self._failing[key] = task
+        task.add_done_callback(lambda _: self._failing.pop(key, None))
+
+    async def _close_failed(self, key: tuple[str, int], p: Partition, exc: StorageError) -> None:
+        async with self._lock:
+            if self.partitions.get(key) is not p:
+                return
+            log.error("%s-%d: disk error, closing the partition here: %s", key[0], key[1], exc)
+            self._disk_failed.add(key)
+            try:
+                await self._close(p, delete=False)
+            except StorageError as close_exc:  # e.g. the flush at close failed as well
+                log.error("%s-%d: closing after the disk error: %s", key[0], key[1], close_exc)
+            if p.log.durable_end_at_failure is not None:
+                self._durable_end[key] = p.log.durable_end_at_failure
+        if self.on_disk_failure is not None:
+            await self.on_disk_failure(key, exc)
 
     async def _close(self, p: Partition, *, delete: bool) -> None:
         self.partitions.pop((p.topic, p.index), None)

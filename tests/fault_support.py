@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from storage.codec import decode_batch, decode_batches, encode_batch, iter_batches
-from storage.errors import StrataError, from_wire
+from storage.errors import LeaderNotAvailableError, StrataError, from_wire
 from storage.protocol import messages as m
 from storage.wal import crashfs
 from tests.cluster import AgentHandle, Cluster, WireClient, fetch_request, produce_request
@@ -169,15 +169,22 @@ async def produce(
 # ---------------------------------------------------------------- what a partition holds
 
 
-async def read_log(agent: AgentHandle, topic: str, partition: int) -> list[tuple[int, bytes]]:
-    """(offset, value) of every record below the leader's high watermark; an agent that is
-    not serving the partition yet (retriable errors) is asked again for up to 30 s."""
+async def read_log(cluster: Cluster, topic: str, partition: int) -> list[tuple[int, bytes]]:
+    """(offset, value) of every record below the partition leader's high watermark. The leader
+    is looked up each attempt; while none serves the partition yet (retriable errors: a
+    restarted agent's view may still be stale) it is asked again, for up to 30 s."""
     deadline = time.monotonic() + 30
     while True:
         try:
+            md = await asyncio.to_thread(cluster.metadata, [topic])
+            leader = md.topics[0].partitions[partition].leader_id
+            agent = cluster.agents.get(leader)
+            if agent is None or not agent.process.alive:
+                raise LeaderNotAvailableError(f"{topic}-{partition} has no live leader")
             return await _read_log(agent, topic, partition)
-        except StrataError as exc:
-            if not exc.retriable or time.monotonic() > deadline:
+        except (StrataError, OSError, IndexError) as exc:
+            retriable = not isinstance(exc, StrataError) or exc.retriable
+            if not retriable or time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.05)
 

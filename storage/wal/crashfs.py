@@ -199,14 +199,23 @@ class RecordingFileSystem(FileSystem):
                 return True
         return False
 
+    def free_bytes(self, path: Path) -> int:
+        free = super().free_bytes(path)
+        self._read_faults()
+        if self._quota is None or not self._under_root(path):
+            return free
+        return max(0, min(free, self._quota - self._used()))
+
+    def _used(self) -> int:
+        return sum(
+            os.lstat(os.path.join(d, n)).st_size for d, _, ns in os.walk(self.root) for n in ns
+        )
+
     def _check_quota(self, growth: int) -> None:
         self._read_faults()
         if self._quota is None or growth <= 0:
             return
-        used = sum(
-            os.lstat(os.path.join(d, n)).st_size for d, _, ns in os.walk(self.root) for n in ns
-        )
-        if used + growth > self._quota:
+        if self._used() + growth > self._quota:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     def _bury(self, path: Path) -> None:

@@ -96,6 +96,11 @@ class FileSystem:
     def unlink(self, path: Path, *, missing_ok: bool = False) -> None:
         path.unlink(missing_ok=missing_ok)
 
+    def free_bytes(self, path: Path) -> int:
+        """Bytes an unprivileged writer can still add to the filesystem holding ``path``."""
+        st = os.statvfs(path)
+        return st.f_bavail * st.f_frsize
+
     def make_dirs(self, path: Path) -> None:
         """``mkdir -p``, fsyncing the parent of every directory created so its name is durable."""
         if path.is_dir():
