@@ -20,6 +20,7 @@ class FsyncPolicy(enum.StrEnum):
 
     ``always``: an append is acknowledged only after an fsync that covers it; concurrent
     appends share one fsync (group commit). Survives power loss; costs one fsync latency.
+    With acks=all, followers too fsync before their fetch moves the high watermark.
     ``interval``: a background flush every ``fsync.interval.ms``; appends return at once.
     A power loss can lose the last interval; a process crash loses nothing.
     ``never``: the OS writes back when it likes; a sealed segment is fsynced (and its index

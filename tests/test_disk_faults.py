@@ -125,6 +125,7 @@ def test_fsync_eio_on_the_leader_moves_leadership_and_it_rejoins_the_isr(
     leader, _ = metadata(cluster)
     leader = wait_isr(cluster, [1, 2, 3])
     ledger = Ledger()
+    injected: list[float] = []
 
     async def run() -> list[int]:
         task = asyncio.create_task(
@@ -134,7 +135,9 @@ def test_fsync_eio_on_the_leader_moves_leadership_and_it_rejoins_the_isr(
         )
         await ledger.wait_acked(300)
         crashfs.set_faults(journal_dir(cluster, leader), fsync_eio=[(f"/{TOPIC}-0/", 1)])
+        injected.append(time.monotonic())
         await asyncio.to_thread(wait_moved, cluster, leader)
+        print(f"EIO, RF 3 leader: leadership moved {time.monotonic() - injected[0]:.2f} s later")
         task.cancel()
         result = (await asyncio.gather(task, return_exceptions=True))[0]
         return result if isinstance(result, list) else []
@@ -145,6 +148,7 @@ def test_fsync_eio_on_the_leader_moves_leadership_and_it_rejoins_the_isr(
     # the old leader opens the partition again (as a follower, cut back to its last good
     # fsync), catches up and is taken back into the ISR
     assert wait_isr(cluster, [1, 2, 3]) == new
+    print(f"EIO, RF 3 leader: ISR full again {time.monotonic() - injected[0]:.2f} s after")
     assert "cutting the log back" in agent_log(cluster, leader)
     assert_left_and_rejoined_the_isr(cluster, leader, new)
     assert not asyncio.run(produce(cluster.agents[new], TOPIC, 0, ledger, acks=-1, batches=50))
@@ -287,7 +291,9 @@ def test_a_full_disk_on_the_leader_moves_it_out_and_back_when_space_returns(
         )
         await ledger.wait_acked(100)
         await asyncio.to_thread(disks.fill, leader, 256 << 10)
+        filled = time.monotonic()
         await asyncio.to_thread(wait_moved, cluster, leader)
+        print(f"full disk ({disks.kind}): leadership moved {time.monotonic() - filled:.2f} s later")
         task.cancel()
         result = (await asyncio.gather(task, return_exceptions=True))[0]
         return result if isinstance(result, list) else []
@@ -300,7 +306,11 @@ def test_a_full_disk_on_the_leader_moves_it_out_and_back_when_space_returns(
     assert not asyncio.run(produce(cluster.agents[new], TOPIC, 0, ledger, acks=-1, batches=50))
     assert leader not in metadata(cluster)[1]
     disks.free(leader)
+    freed = time.monotonic()
     assert wait_isr(cluster, [1, 2, 3]) == new
+    print(
+        f"full disk ({disks.kind}): ISR full {time.monotonic() - freed:.2f} s after space returned"
+    )
     assert_left_and_rejoined_the_isr(cluster, leader, new)
     log = asyncio.run(read_log(cluster, TOPIC, 0))
     check_log(log, ledger, ledger.acked)
