@@ -915,6 +915,54 @@ class Producer:
 
         return asyncio.ensure_future(settle())
 
+    async def send_exact(self, tp: TopicPartition, batch: bytes, deadline_s: float) -> int:
+        """Store one encoded batch whose producer fields the caller chose (``encode_batch``'s
+        ``producer_id``, epoch, ``base_sequence``) in ``tp`` with ``acks=all``, retrying
+        retriable errors for up to ``deadline_s`` seconds; returns its base offset.
+
+        The caller owns idempotence: a retry of the same batch after a lost answer, or the
+        same batch sent again by another process, is answered by the leader with the offset
+        it was stored at the first time (``docs/protocol.md``). The delay scheduler uses it to
+        make its forwards exactly-once across crashes (``docs/delays.md``)."""
+        self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        backoff = self._backoff or ExponentialBackoff(
+            self.config.retry_backoff_ms, self.config.effective_backoff_max_ms
+        )
+        deadline = self._clock() + deadline_s
+        request = ProduceRequest(
+            acks=-1,
+            timeout_ms=self.config.request_timeout_ms,
+            topics=[ProduceTopic(tp.topic, [ProducePartition(tp.partition, batch)])],
+        )
+        attempt = 0
+        while True:
+            error: StrataError
+            leader = cluster.leader_for(tp.topic, tp.partition)
+            if leader is None:
+                cluster.add_topics([tp.topic])
+                cluster.request_update()
+                error = UnknownTopicOrPartitionError(
+                    f"no leader known for {tp.topic}[{tp.partition}]"
+                )
+            else:
+                try:
+                    response: ProduceResponse = await cluster.send(leader, request)
+                    result = response.topics[0].partitions[0]
+                    if result.error_code == 0:
+                        return result.base_offset
+                    error = from_wire(result.error_code, result.error_message)
+                except StrataError as exc:
+                    error = exc
+                if isinstance(error, STALE_METADATA_ERRORS):
+                    cluster.request_update()
+            wait = backoff(attempt)
+            attempt += 1
+            if not error.retriable or self._clock() + wait > deadline:
+                raise error
+            await asyncio.sleep(wait)
+
     async def partitions_for(self, topic: str) -> list[int]:
         self._running_acc()
         assert self._cluster is not None
