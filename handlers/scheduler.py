@@ -3,16 +3,17 @@
 The event-source runner (``infra.event_source``) invokes :func:`handler` with records of the
 delay levels (``sdk.delays``), grouped by lane, in the shape of AWS Lambda's Kafka event. For
 each lane the scheduler takes the *ready* prefix — records whose time in their level is over
-(``timestamp + 2**level <= now``) — and forwards it as one unit:
+(``timestamp + 2**level <= now``; in the last mile, ``due <= now``) — and forwards it as one
+unit:
 
-1. read the lane's intent (``storage.metadata.delays``). If it starts where this batch starts,
-   the last forward was interrupted: redo exactly that plan (reading any records the batch
-   lacks), then go on. Records below the intent's end are done already and are skipped;
+1. read the lane's intent (``storage.metadata.delays``). If the batch starts at or before the
+   intent's start, the runner never committed past that forward, which may have been cut
+   short: redo exactly that plan (reading any records the batch lacks). Records below the
+   intent's end are forwarded already and are skipped;
 2. write a new intent ``[a, b)`` with the plan's ``now`` (compare-and-set: of two processes
    that hold the lane at once, only one forwards);
 3. read the cancel set: records cancelled before the intent are dropped;
-4. hold until the latest due time of the records to deliver (at most ``HOLD_MS``), then write
-   one batch per target partition (records due by ``now + HOLD_MS``) and one per lower level
+4. write one batch per target partition (the records due by ``now``) and one per lower level
    (the others, with ``now`` as their entry time) with ``Producer.send_exact``. Each batch's
    producer id is derived from (lane, intent version, destination) with sequence 0, so a
    redo's batches are recognised by the destination's leader as duplicates;
@@ -33,7 +34,7 @@ import logging
 import os
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ from sdk import Consumer, Producer
 from sdk import delays as d
 from sdk.records import ConsumerRecord, TopicPartition
 from storage.codec import encode_batch
-from storage.errors import StrataError, UnknownTopicOrPartitionError, VersionConflictError
+from storage.errors import StrataError, UnknownTopicOrPartitionError
 from storage.metadata import MetadataStore
 from storage.metadata.delays import DelayStore, Intent, cancel_bucket
 
@@ -188,13 +189,11 @@ class Scheduler:
         self,
         *,
         clock_ms: Callable[[], int] = _wall_ms,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
         name: str | None = None,
         chunk_bytes: int = CHUNK_BYTES,
         produce_timeout: float = PRODUCE_TIMEOUT,
     ) -> None:
         self.clock_ms = clock_ms
-        self._sleep = sleep
         self.name = name or f"scheduler-{os.getpid()}"
         self.chunk_bytes = chunk_bytes
         self.produce_timeout = produce_timeout
@@ -214,6 +213,10 @@ class Scheduler:
             producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
             await producer.start()
             self._producers[bootstrap] = producer
+            # the hops' destinations: learn them all at once
+            await asyncio.gather(
+                *(producer.partitions_for(t) for t in d.level_topics()), return_exceptions=True
+            )
         return producer
 
     async def process(self, event: Mapping[str, Any], store: MetadataStore) -> dict[str, Any]:
@@ -264,24 +267,30 @@ class Scheduler:
         if level is None:
             raise UnknownTopicOrPartitionError(f"{tp.topic} is not a delay level topic")
         intent, version = await ds.read_lane(tp.topic, tp.partition)
-        if intent is not None and not intent.done and recs[0].offset < intent.b:
+        if intent is not None and recs[0].offset <= intent.a:
+            # the runner did not commit past the last forward: it may be incomplete, redo it
             chunk = [r for r in recs if intent.a <= r.offset < intent.b]
             if len(chunk) != intent.b - intent.a:
                 chunk = await self._read(bootstrap, tp, intent.a, intent.b)
             log.info("redo %s[%d] [%d, %d)", tp.topic, tp.partition, intent.a, intent.b)
             self.stats.redone += 1
             await self._forward(ds, producer, tp, intent, chunk)
-            version = await self._done(ds, tp, intent)
         if intent is not None and recs[0].offset < intent.b:
             recs = [r for r in recs if r.offset >= intent.b]  # forwarded already
             if not recs:
                 return Outcome()
         now = self.clock_ms()
         exit_after = d.level_delay_ms(level)
+        last_mile = level == d.MIN_LEVEL
         ready: list[Rec] = []
         size = 0
+        come_back = 0
         for r in recs:
-            if r.timestamp + exit_after > now or (ready and size + r.size > self.chunk_bytes):
+            leaves = r.sid.due_ms if last_mile and r.sid is not None else r.timestamp + exit_after
+            if leaves > now:
+                come_back = leaves - now
+                break
+            if ready and size + r.size > self.chunk_bytes:
                 break
             ready.append(r)
             size += r.size
@@ -290,19 +299,24 @@ class Scheduler:
                 tp.topic, tp.partition, ready[0].offset, ready[-1].offset + 1, now, version
             )
             await self._forward(ds, producer, tp, intent, ready)
-            await self._done(ds, tp, intent)
+            log.debug(
+                "TIMING intent %.1f forward %.1f n=%d",
+                (t1 - t0) * 1000,
+                (time.monotonic() - t1) * 1000,
+                len(ready),
+            )
+        log.debug(
+            "BATCH %s/%d [%d..%d] ready %d come_back %s",
+            tp.topic,
+            tp.partition,
+            recs[0].offset,
+            recs[-1].offset,
+            len(ready),
+            come_back,
+        )
         if len(ready) == len(recs):
             return Outcome()
-        head = recs[len(ready)]
-        return Outcome(head.offset, max(0, head.timestamp + exit_after - self.clock_ms()))
-
-    async def _done(self, ds: DelayStore, tp: TopicPartition, intent: Intent) -> int:
-        version = await ds.mark_done(tp.topic, tp.partition, intent)
-        if version < 0:
-            raise VersionConflictError(
-                f"{tp.topic}[{tp.partition}] was taken over by another scheduler meanwhile"
-            )
-        return version
+        return Outcome(recs[len(ready)].offset, come_back)
 
     async def _read(self, bootstrap: str, tp: TopicPartition, start: int, end: int) -> list[Rec]:
         """Records ``[start, end)`` of a lane that a redo needs and the batch lacks."""
@@ -331,12 +345,12 @@ class Scheduler:
                 self.stats.dropped += 1  # not a delayed record: nowhere to send it
                 continue
             remaining = r.sid.due_ms - intent.now
-            if remaining <= d.HOLD_MS:
+            if remaining <= 0:
                 deliver[TopicPartition(r.sid.topic, r.sid.partition)].append(r)
                 continue
             topic = d.level_topic(d.level_for(remaining))
             lanes = len(await producer.partitions_for(topic))
-            hop[TopicPartition(topic, d.lane_for(r.sid.topic, r.sid.partition, lanes))].append(r)
+            hop[TopicPartition(topic, r.sid.lane_in(lanes))].append(r)
         by_bucket: dict[int, set[str]] = defaultdict(set)
         for recs in deliver.values():
             for r in recs:
@@ -344,12 +358,7 @@ class Scheduler:
                 by_bucket[cancel_bucket(r.sid.due_ms)].add(r.sid.encode())
         cancelled = await ds.cancelled_before(by_bucket, intent.zxid) if by_bucket else set()
         sends = []
-        if deliver:
-            latest = max(r.sid.due_ms for recs in deliver.values() for r in recs if r.sid)
-            wait = latest - self.clock_ms()
-            if wait > 0:
-                await self._sleep(wait / 1000)
-        now = self.clock_ms()
+        now = max(self.clock_ms(), intent.now)
         for dest, recs in deliver.items():
             keep = [r for r in recs if r.sid is not None and r.sid.encode() not in cancelled]
             self.stats.cancelled += len(recs) - len(keep)
@@ -381,13 +390,21 @@ class Scheduler:
             base_sequence=0,
         )
         try:
-            await producer.send_exact(dest, batch, self.produce_timeout)
+            await producer.send_exact(
+                dest, batch, self.produce_timeout, channel="deliver" if deliver else "hop"
+            )
         except UnknownTopicOrPartitionError:
             if deliver and not await _topic_exists(producer, dest.topic):
                 log.warning("dropping %d record(s) for deleted topic %s", len(recs), dest.topic)
                 self.stats.dropped += len(recs)
                 return
             raise
+        log.debug(
+            "TIMING exact-%s %.1f %s",
+            "deliver" if deliver else "hop",
+            (time.monotonic() - t0) * 1000,
+            dest.topic,
+        )
         if deliver:
             self.stats.delivered += len(recs)
             for r in recs:

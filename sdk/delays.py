@@ -3,22 +3,26 @@
 Theory of operation (the whole story, with the reasons, is in ``docs/delays.md``)
 ---------------------------------------------------------------------------------
 A delayed record waits in *delay levels*: internal topics ``__strata_delay_07`` ..
-``__strata_delay_35``, level ``k`` holding records for ``2**k`` ms (128 ms up to about 397
+``__strata_delay_35``, level ``k`` holding records for ``2**k`` ms (256 ms up to about 397
 days). A record enters level ``k`` with a timestamp ``t`` (the time it was written there) and
 leaves it at ``t + 2**k``; since records are appended in time order, every partition of a level
 is FIFO by leaving time, and whoever reads it only ever looks at its head. A record with ``r``
-ms left goes to level ``floor(log2 r)`` (at least :data:`MIN_LEVEL`), so it never leaves a
-level after its due time; when it leaves, what is left is less than the level's delay, so it
-goes down to a lower level, or, once less than :data:`HOLD_MS` is left, to its target. A
-remaining delay ``r`` takes at most ``popcount(r >> 7) + 1`` hops (about 20 for a year).
+ms left goes to level ``floor(log2 r)``, so it never leaves a level after its due time; when it
+leaves, what is left is less than the level's delay, so it goes down to a lower level. Under
+:data:`LAST_MILE_MS` left it goes to level 7, the *last mile*, whose records leave when they
+are due (their due times lie within 256 ms of their entry, so its head holds up the records
+behind it by less than that), and from there to its target. A remaining delay ``r`` takes at
+most ``popcount(r >> 8) + 1`` hops (about 20 for a year).
 
-Each level has the same number of partitions (*lanes*); a record destined for topic ``T``
-partition ``p`` always uses lane ``crc32("T/p") % lanes`` in every level, so the records of
-one target partition stay together and the scheduler's work spreads over the lanes.
+Each level has partitions (*lanes*); a record uses lane ``h % lanes`` in every level, ``h``
+being a hash of its target partition and key (its own nonce when it has no key): the records
+of one key stay in one lane, so those due at the same time are delivered in the order they
+were sent, and the scheduler's work spreads over all lanes whatever the number of targets.
 
 A delayed record carries two headers besides the user's: :data:`HEADER_ID`, its *schedule
-id* ``"<due ms>~<target partition>~<nonce>~<target topic>"`` (stable across hops, it tells the
-scheduler where and when to deliver and lets ``Admin.cancel_scheduled`` find it), and
+id* ``"<due ms>~<target partition>~<lane hash>~<nonce>~<target topic>"`` (stable across
+hops, it tells the scheduler where and when to deliver and lets ``Admin.cancel_scheduled``
+find it), and
 :data:`HEADER_TIMESTAMP`, the record's original timestamp (decimal ms). Both stay on the
 delivered record. Key, value, the user's headers and tags travel unchanged.
 """
@@ -35,9 +39,9 @@ MIN_LEVEL = 7
 MAX_LEVEL = 35
 """The longest level: 2**35 ms, about 397 days (delay.max.ms is at most 2**36 - 1 ms)."""
 LEVELS = range(MIN_LEVEL, MAX_LEVEL + 1)
-HOLD_MS = 1 << MIN_LEVEL
-"""A record due within this many ms of leaving a level is held by the scheduler until due and
-delivered, instead of hopping once more."""
+LAST_MILE_MS = 2 << MIN_LEVEL
+"""A record with less than this left goes to the shortest level, the *last mile*, whose
+records leave when due (not after the level's delay): 256 ms."""
 LEVEL_PREFIX = "__strata_delay_"
 HEADER_ID = "strata.delay.id"
 HEADER_TIMESTAMP = "strata.delay.timestamp"
@@ -97,9 +101,13 @@ def level_for(remaining_ms: int) -> int:
     return min(max(remaining_ms.bit_length() - 1, MIN_LEVEL), MAX_LEVEL)
 
 
-def lane_for(topic: str, partition: int, lanes: int) -> int:
-    """The lane (partition of every level) of the records for ``topic``'s ``partition``."""
-    return zlib.crc32(f"{topic}/{partition}".encode()) % lanes
+def lane_hash(topic: str, partition: int, key: bytes | None, nonce: str) -> int:
+    """A record's lane hash (32 bits, kept in its schedule id): of its target and key, so the
+    records of one key share a lane in every level and keep their order among equal due
+    times; a keyless record's own nonce spreads those over all lanes."""
+    return zlib.crc32(
+        key if key is not None else nonce.encode(), zlib.crc32(f"{topic}/{partition}".encode())
+    )
 
 
 def due_ms(
@@ -161,18 +169,31 @@ class ScheduleId(NamedTuple):
 
     due_ms: int
     partition: int
+    lane: int
+    """The lane hash: the record's lane in a level of ``n`` lanes is ``lane % n``."""
     nonce: str
     topic: str
 
     def encode(self) -> str:
-        return f"{self.due_ms}~{self.partition}~{self.nonce}~{self.topic}"
+        return f"{self.due_ms}~{self.partition}~{self.lane:08x}~{self.nonce}~{self.topic}"
+
+    @classmethod
+    def new(
+        cls, due_ms: int, topic: str, partition: int, key: bytes | None, nonce: str
+    ) -> ScheduleId:
+        return cls(due_ms, partition, lane_hash(topic, partition, key, nonce), nonce, topic)
+
+    def lane_in(self, lanes: int) -> int:
+        return self.lane % lanes
 
     @classmethod
     def parse(cls, text: str) -> ScheduleId:
-        parts = text.split("~", 3) if isinstance(text, str) else []
+        parts = text.split("~", 4) if isinstance(text, str) else []
         try:
-            due, partition, nonce, topic = parts
-            parsed = cls(int(due), int(partition), nonce, topic)
+            due, partition, lane, nonce, topic = parts
+            if len(lane) != 8:
+                raise ValueError(lane)
+            parsed = cls(int(due), int(partition), int(lane, 16), nonce, topic)
         except ValueError:
             raise InvalidDelayError(f"not a schedule id: {text!r}") from None
         if parsed.due_ms < 0 or parsed.partition < 0 or not nonce.isalnum() or not topic:

@@ -778,14 +778,15 @@ class Producer:
         )
         partition = self._target_partition(topic, key, partition, n)
         original_ts = now if timestamp_ms is None else int(timestamp_ms)
-        sid = delays.ScheduleId(due, partition, self._next_schedule_nonce(), topic).encode()
+        schedule = delays.ScheduleId.new(due, topic, partition, key, self._next_schedule_nonce())
+        sid = schedule.encode()
         hdrs += [
             (delays.HEADER_ID, sid.encode()),
             (delays.HEADER_TIMESTAMP, str(original_ts).encode()),
         ]
         level_topic = delays.level_topic(delays.level_for(due - now))
         lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
-        tp = TopicPartition(level_topic, delays.lane_for(topic, partition, lanes))
+        tp = TopicPartition(level_topic, schedule.lane_in(lanes))
         stored = acc.append_nowait(tp, value, key, hdrs, tag_list, now)
         if stored is None:
             remaining = max_block - (self._clock() - started)
@@ -851,9 +852,7 @@ class Producer:
         max_delay = self._delay_max_ms(topic)
         now = self._wall_ms()
         keyless = None
-        groups: dict[tuple[int, int], list[int]] = defaultdict(list)
-        dues: list[int] = []
-        parts: list[int] = []
+        groups: dict[tuple[int, int], list[tuple[int, delays.ScheduleId]]] = defaultdict(list)
         for i in range(count):
             if any(k in delays.DELAY_HEADERS for k, _ in header_list[i]):
                 raise InvalidDelayError(f"headers {sorted(delays.DELAY_HEADERS)} are reserved")
@@ -871,41 +870,45 @@ class Producer:
                 p = keyless
             else:
                 p = self._target_partition(topic, k, partition, n)
-            dues.append(due)
-            parts.append(p)
-            groups[(p, delays.level_for(due - now))].append(i)
+            schedule = delays.ScheduleId.new(due, topic, p, k, self._next_schedule_nonce())
+            groups[(p, delays.level_for(due - now))].append((i, schedule))
         runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[RecordsMetadata]]]] = []
-        for (p, level), idx in groups.items():
+        for (p, level), members in groups.items():
             level_topic = delays.level_topic(level)
             lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
-            tp = TopicPartition(level_topic, delays.lane_for(topic, p, lanes))
-            ids = []
-            hdrs: list[Headers | None] = []
-            for i in idx:
-                sid = delays.ScheduleId(dues[i], p, self._next_schedule_nonce(), topic).encode()
-                ids.append(sid)
-                ts = now if stamps[i] is None else int(stamps[i])
-                hdrs.append(
-                    [
-                        *header_list[i],
-                        (delays.HEADER_ID, sid.encode()),
-                        (delays.HEADER_TIMESTAMP, str(ts).encode()),
-                    ]
+            by_lane: dict[int, list[tuple[int, delays.ScheduleId]]] = defaultdict(list)
+            for i, schedule in members:
+                by_lane[schedule.lane_in(lanes)].append((i, schedule))
+            ids: list[str] = []
+            stored: list[asyncio.Future[RecordsMetadata]] = []
+            for lane, lane_members in by_lane.items():
+                hdrs: list[Headers | None] = []
+                for i, schedule in lane_members:
+                    sid = schedule.encode()
+                    ids.append(sid)
+                    ts = now if stamps[i] is None else int(stamps[i])
+                    hdrs.append(
+                        [
+                            *header_list[i],
+                            (delays.HEADER_ID, sid.encode()),
+                            (delays.HEADER_TIMESTAMP, str(ts).encode()),
+                        ]
+                    )
+                idx = [i for i, _ in lane_members]
+                vals = [values[i] for i in idx]
+                ks = [key_list[i] for i in idx]
+                tgs: list[Sequence[str] | None] = [tag_lists[i] for i in idx]
+                sizes = [estimate_size(*rec) for rec in zip(vals, ks, hdrs, tgs, strict=True)]
+                stored += await acc.append_many(
+                    TopicPartition(level_topic, lane),
+                    vals,
+                    ks,
+                    hdrs,
+                    tgs,
+                    [now] * len(idx),
+                    sizes,
+                    max_block - (self._clock() - started),
                 )
-            vals = [values[i] for i in idx]
-            ks = [key_list[i] for i in idx]
-            tgs: list[Sequence[str] | None] = [tag_lists[i] for i in idx]
-            sizes = [estimate_size(*rec) for rec in zip(vals, ks, hdrs, tgs, strict=True)]
-            stored = await acc.append_many(
-                tp,
-                vals,
-                ks,
-                hdrs,
-                tgs,
-                [now] * len(idx),
-                sizes,
-                max_block - (self._clock() - started),
-            )
             runs.append((p, tuple(ids), stored))
 
         async def settle() -> list[RecordsMetadata]:
@@ -915,7 +918,9 @@ class Producer:
 
         return asyncio.ensure_future(settle())
 
-    async def send_exact(self, tp: TopicPartition, batch: bytes, deadline_s: float) -> int:
+    async def send_exact(
+        self, tp: TopicPartition, batch: bytes, deadline_s: float, *, channel: str = ""
+    ) -> int:
         """Store one encoded batch whose producer fields the caller chose (``encode_batch``'s
         ``producer_id``, epoch, ``base_sequence``) in ``tp`` with ``acks=all``, retrying
         retriable errors for up to ``deadline_s`` seconds; returns its base offset.
@@ -923,7 +928,9 @@ class Producer:
         The caller owns idempotence: a retry of the same batch after a lost answer, or the
         same batch sent again by another process, is answered by the leader with the offset
         it was stored at the first time (``docs/protocol.md``). The delay scheduler uses it to
-        make its forwards exactly-once across crashes (``docs/delays.md``)."""
+        make its forwards exactly-once across crashes (``docs/delays.md``). ``channel`` picks
+        a connection of its own (an agent answers a connection's requests in order, so writes
+        that wait for a slow fsync hold up those behind them)."""
         self._running_acc()
         cluster = self._cluster
         assert cluster is not None
@@ -941,14 +948,17 @@ class Producer:
             error: StrataError
             leader = cluster.leader_for(tp.topic, tp.partition)
             if leader is None:
-                cluster.add_topics([tp.topic])
+                if attempt == 0:  # a topic this producer has not used yet: no backoff
+                    attempt = 1
+                    await cluster.wait_for_topic(tp.topic, max(deadline - self._clock(), 0))
+                    continue
                 cluster.request_update()
                 error = UnknownTopicOrPartitionError(
                     f"no leader known for {tp.topic}[{tp.partition}]"
                 )
             else:
                 try:
-                    response: ProduceResponse = await cluster.send(leader, request)
+                    response: ProduceResponse = await cluster.send(leader, request, channel=channel)
                     result = response.topics[0].partitions[0]
                     if result.error_code == 0:
                         return result.base_offset

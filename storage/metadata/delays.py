@@ -13,8 +13,9 @@ output batches are derived from it, and the cancels it honours are those created
 (``czxid < mzxid``). A later process that finds an intent whose range starts where it is asked
 to start redoes exactly that plan — same batches, same producer ids — so the target's leader
 answers what was stored already with its original offsets. The intent also records the lane's
-progress: records below ``b`` are done, whatever the group's committed offset says. Once
-every batch of a forward is stored the intent is marked ``done`` (a cancel waits for that).
+progress. The forward is complete once the runner has committed ``b`` for the lane (it commits
+only after the handler returned) or a newer intent exists (a lane's next forward starts only
+after its last one is complete).
 
 **Cancels.** A cancel creates its node first, then reads the lanes' intents; every forward
 reads the cancel set after writing its intent. ZooKeeper's total order (zxids) is therefore
@@ -35,7 +36,7 @@ from typing import Any
 
 from kazoo.protocol.states import ZnodeStat
 
-from storage.errors import NodeExistsError, NodeNotFoundError, VersionConflictError
+from storage.errors import NodeExistsError, NodeNotFoundError
 from storage.metadata.zk import AsyncZooKeeper
 
 ROOT = "/delays"
@@ -68,28 +69,12 @@ class Intent:
     forward."""
     zxid: int
     """The intent write's zxid (``mzxid``): cancels created before it are honoured."""
-    done: bool = False
-    """Every batch of the forward is stored."""
-
-    def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "a": self.a,
-                "b": self.b,
-                "now": self.now,
-                "version": self.version,
-                "zxid": self.zxid,
-                "done": self.done,
-            }
-        ).encode()
 
     @classmethod
     def from_node(cls, data: bytes, stat: ZnodeStat) -> Intent | None:
         if not data:
             return None
         doc = json.loads(data)
-        if doc.get("done"):
-            return cls(doc["a"], doc["b"], doc["now"], doc["version"], doc["zxid"], True)
         return cls(int(doc["a"]), int(doc["b"]), int(doc["now"]), stat.version, stat.mzxid)
 
 
@@ -122,17 +107,6 @@ class DelayStore:
             version = 0
         stat = await self.zk.set(path, data, version)
         return Intent(a, b, now, stat.version, stat.mzxid)
-
-    async def mark_done(self, topic: str, partition: int, intent: Intent) -> int:
-        """Record that the forward of ``intent`` is complete (compare-and-set: a no-op if the
-        lane moved on meanwhile). Returns the node's new version (or -2 if it had moved on)."""
-        done = Intent(intent.a, intent.b, intent.now, intent.version, intent.zxid, True)
-        try:
-            stat = await self.zk.set(lane_path(topic, partition), done.to_json(), intent.version)
-        except VersionConflictError:
-            return -2
-        version: int = stat.version
-        return version
 
     # ---- cancels -------------------------------------------------------------------------
     async def create_cancel(self, schedule_id: str, due_ms: int) -> int:

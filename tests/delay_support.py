@@ -1,0 +1,162 @@
+"""Helpers for the delayed-message tests: level topics, a scheduler process, reading targets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from handlers.delays import DelayAdmin
+from sdk import Consumer, TopicPartition
+from sdk import delays as d
+from storage.metadata import AsyncZooKeeper, MetadataStore
+from tests.cluster import ROOT, Cluster
+from tests.harness import ManagedProcess
+
+
+async def _with_store(connect: str, fn: Any) -> Any:
+    zk = AsyncZooKeeper(connect)
+    await zk.start()
+    try:
+        store = MetadataStore(zk)
+        await store.init()
+        return await fn(store)
+    finally:
+        await zk.stop()
+
+
+def create_levels(cluster: Cluster, lanes: int = 2, replication_factor: int = 1) -> None:
+    asyncio.run(
+        _with_store(
+            cluster.zk.connect_string,
+            lambda store: DelayAdmin(store).ensure_topics(lanes, replication_factor),
+        )
+    )
+    for topic in d.level_topics():
+        cluster.wait_for_leaders(topic)
+
+
+def delay_status(cluster: Cluster) -> dict[str, Any]:
+    result: dict[str, Any] = asyncio.run(
+        _with_store(cluster.zk.connect_string, lambda store: DelayAdmin(store).status())
+    )
+    return result
+
+
+def cancel(cluster: Cluster, schedule_id: str) -> dict[str, Any]:
+    result: dict[str, Any] = asyncio.run(
+        _with_store(cluster.zk.connect_string, lambda store: DelayAdmin(store).cancel(schedule_id))
+    )
+    return result
+
+
+def start_scheduler(cluster: Cluster, name: str = "scheduler", *args: str) -> ManagedProcess:
+    """``python -m infra.event_source`` feeding the scheduler, once it has its partitions."""
+    argv = [
+        sys.executable,
+        *(["/tmp/prof_runner.py"] if os.environ.get("PROF") else ["-m", "infra.event_source"]),
+        "--bootstrap",
+        cluster.bootstrap,
+        *args,
+    ]
+    env = {"STRATA_ZOOKEEPER_CONNECT": cluster.zk.connect_string, "STRATA_LOG_LEVEL": os.environ.get("STRATA_LOG_LEVEL", "INFO")}
+    proc = cluster.processes.start(argv, name=name, cwd=ROOT, env=env)
+    deadline = time.monotonic() + 30
+    while '"event": "assigned"' not in proc.log_text():
+        if not proc.alive:
+            raise RuntimeError(f"scheduler exited:\n{proc.log_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"scheduler not running:\n{proc.log_text()[-3000:]}")
+        time.sleep(0.05)
+    return proc
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    schedule_id: str
+    due_ms: int
+    seen_ms: int
+    """When the reader saw it (wall clock)."""
+    timestamp: int
+    partition: int
+    offset: int
+    original_ts: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    tags: tuple[str, ...]
+
+
+def header(headers: Any, name: str) -> bytes | None:
+    for k, v in headers:
+        if k == name:
+            return bytes(v)
+    return None
+
+
+async def read_delivered(
+    bootstrap: str,
+    topic: str,
+    partitions: int,
+    expected: int,
+    deadline_s: float,
+    *,
+    settle_s: float = 0.0,
+) -> list[Delivered]:
+    """Read ``topic`` from the beginning until ``expected`` records arrived (then ``settle_s``
+    more, to catch duplicates), noting when each was first seen."""
+    out: list[Delivered] = []
+    async with Consumer(
+        {"bootstrap.servers": bootstrap, "fetch.max.wait.ms": 50, "enable.auto.commit": False}
+    ) as consumer:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + deadline_s
+        settle_until: float | None = None
+        while True:
+            now = time.monotonic()
+            if now > deadline or (settle_until is not None and now > settle_until):
+                break
+            got = await consumer.getmany(timeout_ms=100)
+            seen = time.time_ns() // 1_000_000
+            for tp, recs in got.items():
+                for r in recs:
+                    sid = header(r.headers, d.HEADER_ID)
+                    ts = header(r.headers, d.HEADER_TIMESTAMP)
+                    assert sid is not None, f"a record without a schedule id at {tp}@{r.offset}"
+                    parsed = d.ScheduleId.parse(sid.decode())
+                    out.append(
+                        Delivered(
+                            sid.decode(),
+                            parsed.due_ms,
+                            seen,
+                            r.timestamp,
+                            r.partition,
+                            r.offset,
+                            int(ts or b"-1"),
+                            r.key,
+                            r.value,
+                            tuple(r.headers),
+                            tuple(r.tags),
+                        )
+                    )
+            if len(out) >= expected and settle_until is None:
+                settle_until = time.monotonic() + settle_s
+    return out
+
+
+def percentile(values: list[int], q: float) -> int:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def rows(text: str) -> Iterator[dict[str, Any]]:
+    for line in text.splitlines():
+        if line.startswith("{"):
+            yield json.loads(line)

@@ -1,0 +1,151 @@
+"""Delayed messages end to end: real agents, real ZooKeeper, the scheduler run by the
+event-source runner as its own process (``python -m infra.event_source``)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+
+import pytest
+
+from sdk import Producer
+from sdk.delays import ScheduleId
+from tests.cluster import Cluster
+from tests.delay_support import (
+    create_levels,
+    header,
+    percentile,
+    read_delivered,
+    start_scheduler,
+)
+from tests.harness import ProcessGroup, ZooKeeperChroot
+
+TARGET = "orders"
+PARTITIONS = 6
+
+
+@pytest.fixture
+def cluster(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -> Cluster:
+    c = Cluster(processes, zk_chroot, tmp_path / "data")
+    c.start(1)
+    c.create_topic(TARGET, PARTITIONS, 1, {"fsync.policy": "interval"})
+    c.wait_for_leaders(TARGET)
+    create_levels(c, lanes=4)
+    return c
+
+
+async def produce_delayed(
+    bootstrap: str, n: int, max_delay_ms: int, seed: int, *, chunk: int = 1000
+) -> dict[str, tuple[int, int]]:
+    """``n`` keyed records with delays uniform in [0, max_delay_ms], by ``send_batch`` with one
+    delay per record: schedule id -> (due, i)."""
+    rng = random.Random(seed)
+    sent: dict[str, tuple[int, int]] = {}
+    async with Producer({"bootstrap.servers": bootstrap, "linger.ms": 5}) as producer:
+        for start in range(0, n, chunk):
+            idx = range(start, min(n, start + chunk))
+            runs = await (
+                await producer.send_batch(
+                    TARGET,
+                    [f"value-{i}".encode() for i in idx],
+                    keys=[f"key-{i % 97}".encode() for i in idx],
+                    headers=[[("n", str(i).encode())] for i in idx],
+                    tags=[["delayed"] for _ in idx],
+                    delay_ms=[rng.randint(0, max_delay_ms) for _ in idx],
+                )
+            )
+            for run in runs:
+                for sid in run.schedule_ids:
+                    sent[sid] = (ScheduleId.parse(sid).due_ms, -1)
+    return sent
+
+
+async def warm_up(bootstrap: str) -> None:
+    """One record through the scheduler, so its first invocation (connecting to ZooKeeper and
+    the agents) is not charged to the records under test."""
+    async with Producer({"bootstrap.servers": bootstrap}) as producer:
+        meta = await producer.send_and_wait(TARGET, b"warm-up", partition=0, delay_ms=0)
+    got = await read_delivered(bootstrap, TARGET, PARTITIONS, 1, 30)
+    assert [g.schedule_id for g in got] == [meta.schedule_id]
+
+
+def test_10k_random_delays_none_early_all_once_p99_lateness_under_1s(cluster: Cluster) -> None:
+    start_scheduler(cluster)
+    asyncio.run(warm_up(cluster.bootstrap))
+    n = 10_000
+    sent = asyncio.run(produce_delayed(cluster.bootstrap, n, 20_000, seed=20))
+    got = asyncio.run(read_delivered(cluster.bootstrap, TARGET, PARTITIONS, n + 1, 60, settle_s=2))
+    got = [g for g in got if g.value != b"warm-up"]
+    ids = [g.schedule_id for g in got]
+    assert len(ids) == len(set(ids)), "a record delivered twice"
+    assert set(ids) == set(sent), f"{len(set(sent) - set(ids))} record(s) never delivered"
+    early = [g for g in got if g.timestamp < g.due_ms]
+    assert not early, f"{len(early)} delivered early, e.g. {early[0]}"
+    for g in got:  # key, value, headers and tags kept; the original timestamp in a header
+        i = int(header(g.headers, "n") or b"-1")
+        assert (g.key, g.value, g.tags) == (
+            f"key-{i % 97}".encode(),
+            f"value-{i}".encode(),
+            ("delayed",),
+        )
+        assert header(g.headers, "n") == str(i).encode()
+        assert g.original_ts <= g.due_ms
+    lateness = [g.timestamp - g.due_ms for g in got]
+    p50, p99 = percentile(lateness, 0.5), percentile(lateness, 0.99)
+    print(f"lateness p50 {p50} ms, p99 {p99} ms, max {max(lateness)} ms")
+    t0 = min(g.original_ts for g in got)
+    from collections import defaultdict as dd
+
+    b = dd(list)
+    for g in got:
+        b[(g.due_ms - t0) // 1000].append(g.timestamp - g.due_ms)
+    for k in sorted(b):
+        print(k, len(b[k]), percentile(b[k], 0.5), max(b[k]))
+    if p99 > 1000:
+        worst = sorted(got, key=lambda g: g.timestamp - g.due_ms)[-5:]
+        paths = asyncio.run(_paths(cluster.bootstrap, {g.schedule_id for g in worst}))
+        for g in worst:
+            print(
+                g.schedule_id,
+                "late",
+                g.timestamp - g.due_ms,
+                "orig",
+                g.original_ts,
+                "due",
+                g.due_ms,
+            )
+            for lvl, off, ts in sorted(paths[g.schedule_id], key=lambda x: x[2]):
+                print(
+                    "   ",
+                    lvl,
+                    off,
+                    ts - g.original_ts,
+                    "exit at",
+                    ts + 2 ** int(lvl[-2:]) - g.original_ts,
+                )
+    assert p99 <= 1000
+
+
+async def _paths(bootstrap, ids):
+    from sdk import Consumer, TopicPartition
+    from sdk.delays import level_topics, HEADER_ID
+
+    out = {i: [] for i in ids}
+    async with Consumer({"bootstrap.servers": bootstrap}) as c:
+        tps = [TopicPartition(t, p) for t in level_topics() for p in range(4)]
+        c.assign(tps)
+        c.seek_to_beginning(*tps)
+        ends = await c.end_offsets(tps)
+        left = sum(ends.values())
+        while left > 0:
+            got = await c.getmany(timeout_ms=1000, max_records=10000)
+            if not got:
+                break
+            for tp, recs in got.items():
+                left -= len(recs)
+                for r in recs:
+                    sid = header(r.headers, HEADER_ID).decode()
+                    if sid in out:
+                        out[sid].append((tp.topic, f"{tp.partition}@{r.offset}", r.timestamp))
+    return out
