@@ -299,21 +299,6 @@ class Scheduler:
                 tp.topic, tp.partition, ready[0].offset, ready[-1].offset + 1, now, version
             )
             await self._forward(ds, producer, tp, intent, ready)
-            log.debug(
-                "TIMING intent %.1f forward %.1f n=%d",
-                (t1 - t0) * 1000,
-                (time.monotonic() - t1) * 1000,
-                len(ready),
-            )
-        log.debug(
-            "BATCH %s/%d [%d..%d] ready %d come_back %s",
-            tp.topic,
-            tp.partition,
-            recs[0].offset,
-            recs[-1].offset,
-            len(ready),
-            come_back,
-        )
         if len(ready) == len(recs):
             return Outcome()
         return Outcome(recs[len(ready)].offset, come_back)
@@ -399,12 +384,6 @@ class Scheduler:
                 self.stats.dropped += len(recs)
                 return
             raise
-        log.debug(
-            "TIMING exact-%s %.1f %s",
-            "deliver" if deliver else "hop",
-            (time.monotonic() - t0) * 1000,
-            dest.topic,
-        )
         if deliver:
             self.stats.delivered += len(recs)
             for r in recs:
