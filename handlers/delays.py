@@ -80,10 +80,13 @@ class DelayAdmin:
         self.delays = DelayStore(store.zk)
 
     async def ensure_topics(
-        self, partitions: int = DEFAULT_LANES, replication_factor: int | None = None
+        self,
+        partitions: int = DEFAULT_LANES,
+        replication_factor: int | None = None,
+        configs: dict[str, Any] | None = None,
     ) -> dict[str, list[str]]:
         """Create the level topics that do not exist yet (all with ``partitions`` lanes; the
-        replication factor defaults to min(3, live agents))."""
+        replication factor defaults to min(3, live agents); ``configs`` are added to each)."""
         live = len(await self.store.list_agents())
         rf = replication_factor or min(3, live)
         if not 1 <= rf <= max(live, 1) or live == 0:
@@ -98,7 +101,11 @@ class DelayAdmin:
                 partitions=partitions,
                 replication_factor=rf,
                 config=TopicConfig.model_validate(
-                    {"retention.ms": level_retention_ms(level), "fsync.policy": LEVEL_FSYNC}
+                    {
+                        "retention.ms": level_retention_ms(level),
+                        "fsync.policy": LEVEL_FSYNC,
+                        **(configs or {}),
+                    }
                 ),
                 topic_id=uuid.uuid4().hex,
                 created_ms=int(time.time() * 1000),

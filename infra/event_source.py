@@ -84,6 +84,8 @@ class MappingConfig:
     """The consumer's long-poll wait: a resumed partition is fetched at the latest this long
     after it is due (one fetch per agent is in flight at a time)."""
     invocation_timeout: float = 30.0
+    session_timeout_ms: int = 10_000
+    """The group member's session: how long a crashed runner holds its partitions."""
     retry_initial_ms: int = 200
     retry_max_ms: int = 30_000
     max_attempts: int = 0
@@ -223,6 +225,8 @@ class EventSourceRunner:
                 "auto.offset.reset": "earliest",
                 "max.poll.records": cfg.batch_size,
                 "fetch.max.wait.ms": cfg.fetch_max_wait_ms,
+                "session.timeout.ms": cfg.session_timeout_ms,
+                "heartbeat.interval.ms": max(100, cfg.session_timeout_ms // 5),
                 **self._consumer_config,
             }
         )
@@ -455,10 +459,12 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
     p.add_argument("--fetch-max-wait-ms", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=None)
     p.add_argument("--invocation-timeout", type=float, default=30.0)
+    p.add_argument("--session-timeout-ms", type=int, default=10_000)
     a = p.parse_args(argv)
     options: dict[str, Any] = {
         "batch_size": a.batch_size,
         "invocation_timeout": a.invocation_timeout,
+        "session_timeout_ms": a.session_timeout_ms,
     }
     if a.concurrency is not None:
         options["concurrency"] = a.concurrency

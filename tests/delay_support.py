@@ -6,6 +6,7 @@ import asyncio
 import json
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,11 +31,16 @@ async def _with_store(connect: str, fn: Any) -> Any:
         await zk.stop()
 
 
-def create_levels(cluster: Cluster, lanes: int = 2, replication_factor: int = 1) -> None:
+def create_levels(
+    cluster: Cluster,
+    lanes: int = 2,
+    replication_factor: int = 1,
+    configs: dict[str, Any] | None = None,
+) -> None:
     asyncio.run(
         _with_store(
             cluster.zk.connect_string,
-            lambda store: DelayAdmin(store).ensure_topics(lanes, replication_factor),
+            lambda store: DelayAdmin(store).ensure_topics(lanes, replication_factor, configs),
         )
     )
     for topic in d.level_topics():
@@ -55,6 +61,42 @@ def cancel(cluster: Cluster, schedule_id: str) -> dict[str, Any]:
     return result
 
 
+class InProcessRunner:
+    """An ``EventSourceRunner`` on a thread of this process (a test's clock can drive it)."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="test-runner", daemon=True)
+
+    def _main(self) -> None:
+        async def run() -> None:
+            self._loop = asyncio.get_running_loop()
+            self._stop = asyncio.Event()
+            self._ready.set()
+            await self.runner.run(self._stop)
+
+        try:
+            asyncio.run(run())
+        except BaseException as exc:  # reported by stop()
+            self._error = exc
+
+    def __enter__(self) -> InProcessRunner:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+        if self._error is not None:
+            raise self._error
+
+
 def start_scheduler(cluster: Cluster, name: str = "scheduler", *args: str) -> ManagedProcess:
     """``python -m infra.event_source`` feeding the scheduler, once it has its partitions."""
     argv = [
@@ -62,11 +104,16 @@ def start_scheduler(cluster: Cluster, name: str = "scheduler", *args: str) -> Ma
         *(["/tmp/prof_runner.py"] if os.environ.get("PROF") else ["-m", "infra.event_source"]),
         "--bootstrap",
         cluster.bootstrap,
+        "--session-timeout-ms",
+        "3000",
         *args,
     ]
-    env = {"STRATA_ZOOKEEPER_CONNECT": cluster.zk.connect_string, "STRATA_LOG_LEVEL": os.environ.get("STRATA_LOG_LEVEL", "INFO")}
+    env = {
+        "STRATA_ZOOKEEPER_CONNECT": cluster.zk.connect_string,
+        "STRATA_LOG_LEVEL": os.environ.get("STRATA_LOG_LEVEL", "INFO"),
+    }
     proc = cluster.processes.start(argv, name=name, cwd=ROOT, env=env)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while '"event": "assigned"' not in proc.log_text():
         if not proc.alive:
             raise RuntimeError(f"scheduler exited:\n{proc.log_text()[-3000:]}")
