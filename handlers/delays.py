@@ -78,6 +78,7 @@ class DelayAdmin:
     def __init__(self, store: MetadataStore) -> None:
         self.store = store
         self.delays = DelayStore(store.zk)
+        self._lane_counts: dict[int, int | None] = {}
 
     async def ensure_topics(
         self,
@@ -118,40 +119,45 @@ class DelayAdmin:
         return {"created": created, "existing": existing}
 
     async def _lanes(self, level: int) -> int | None:
-        try:
-            spec, _ = await self.store.get_topic(d.level_topic(level))
-        except UnknownTopicOrPartitionError:
-            return None
-        return spec.partitions
+        if level not in self._lane_counts:
+            try:
+                spec, _ = await self.store.get_topic(d.level_topic(level))
+            except UnknownTopicOrPartitionError:
+                return None
+            self._lane_counts[level] = spec.partitions
+        return self._lane_counts[level]
 
     async def cancel(self, schedule_id: str) -> dict[str, Any]:
         sid = d.ScheduleId.parse(schedule_id)
         czxid = await self.delays.create_cancel(sid.encode(), sid.due_ms)
         deadline = time.monotonic() + CANCEL_WAIT_S
         groups = GroupStore(self.store.zk)
-        maybe_delivered = False
-        for level in d.LEVELS:
+
+        async def may_have_delivered(level: int) -> bool:
+            """Whether a forward of the record's lane in ``level`` from before the cancel may
+            have delivered it; waits for such a forward to be complete."""
             lanes = await self._lanes(level)
             if not lanes:
-                continue
+                return False
             topic = d.level_topic(level)
             lane = sid.lane_in(lanes)
             while True:
                 intent, _ = await self.delays.read_lane(topic, lane)
                 if intent is None or intent.now < sid.due_ms:
-                    break  # no forward of this lane has reached the due time
-                maybe_delivered = True
+                    return False  # no forward of this lane has reached the due time
                 if intent.zxid > czxid:
-                    break  # the forwards from before the cancel are complete
+                    return True  # the forwards from before the cancel are complete
                 committed = (await groups.get_offsets(SCHEDULER_GROUP, topic))[0].get(lane)
                 if committed is not None and committed.offset >= intent.b:
-                    break  # so is this one
+                    return True  # so is this one
                 if time.monotonic() > deadline:
                     raise MetadataUnavailableError(
                         f"a forward of {topic}[{lane}] from before the cancel is not complete "
                         "(is the scheduler running?); try again"
                     )
                 await asyncio.sleep(0.05)
+
+        maybe_delivered = any(await asyncio.gather(*map(may_have_delivered, d.LEVELS)))
         if maybe_delivered and await self._delivered(sid):
             return {"schedule_id": sid.encode(), "cancelled": False, "reason": "delivered"}
         return {"schedule_id": sid.encode(), "cancelled": True, "reason": "in time"}

@@ -207,3 +207,20 @@ def rows(text: str) -> Iterator[dict[str, Any]]:
     for line in text.splitlines():
         if line.startswith("{"):
             yield json.loads(line)
+
+
+def cancel_at(cluster: Cluster, plan: list[tuple[float, str]]) -> dict[str, dict[str, Any]]:
+    """Cancel each ``(wall time s, schedule id)`` at that time, all on one ZooKeeper session;
+    the answers by id."""
+
+    async def run(store: MetadataStore) -> dict[str, dict[str, Any]]:
+        admin = DelayAdmin(store)
+
+        async def one(at: float, sid: str) -> tuple[str, dict[str, Any]]:
+            await asyncio.sleep(max(0.0, at - time.time()))
+            return sid, await admin.cancel(sid)
+
+        return dict(await asyncio.gather(*(one(at, sid) for at, sid in plan)))
+
+    result: dict[str, dict[str, Any]] = asyncio.run(_with_store(cluster.zk.connect_string, run))
+    return result

@@ -15,6 +15,7 @@ from sdk.delays import MIN_LEVEL, ScheduleId, level_topic
 from tests.cluster import Cluster
 from tests.delay_support import (
     Delivered,
+    cancel_at,
     create_levels,
     header,
     percentile,
@@ -131,7 +132,7 @@ def test_10k_random_delays_none_early_all_once_p99_lateness_under_1s(cluster: Cl
 
 async def _paths(bootstrap, ids):
     from sdk import Consumer, TopicPartition
-    from sdk.delays import level_topics, HEADER_ID
+    from sdk.delays import HEADER_ID, level_topics
 
     out = {i: [] for i in ids}
     async with Consumer({"bootstrap.servers": bootstrap}) as c:
@@ -217,3 +218,63 @@ def test_delay_topic_leader_killed_delivers_each_record_once_none_early(
         read_delivered(cluster.bootstrap, TARGET, PARTITIONS, len(sent) + 1, 120, settle_s=3)
     )
     check_exactly_once_none_early([g for g in got if g.value != b"warm-up"], sent)
+
+
+def test_cancel_before_due_is_never_delivered_and_after_delivery_is_too_late(
+    cluster: Cluster,
+) -> None:
+    start_scheduler(cluster)
+    asyncio.run(warm_up(cluster.bootstrap))
+
+    async def send(n: int, **delay: int) -> list[str]:
+        async with Producer({"bootstrap.servers": cluster.bootstrap}) as producer:
+            futures = [
+                await producer.send(TARGET, f"c{i}".encode(), key=f"k{i}".encode(), **delay)
+                for i in range(n)
+            ]
+            return [m.schedule_id for m in await asyncio.gather(*futures)]
+
+    ids = asyncio.run(send(20, delay_ms=6_000))
+    answers = cancel_at(cluster, [(0, sid) for sid in ids[:10]])
+    assert all(answers[sid]["cancelled"] for sid in ids[:10])
+    got = asyncio.run(read_delivered(cluster.bootstrap, TARGET, PARTITIONS, 11, 30, settle_s=2))
+    delivered = {g.schedule_id for g in got}
+    assert delivered.isdisjoint(ids[:10]), "a record cancelled in time was delivered"
+    assert set(ids[10:]) <= delivered
+    late = cancel_at(cluster, [(0, ids[10])])[ids[10]]
+    assert late == {"schedule_id": ids[10], "cancelled": False, "reason": "delivered"}
+    again = cancel_at(cluster, [(0, ids[0])])[ids[0]]
+    assert again["cancelled"], "a second cancel of a cancelled record says so again"
+
+
+def test_cancels_racing_delivery_are_answered_truthfully(cluster: Cluster) -> None:
+    """100 records due at the same moment, each cancelled at a random time within a second
+    of it: every cancel that says "in time" must keep its record off the target, and every
+    "too late" must match a delivered record."""
+    start_scheduler(cluster)
+    asyncio.run(warm_up(cluster.bootstrap))
+    due = int(time.time() * 1000) + 5_000
+
+    async def send() -> list[str]:
+        async with Producer({"bootstrap.servers": cluster.bootstrap}) as producer:
+            runs = await (
+                await producer.send_batch(
+                    TARGET,
+                    [f"r{i}".encode() for i in range(100)],
+                    keys=[f"k{i}".encode() for i in range(100)],
+                    deliver_at_ms=due,
+                )
+            )
+            return [sid for run in runs for sid in run.schedule_ids]
+
+    ids = asyncio.run(send())
+    rng = random.Random(23)
+    answers = cancel_at(cluster, [(due / 1000 + rng.uniform(-0.5, 0.5), sid) for sid in ids])
+    got = asyncio.run(read_delivered(cluster.bootstrap, TARGET, PARTITIONS, 1, 30, settle_s=4))
+    delivered = {g.schedule_id for g in got}
+    in_time = {sid for sid, a in answers.items() if a["cancelled"]}
+    too_late = set(ids) - in_time
+    assert in_time.isdisjoint(delivered), "a cancel answered 'in time' but its record arrived"
+    assert too_late <= delivered, "a cancel answered 'too late' but its record never arrived"
+    print(f"{len(in_time)} cancelled in time, {len(too_late)} too late")
+    assert in_time and too_late, "the cancels did not race the delivery; move the window"
