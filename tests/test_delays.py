@@ -7,11 +7,13 @@ import asyncio
 import random
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from sdk import Producer
-from sdk.delays import MIN_LEVEL, ScheduleId, level_topic
+from sdk import Consumer, Producer, SyncProducer, TopicPartition
+from sdk.delays import HEADER_ID, MIN_LEVEL, ScheduleId, level_topic, level_topics
+from storage.errors import InvalidDelayError
 from tests.cluster import Cluster
 from tests.delay_support import (
     Delivered,
@@ -26,6 +28,7 @@ from tests.harness import ProcessGroup, ZooKeeperChroot
 
 TARGET = "orders"
 PARTITIONS = 6
+LANES = 4
 
 
 @pytest.fixture
@@ -34,7 +37,7 @@ def cluster(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path)
     c.start(1)
     c.create_topic(TARGET, PARTITIONS, 1, {"fsync.policy": "interval"})
     c.wait_for_leaders(TARGET)
-    create_levels(c, lanes=4)
+    create_levels(c, lanes=LANES)
     return c
 
 
@@ -278,3 +281,48 @@ def test_cancels_racing_delivery_are_answered_truthfully(cluster: Cluster) -> No
     assert too_late <= delivered, "a cancel answered 'too late' but its record never arrived"
     print(f"{len(in_time)} cancelled in time, {len(too_late)} too late")
     assert in_time and too_late, "the cancels did not race the delivery; move the window"
+
+
+def test_bad_delays_get_a_typed_error_and_store_nothing(cluster: Cluster) -> None:
+    cluster.create_topic("short", 1, 1, {"delay.max.ms": 10_000})
+    cluster.wait_for_leaders("short")
+    bad: list[tuple[str, dict[str, Any]]] = [
+        (TARGET, {"delay_ms": -1}),
+        (TARGET, {"delay_ms": 1000, "deliver_at_ms": int(time.time() * 1000) + 5000}),
+        (TARGET, {"delay_level": 0}),
+        (TARGET, {"delay_level": 19}),
+        (TARGET, {"delay_ms": 366 * 24 * 3600 * 1000}),  # over the default delay.max.ms
+        ("short", {"delay_ms": 10_001}),
+    ]
+
+    async def run() -> None:
+        async with Producer({"bootstrap.servers": cluster.bootstrap}) as producer:
+            for topic, delay in bad:
+                with pytest.raises(InvalidDelayError):
+                    await producer.send(topic, b"x", **delay)
+                with pytest.raises(InvalidDelayError):  # one bad record spoils the batch
+                    await producer.send_batch(
+                        topic,
+                        [b"ok", b"bad"],
+                        **{k: [0 if k == "delay_ms" else v, v] for k, v in delay.items()},
+                    )
+            with pytest.raises(InvalidDelayError):
+                await producer.send(TARGET, b"x", headers={HEADER_ID: b"forged"}, delay_ms=1)
+            ok = await producer.send_and_wait("short", b"fine", delay_ms=10_000)
+            assert ok.schedule_id and ok.offset == -1
+
+    asyncio.run(run())
+    with (
+        SyncProducer({"bootstrap.servers": cluster.bootstrap}) as sync,
+        pytest.raises(InvalidDelayError),
+    ):
+        sync.produce(TARGET, b"x", delay_ms=-5)
+    stored = asyncio.run(level_end_offsets(cluster.bootstrap))
+    assert sum(stored.values()) == 1, f"only the good record is stored: {stored}"
+
+
+async def level_end_offsets(bootstrap: str) -> dict[TopicPartition, int]:
+    async with Consumer({"bootstrap.servers": bootstrap}) as consumer:
+        counts = {**dict.fromkeys(level_topics(), LANES), TARGET: PARTITIONS, "short": 1}
+        tps = [TopicPartition(t, p) for t, n in counts.items() for p in range(n)]
+        return await consumer.end_offsets(tps)
