@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from handlers.runtime import Invocation
+from handlers.runtime import Invocation, shared_runtime
 from sdk import Consumer, Producer
 from sdk import delays as d
 from sdk.records import ConsumerRecord, TopicPartition
@@ -399,6 +399,11 @@ async def _topic_exists(producer: Producer, topic: str) -> bool:
     except UnknownTopicOrPartitionError:
         return False
     return True
+
+
+def close(scheduler: Scheduler, timeout: float = 5.0) -> None:
+    """Close the scheduler's clients on the handlers' runtime (tests; shutdown)."""
+    shared_runtime().call(lambda _store: scheduler.close(), timeout=timeout)
 
 
 def make_handler(scheduler: Scheduler) -> Callable[[Mapping[str, Any], Any], dict[str, Any]]:

@@ -196,8 +196,12 @@ class EventSourceRunner:
         policy: RetryPolicy | None = None,
         on_give_up: Callable[[TopicPartition, int], None] | None = None,
         consumer_config: Mapping[str, Any] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``clock`` (seconds) times the waits before retries; a test moves it to make a
+        ``retryAfterMs`` of months pass at once."""
         self.config = config
+        self._clock = clock
         self.handler = handler or load_handler(config.function)
         self.policy = policy or BackoffPolicy(
             config.retry_initial_ms, config.retry_max_ms, config.max_attempts
@@ -301,7 +305,7 @@ class EventSourceRunner:
     def _resume_due(self, consumer: Consumer) -> dict[TopicPartition, list[ConsumerRecord]]:
         """Partitions whose wait is over: the records they kept from their last batch (handed
         to the next invocation at once), or, with none kept, fetching again."""
-        now = time.monotonic()
+        now = self._clock()
         assigned = consumer.assignment()
         carried: dict[TopicPartition, list[ConsumerRecord]] = {}
         for tp, at in list(self._resume_at.items()):
@@ -325,7 +329,7 @@ class EventSourceRunner:
         wait_ms = 200
         nxt = self._next_resume()
         if nxt is not None:
-            wait_ms = max(1, min(wait_ms, int((nxt - time.monotonic()) * 1000) + 1))
+            wait_ms = max(1, min(wait_ms, int((nxt - self._clock()) * 1000) + 1))
         got = await consumer.getmany(timeout_ms=wait_ms, max_records=cfg.batch_size)
         if not got:
             return {}
@@ -406,7 +410,7 @@ class EventSourceRunner:
         self._carried[tp] = [r for r in records if r.offset >= next_offset]
         if failed[1] is not None:  # "come back at": not a failed attempt
             self._attempts.pop(tp, None)
-            self._resume_at[tp] = time.monotonic() + failed[1] / 1000
+            self._resume_at[tp] = self._clock() + failed[1] / 1000
             return
         attempt = self._attempts.get(tp, 0)
         self._attempts[tp] = attempt + 1
@@ -415,7 +419,7 @@ class EventSourceRunner:
             if self.on_give_up is not None:
                 self.on_give_up(tp, next_offset)
             wait = self.config.retry_max_ms / 1000
-        self._resume_at[tp] = time.monotonic() + wait
+        self._resume_at[tp] = self._clock() + wait
 
 
 def load_handler(spec: str) -> Handler:

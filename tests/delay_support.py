@@ -224,3 +224,11 @@ def cancel_at(cluster: Cluster, plan: list[tuple[float, str]]) -> dict[str, dict
 
     result: dict[str, dict[str, Any]] = asyncio.run(_with_store(cluster.zk.connect_string, run))
     return result
+
+
+def wait_until(check: Any, within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)

@@ -5,26 +5,44 @@ from __future__ import annotations
 
 import asyncio
 import random
+import shutil
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kazoo.client import KazooClient
+from kazoo.exceptions import NoNodeError
 
-from sdk import Consumer, Producer, SyncProducer, TopicPartition
-from sdk.delays import HEADER_ID, MIN_LEVEL, ScheduleId, level_topic, level_topics
+from handlers import runtime
+from handlers.scheduler import Scheduler, make_handler
+from handlers.scheduler import close as close_scheduler
+from infra.event_source import EventSourceRunner, scheduler_mapping
+from sdk import Consumer, Producer, RecordMetadata, SyncProducer, TopicPartition
+from sdk.delays import (
+    HEADER_ID,
+    MIN_LEVEL,
+    ScheduleId,
+    level_delay_ms,
+    level_for,
+    level_topic,
+    level_topics,
+)
 from storage.errors import InvalidDelayError
+from storage.tier import Manifest
 from tests.cluster import Cluster
 from tests.delay_support import (
     Delivered,
+    InProcessRunner,
     cancel_at,
     create_levels,
     header,
     percentile,
     read_delivered,
     start_scheduler,
+    wait_until,
 )
-from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.harness import ProcessGroup, S3Target, ZooKeeperChroot
 
 TARGET = "orders"
 PARTITIONS = 6
@@ -326,3 +344,76 @@ async def level_end_offsets(bootstrap: str) -> dict[TopicPartition, int]:
         counts = {**dict.fromkeys(level_topics(), LANES), TARGET: PARTITIONS, "short": 1}
         tps = [TopicPartition(t, p) for t, n in counts.items() for p in range(n)]
         return await consumer.end_offsets(tps)
+
+
+YEAR_MS = 365 * 24 * 3600 * 1000
+
+
+@pytest.mark.slow
+def test_a_one_year_delay_survives_tiering_and_an_agent_restart(
+    processes: ProcessGroup,
+    zk_chroot: ZooKeeperChroot,
+    zk_client: KazooClient,
+    s3: S3Target,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The clock is the test's: the scheduler reads it, the producer stamps with it."""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    agent_configs = (f"s3.bucket={s3.bucket}", "tier.check.interval.ms=100")
+    cluster.start_agent(1, *agent_configs, env=s3.env())
+    cluster.create_topic(TARGET, 1, 1)
+    create_levels(cluster, lanes=1, configs={"segment.ms": 300, "local.retention.ms": 0})
+    now = [int(time.time() * 1000)]
+
+    async def send() -> RecordMetadata:
+        config = {"bootstrap.servers": cluster.bootstrap}
+        async with Producer(config, wall_clock_ms=lambda: now[0]) as producer:
+            return await producer.send_and_wait(TARGET, b"a year later", key=b"k", delay_ms=YEAR_MS)
+
+    meta = asyncio.run(send())
+    held = level_topic(level_for(YEAR_MS))
+
+    def tiered() -> bool:
+        try:
+            data, _ = zk_client.get(f"/topics/{held}/partitions/0/segments")
+        except NoNodeError:
+            return False
+        return Manifest.decode(data).end >= 1
+
+    wait_until(tiered, 60, f"the record in {held} committed to the tier")
+    cluster.stop(1)
+    shutil.rmtree(tmp_path / "data" / "agent-1")  # from now on only the tier has it
+    cluster.start_agent(1, *agent_configs, env=s3.env())
+    cluster.wait_for_leaders(held)
+    cluster.wait_for_leaders(TARGET)
+
+    monkeypatch.setenv("STRATA_ZOOKEEPER_CONNECT", zk_chroot.connect_string)
+    runtime.close_shared_runtime()
+    scheduler = Scheduler(clock_ms=lambda: now[0])
+    runner = EventSourceRunner(
+        scheduler_mapping(cluster.bootstrap, session_timeout_ms=3000),
+        make_handler(scheduler),
+        clock=lambda: now[0] / 1000,
+    )
+    due = meta.timestamp + YEAR_MS
+    try:
+        with InProcessRunner(runner):
+            # past the held level's delay: read from the tier, the record hops down
+            now[0] = meta.timestamp + level_delay_ms(level_for(YEAR_MS)) + 1000
+            wait_until(lambda: scheduler.stats.hops >= 1, 60, "the first hop")
+            # a minute before it is due: to a short level, and not delivered
+            now[0] = due - 60_000
+            wait_until(lambda: scheduler.stats.hops >= 2, 60, "the hop to a short level")
+            early = asyncio.run(read_delivered(cluster.bootstrap, TARGET, 1, 1, 3))
+            assert not early, "delivered a minute early"
+            now[0] = due + 200
+            got = asyncio.run(read_delivered(cluster.bootstrap, TARGET, 1, 1, 60, settle_s=1))
+        close_scheduler(scheduler)
+    finally:
+        runtime.close_shared_runtime()
+    assert [g.schedule_id for g in got] == [meta.schedule_id]
+    (g,) = got
+    assert g.timestamp >= g.due_ms == meta.timestamp + YEAR_MS
+    assert (g.key, g.value, g.original_ts) == (b"k", b"a year later", meta.timestamp)
+    assert scheduler.stats.delivered == 1
