@@ -49,9 +49,11 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from infra.local_runtime import LambdaContext
+from infra.processes import ChildProcess, spawn, terminate, wait_until_ready
 from sdk import Consumer
 from sdk.backoff import ExponentialBackoff
 from sdk.delays import level_topics
@@ -448,6 +450,45 @@ def scheduler_mapping(bootstrap: str, **options: Any) -> MappingConfig:
             **options,
         }
     )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EventSourceProcess(ChildProcess):
+    """A runner child process (``strata local up`` starts the scheduler's)."""
+
+    log_path: Path
+
+
+def start_event_source(
+    bootstrap: str,
+    zookeeper: str,
+    *,
+    log_path: Path,
+    extra_args: tuple[str, ...] = (),
+    startup_timeout: float = 60.0,
+    wait: bool = True,
+) -> EventSourceProcess:
+    """Start ``python -m infra.event_source`` (the scheduler's mapping unless ``extra_args``
+    say otherwise); with ``wait``, until it runs (it joins its group in the background)."""
+    process = spawn(
+        [sys.executable, "-m", "infra.event_source", "--bootstrap", bootstrap, *extra_args],
+        log_path=log_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_ZOOKEEPER_CONNECT": zookeeper},
+    )
+    if not wait:
+        return EventSourceProcess(log_path=log_path, _process=process)
+    try:
+        wait_until_ready(
+            process,
+            lambda: log_path.exists() and '"event": "running"' in log_path.read_text(),
+            what="the delay scheduler's event-source runner",
+            log_path=log_path,
+            timeout=startup_timeout,
+        )
+    except BaseException:
+        terminate(process)
+        raise
+    return EventSourceProcess(log_path=log_path, _process=process)
 
 
 def parse_args(argv: list[str] | None = None) -> MappingConfig:
