@@ -342,55 +342,68 @@ class Scheduler:
                 assert r.sid is not None
                 by_bucket[cancel_bucket(r.sid.due_ms)].add(r.sid.encode())
         cancelled = await ds.cancelled_before(by_bucket, intent.zxid) if by_bucket else set()
-        sends = []
         now = max(self.clock_ms(), intent.now)
+        deliveries: dict[TopicPartition, list[Rec]] = {}
         for dest, recs in deliver.items():
             keep = [r for r in recs if r.sid is not None and r.sid.encode() not in cancelled]
             self.stats.cancelled += len(recs) - len(keep)
             if keep:
-                sends.append(self._send(producer, intent, lane, dest, keep, now, deliver=True))
-        for dest, recs in hop.items():
-            sends.append(self._send(producer, intent, lane, dest, recs, intent.now, deliver=False))
-        await asyncio.gather(*sends)
+                deliveries[dest] = keep
+        await asyncio.gather(
+            self._send(producer, intent, lane, deliveries, now, deliver=True),
+            self._send(producer, intent, lane, hop, intent.now, deliver=False),
+        )
 
     async def _send(
         self,
         producer: Producer,
         intent: Intent,
         lane: TopicPartition,
-        dest: TopicPartition,
-        recs: list[Rec],
+        outputs: dict[TopicPartition, list[Rec]],
         timestamp: int,
         *,
         deliver: bool,
     ) -> None:
-        batch = encode_batch(
-            [r.value for r in recs],
-            keys=[r.key for r in recs],
-            timestamps=timestamp,
-            headers=[r.headers for r in recs],
-            tags=[r.tags for r in recs],
-            producer_id=producer_id(intent, lane, dest),
-            producer_epoch=0,
-            base_sequence=0,
-        )
-        try:
-            await producer.send_exact(
-                dest, batch, self.produce_timeout, channel="deliver" if deliver else "hop"
+        """One batch per destination, all in one request per agent."""
+        if not outputs:
+            return
+        batches = {
+            dest: encode_batch(
+                [r.value for r in recs],
+                keys=[r.key for r in recs],
+                timestamps=timestamp,
+                headers=[r.headers for r in recs],
+                tags=[r.tags for r in recs],
+                producer_id=producer_id(intent, lane, dest),
+                producer_epoch=0,
+                base_sequence=0,
             )
+            for dest, recs in outputs.items()
+        }
+        channel = "deliver" if deliver else "hop"
+        try:
+            await producer.send_exact(batches, self.produce_timeout, channel=channel)
         except UnknownTopicOrPartitionError:
-            if deliver and not await _topic_exists(producer, dest.topic):
-                log.warning("dropping %d record(s) for deleted topic %s", len(recs), dest.topic)
-                self.stats.dropped += len(recs)
-                return
-            raise
+            if not deliver:
+                raise
+            gone = [t for t in {tp.topic for tp in batches} if not await _topic_exists(producer, t)]
+            if not gone:
+                raise
+            for tp in [tp for tp in batches if tp.topic in gone]:
+                log.warning(
+                    "dropping %d record(s) for deleted topic %s", len(outputs[tp]), tp.topic
+                )
+                self.stats.dropped += len(outputs.pop(tp))
+                del batches[tp]
+            await producer.send_exact(batches, self.produce_timeout, channel=channel)
         if deliver:
-            self.stats.delivered += len(recs)
-            for r in recs:
-                if r.sid is not None:
-                    self.stats.late(max(0, timestamp - r.sid.due_ms))
+            for recs in outputs.values():
+                self.stats.delivered += len(recs)
+                for r in recs:
+                    if r.sid is not None:
+                        self.stats.late(max(0, timestamp - r.sid.due_ms))
         else:
-            self.stats.hops += len(recs)
+            self.stats.hops += sum(map(len, outputs.values()))
 
 
 async def _topic_exists(producer: Producer, topic: str) -> bool:

@@ -807,6 +807,104 @@ class Producer:
         stored.add_done_callback(done)
         return out
 
+    async def _send_batch_one_delay(
+        self,
+        topic: str,
+        values: list[bytes | None],
+        keys: Sequence[bytes | None] | None,
+        tags: Sequence[Sequence[str] | None] | None,
+        partition: int | None,
+        timestamp_ms: int | None,
+        delay: tuple[Any, Any, Any],
+    ) -> asyncio.Future[list[RecordsMetadata]]:
+        """``send_batch`` with one delay for every record and no headers of the caller's: the
+        due time and level are worked out once, keyless records share one lane per call."""
+        acc = self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        count = len(values)
+        key_list = None if keys is None else list(keys)
+        if key_list is not None and (
+            len(key_list) != count or not set(map(type, key_list)) <= _VALUE_TYPES
+        ):
+            raise TypeError("keys must be bytes (or None), one per value")
+        tag_lists = None if tags is None else [_check_tags(t) if t else None for t in tags]
+        if tag_lists is not None and len(tag_lists) != count:
+            raise ValueError("tags must have one entry per value")
+        started = self._clock()
+        max_block = self.config.max_block_ms / 1000
+        n = cluster.partition_count(topic) or await cluster.wait_for_topic(topic, max_block)
+        now = self._wall_ms()
+        due = delays.due_ms(
+            now,
+            delay_ms=delay[0],
+            deliver_at_ms=delay[1],
+            delay_level=delay[2],
+            max_delay_ms=self._delay_max_ms(topic),
+        )
+        level_topic = delays.level_topic(delays.level_for(due - now))
+        lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
+        stamp = str(now if timestamp_ms is None else int(timestamp_ms)).encode()
+        first = self._scheduled + 1
+        self._scheduled += count
+        nonce = self._schedule_nonce
+        ids: list[str]
+        groups: dict[tuple[int, int], list[int]]
+        if key_list is None or (None in key_list and len(set(key_list)) == 1):
+            p = self._target_partition(topic, None, partition, n)
+            h = delays.lane_hash(topic, p, None, f"{nonce}{first:x}")
+            head = f"{due}~{p}~{h:08x}~{nonce}"
+            ids = [f"{head}{c:x}~{topic}" for c in range(first, first + count)]
+            groups = {(p, h % lanes): list(range(count))}
+        else:
+            ids = []
+            groups = defaultdict(list)
+            for i, k in enumerate(key_list):
+                p = self._target_partition(topic, k, partition, n)
+                h = delays.lane_hash(topic, p, k, f"{nonce}{first + i:x}")
+                ids.append(f"{due}~{p}~{h:08x}~{nonce}{first + i:x}~{topic}")
+                groups[(p, h % lanes)].append(i)
+        hdr_id, hdr_ts = delays.HEADER_ID, delays.HEADER_TIMESTAMP
+        extra = 16 + len(hdr_id) + len(hdr_ts) + len(stamp) + max(map(len, ids))
+        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[RecordsMetadata]]]] = []
+        for (p, lane), idx in groups.items():
+            every = len(idx) == count
+            vals = values if every else [values[i] for i in idx]
+            ks = None if key_list is None else key_list if every else [key_list[i] for i in idx]
+            tgs: list[Sequence[str] | None] | None = (
+                None if tag_lists is None else [tag_lists[i] for i in idx]
+            )
+            run_ids = ids if every else [ids[i] for i in idx]
+            hdrs: list[Headers | None] = [
+                [(hdr_id, sid.encode()), (hdr_ts, stamp)] for sid in run_ids
+            ]
+            sizes = [RECORD_OVERHEAD + extra + (len(v) if v else 0) for v in vals]
+            if ks is not None:
+                sizes = [s + (len(k) if k else 0) for s, k in zip(sizes, ks, strict=True)]
+            if tgs is not None:
+                sizes = [
+                    s + sum(4 + len(t.encode()) for t in tg or ())
+                    for s, tg in zip(sizes, tgs, strict=True)
+                ]
+            stored = await acc.append_many(
+                TopicPartition(level_topic, lane),
+                vals,
+                ks,
+                hdrs,
+                tgs,
+                [now] * len(idx),
+                sizes,
+                max_block - (self._clock() - started),
+            )
+            runs.append((p, tuple(run_ids), stored))
+
+        async def settle() -> list[RecordsMetadata]:
+            for _, _, stored in runs:
+                await asyncio.gather(*stored)
+            return [RecordsMetadata(topic, p, -1, len(ids), ids) for p, ids, _ in runs]
+
+        return asyncio.ensure_future(settle())
+
     async def _send_batch_delayed(
         self,
         topic: str,
@@ -827,6 +925,14 @@ class Producer:
             raise ValueError("send_batch needs at least one record")
         if not set(map(type, values)) <= _VALUE_TYPES:
             raise TypeError("values must be bytes (or None)")
+        if (
+            headers is None
+            and all(v is None or isinstance(v, int) for v in delay)
+            and (timestamp_ms is None or isinstance(timestamp_ms, int))
+        ):
+            return await self._send_batch_one_delay(
+                topic, values, keys, tags, partition, timestamp_ms, delay
+            )
 
         def column(col: Any, what: str) -> list[Any]:
             if col is None or isinstance(col, int):
@@ -919,11 +1025,17 @@ class Producer:
         return asyncio.ensure_future(settle())
 
     async def send_exact(
-        self, tp: TopicPartition, batch: bytes, deadline_s: float, *, channel: str = ""
-    ) -> int:
-        """Store one encoded batch whose producer fields the caller chose (``encode_batch``'s
-        ``producer_id``, epoch, ``base_sequence``) in ``tp`` with ``acks=all``, retrying
-        retriable errors for up to ``deadline_s`` seconds; returns its base offset.
+        self,
+        batches: Mapping[TopicPartition, bytes],
+        deadline_s: float,
+        *,
+        channel: str = "",
+    ) -> dict[TopicPartition, int]:
+        """Store encoded batches whose producer fields the caller chose (``encode_batch``'s
+        ``producer_id``, epoch, ``base_sequence``), at most one per partition, with
+        ``acks=all``: one request per leader agent, retriable errors retried (for the
+        partitions that got them) for up to ``deadline_s`` seconds. Returns each partition's
+        base offset; raises the first error that is not retriable or outlives the deadline.
 
         The caller owns idempotence: a retry of the same batch after a lost answer, or the
         same batch sent again by another process, is answered by the leader with the offset
@@ -938,40 +1050,65 @@ class Producer:
             self.config.retry_backoff_ms, self.config.effective_backoff_max_ms
         )
         deadline = self._clock() + deadline_s
-        request = ProduceRequest(
-            acks=-1,
-            timeout_ms=self.config.request_timeout_ms,
-            topics=[ProduceTopic(tp.topic, [ProducePartition(tp.partition, batch)])],
-        )
+        todo = dict(batches)
+        done: dict[TopicPartition, int] = {}
+        for topic in {tp.topic for tp in todo if cluster.partition_count(tp.topic) is None}:
+            await cluster.wait_for_topic(topic, max(deadline - self._clock(), 0))
         attempt = 0
-        while True:
-            error: StrataError
-            leader = cluster.leader_for(tp.topic, tp.partition)
-            if leader is None:
-                if attempt == 0:  # a topic this producer has not used yet: no backoff
-                    attempt = 1
-                    await cluster.wait_for_topic(tp.topic, max(deadline - self._clock(), 0))
-                    continue
-                cluster.request_update()
-                error = UnknownTopicOrPartitionError(
-                    f"no leader known for {tp.topic}[{tp.partition}]"
+        while todo:
+            errors: list[StrataError] = []
+            by_leader: dict[int, list[TopicPartition]] = defaultdict(list)
+            for tp in todo:
+                leader = cluster.leader_for(tp.topic, tp.partition)
+                if leader is None:
+                    cluster.request_update()
+                    errors.append(
+                        UnknownTopicOrPartitionError(
+                            f"no leader known for {tp.topic}[{tp.partition}]"
+                        )
+                    )
+                else:
+                    by_leader[leader].append(tp)
+
+            async def one(
+                leader: int, tps: list[TopicPartition], errors: list[StrataError] = errors
+            ) -> None:
+                topics: dict[str, list[ProducePartition]] = defaultdict(list)
+                for tp in tps:
+                    topics[tp.topic].append(ProducePartition(tp.partition, todo[tp]))
+                request = ProduceRequest(
+                    acks=-1,
+                    timeout_ms=self.config.request_timeout_ms,
+                    topics=[ProduceTopic(t, parts) for t, parts in topics.items()],
                 )
-            else:
                 try:
                     response: ProduceResponse = await cluster.send(leader, request, channel=channel)
-                    result = response.topics[0].partitions[0]
-                    if result.error_code == 0:
-                        return result.base_offset
-                    error = from_wire(result.error_code, result.error_message)
                 except StrataError as exc:
-                    error = exc
-                if isinstance(error, STALE_METADATA_ERRORS):
-                    cluster.request_update()
+                    errors.append(exc)
+                    return
+                for t in response.topics:
+                    for r in t.partitions:
+                        tp = TopicPartition(t.name, r.partition)
+                        if r.error_code == 0:
+                            done[tp] = r.base_offset
+                            todo.pop(tp, None)
+                        else:
+                            errors.append(from_wire(r.error_code, r.error_message))
+
+            await asyncio.gather(*(one(leader, tps) for leader, tps in by_leader.items()))
+            if not todo:
+                break
+            if any(isinstance(e, STALE_METADATA_ERRORS) for e in errors):
+                cluster.request_update()
+            error = next((e for e in errors if not e.retriable), None) or (
+                errors[0] if errors else UnknownTopicOrPartitionError("no answer")
+            )
             wait = backoff(attempt)
             attempt += 1
             if not error.retriable or self._clock() + wait > deadline:
                 raise error
             await asyncio.sleep(wait)
+        return done
 
     async def partitions_for(self, topic: str) -> list[int]:
         self._running_acc()
