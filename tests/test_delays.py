@@ -118,61 +118,7 @@ def test_10k_random_delays_none_early_all_once_p99_lateness_under_1s(cluster: Cl
     lateness = [g.timestamp - g.due_ms for g in got]
     p50, p99 = percentile(lateness, 0.5), percentile(lateness, 0.99)
     print(f"lateness p50 {p50} ms, p99 {p99} ms, max {max(lateness)} ms")
-    t0 = min(g.original_ts for g in got)
-    from collections import defaultdict as dd
-
-    b = dd(list)
-    for g in got:
-        b[(g.due_ms - t0) // 1000].append(g.timestamp - g.due_ms)
-    for k in sorted(b):
-        print(k, len(b[k]), percentile(b[k], 0.5), max(b[k]))
-    if p99 > 1000:
-        worst = sorted(got, key=lambda g: g.timestamp - g.due_ms)[-5:]
-        paths = asyncio.run(_paths(cluster.bootstrap, {g.schedule_id for g in worst}))
-        for g in worst:
-            print(
-                g.schedule_id,
-                "late",
-                g.timestamp - g.due_ms,
-                "orig",
-                g.original_ts,
-                "due",
-                g.due_ms,
-            )
-            for lvl, off, ts in sorted(paths[g.schedule_id], key=lambda x: x[2]):
-                print(
-                    "   ",
-                    lvl,
-                    off,
-                    ts - g.original_ts,
-                    "exit at",
-                    ts + 2 ** int(lvl[-2:]) - g.original_ts,
-                )
     assert p99 <= 1000
-
-
-async def _paths(bootstrap, ids):
-    from sdk import Consumer, TopicPartition
-    from sdk.delays import HEADER_ID, level_topics
-
-    out = {i: [] for i in ids}
-    async with Consumer({"bootstrap.servers": bootstrap}) as c:
-        tps = [TopicPartition(t, p) for t in level_topics() for p in range(4)]
-        c.assign(tps)
-        c.seek_to_beginning(*tps)
-        ends = await c.end_offsets(tps)
-        left = sum(ends.values())
-        while left > 0:
-            got = await c.getmany(timeout_ms=1000, max_records=10000)
-            if not got:
-                break
-            for tp, recs in got.items():
-                left -= len(recs)
-                for r in recs:
-                    sid = header(r.headers, HEADER_ID).decode()
-                    if sid in out:
-                        out[sid].append((tp.topic, f"{tp.partition}@{r.offset}", r.timestamp))
-    return out
 
 
 def check_exactly_once_none_early(got: list[Delivered], sent: dict[str, tuple[int, int]]) -> None:
