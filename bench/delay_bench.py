@@ -98,14 +98,15 @@ async def wait_for_leaders(bootstrap: str, topics: list[str], limit_s: float = 6
 async def produce(bootstrap: str, n: int, *, delayed: bool) -> float:
     """Records per second, all acknowledged (acks=all)."""
     topic = TARGET if delayed else PLAIN
-    delay = {"delay_ms": TWO_HOURS} if delayed else {}
+    delay_ms = TWO_HOURS if delayed else None
     async with Producer(
         {"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5, "batch.size": 262144}
     ) as producer:
         start = time.perf_counter()
         pending = []
         for i in range(0, n, CHUNK):
-            pending.append(await producer.send_batch(topic, [VALUE] * min(CHUNK, n - i), **delay))
+            values = [VALUE] * min(CHUNK, n - i)
+            pending.append(await producer.send_batch(topic, values, delay_ms=delay_ms))
         await asyncio.gather(*pending)
         return n / (time.perf_counter() - start)
 
