@@ -114,6 +114,13 @@ class Rec:
             r.offset, r.timestamp, r.key, r.value, list(r.headers), list(r.tags) or None
         )
 
+    def moved_headers(self) -> Headers:
+        """The headers it moves on with: the original timestamp added if the producer left it
+        to the record's timestamp in its first level."""
+        if any(k == d.HEADER_TIMESTAMP for k, _ in self.headers):
+            return self.headers
+        return [*self.headers, (d.HEADER_TIMESTAMP, str(self.timestamp).encode())]
+
     @property
     def size(self) -> int:
         return (
@@ -325,6 +332,7 @@ class Scheduler:
     ) -> None:
         deliver: dict[TopicPartition, list[Rec]] = defaultdict(list)
         hop: dict[TopicPartition, list[Rec]] = defaultdict(list)
+        lane_counts: dict[str, int] = {}
         for r in records:
             if r.sid is None:
                 self.stats.dropped += 1  # not a delayed record: nowhere to send it
@@ -334,8 +342,9 @@ class Scheduler:
                 deliver[TopicPartition(r.sid.topic, r.sid.partition)].append(r)
                 continue
             topic = d.level_topic(d.level_for(remaining))
-            lanes = len(await producer.partitions_for(topic))
-            hop[TopicPartition(topic, r.sid.lane_in(lanes))].append(r)
+            if topic not in lane_counts:
+                lane_counts[topic] = len(await producer.partitions_for(topic))
+            hop[TopicPartition(topic, r.sid.lane_in(lane_counts[topic]))].append(r)
         by_bucket: dict[int, set[str]] = defaultdict(set)
         for recs in deliver.values():
             for r in recs:
@@ -372,7 +381,7 @@ class Scheduler:
                 [r.value for r in recs],
                 keys=[r.key for r in recs],
                 timestamps=timestamp,
-                headers=[r.headers for r in recs],
+                headers=[r.moved_headers() for r in recs],
                 tags=[r.tags for r in recs],
                 producer_id=producer_id(intent, lane, dest),
                 producer_epoch=0,

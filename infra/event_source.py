@@ -213,7 +213,6 @@ class EventSourceRunner:
         self._consumer_config = dict(consumer_config or {})
         self._attempts: dict[TopicPartition, int] = {}
         self._resume_at: dict[TopicPartition, float] = {}
-        self._held: set[TopicPartition] = set()
         self._carried: dict[TopicPartition, list[ConsumerRecord]] = {}
         """Per paused partition, the records of its last batch not yet handled."""
         self._consumer: Consumer | None = None
@@ -250,7 +249,6 @@ class EventSourceRunner:
                 if not batch:
                     continue
                 consumer.pause(*batch)
-                self._held.update(batch)
                 if cfg.partition_per_invocation:
                     parts = [{tp: recs} for tp, recs in batch.items()]
                 else:
@@ -400,7 +398,6 @@ class EventSourceRunner:
         failed: tuple[int, int | None] | None,
         records: list[ConsumerRecord],
     ) -> None:
-        self._held.discard(tp)
         if tp not in consumer.assignment():
             self._attempts.pop(tp, None)
             return  # revoked meanwhile: the new owner starts from the committed offset

@@ -22,9 +22,11 @@ were sent, and the scheduler's work spreads over all lanes whatever the number o
 A delayed record carries two headers besides the user's: :data:`HEADER_ID`, its *schedule
 id* ``"<due ms>~<target partition>~<lane hash>~<nonce>~<target topic>"`` (stable across
 hops, it tells the scheduler where and when to deliver and lets ``Admin.cancel_scheduled``
-find it), and
-:data:`HEADER_TIMESTAMP`, the record's original timestamp (decimal ms). Both stay on the
-delivered record. Key, value, the user's headers and tags travel unchanged.
+find it), and :data:`HEADER_TIMESTAMP`, the record's original timestamp (decimal ms). The
+producer writes the latter only when the record's timestamp is not the time of the send
+(the timestamp of the record in its first level says it otherwise); the scheduler adds it on
+the first move. Both are on the delivered record. Key, value, the user's headers and tags
+travel unchanged.
 """
 
 from __future__ import annotations

@@ -780,10 +780,9 @@ class Producer:
         original_ts = now if timestamp_ms is None else int(timestamp_ms)
         schedule = delays.ScheduleId.new(due, topic, partition, key, self._next_schedule_nonce())
         sid = schedule.encode()
-        hdrs += [
-            (delays.HEADER_ID, sid.encode()),
-            (delays.HEADER_TIMESTAMP, str(original_ts).encode()),
-        ]
+        hdrs.append((delays.HEADER_ID, sid.encode()))
+        if original_ts != now:  # else the level record's own timestamp says it
+            hdrs.append((delays.HEADER_TIMESTAMP, str(original_ts).encode()))
         level_topic = delays.level_topic(delays.level_for(due - now))
         lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
         tp = TopicPartition(level_topic, schedule.lane_in(lanes))
@@ -844,7 +843,7 @@ class Producer:
         )
         level_topic = delays.level_topic(delays.level_for(due - now))
         lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
-        stamp = str(now if timestamp_ms is None else int(timestamp_ms)).encode()
+        stamp = b"" if timestamp_ms is None else str(int(timestamp_ms)).encode()
         first = self._scheduled + 1
         self._scheduled += count
         nonce = self._schedule_nonce
@@ -866,6 +865,8 @@ class Producer:
                 groups[(p, h % lanes)].append(i)
         hdr_id, hdr_ts = delays.HEADER_ID, delays.HEADER_TIMESTAMP
         extra = 16 + len(hdr_id) + len(hdr_ts) + len(stamp) + max(map(len, ids))
+        if stamp == str(now).encode():
+            stamp = b""
         runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[RecordsMetadata]]]] = []
         for (p, lane), idx in groups.items():
             every = len(idx) == count
@@ -875,9 +876,13 @@ class Producer:
                 None if tag_lists is None else [tag_lists[i] for i in idx]
             )
             run_ids = ids if every else [ids[i] for i in idx]
-            hdrs: list[Headers | None] = [
-                [(hdr_id, sid.encode()), (hdr_ts, stamp)] for sid in run_ids
-            ]
+            # tuples of str/bytes: the cyclic GC stops tracking them, so a full buffer of
+            # delayed records does not make every later collection slower
+            hdrs: list[Headers | None] = (
+                [((hdr_id, sid.encode()), (hdr_ts, stamp)) for sid in run_ids]
+                if stamp
+                else [((hdr_id, sid.encode()),) for sid in run_ids]
+            )
             sizes = [RECORD_OVERHEAD + extra + (len(v) if v else 0) for v in vals]
             if ks is not None:
                 sizes = [s + (len(k) if k else 0) for s, k in zip(sizes, ks, strict=True)]
@@ -993,13 +998,10 @@ class Producer:
                     sid = schedule.encode()
                     ids.append(sid)
                     ts = now if stamps[i] is None else int(stamps[i])
-                    hdrs.append(
-                        [
-                            *header_list[i],
-                            (delays.HEADER_ID, sid.encode()),
-                            (delays.HEADER_TIMESTAMP, str(ts).encode()),
-                        ]
-                    )
+                    extra = [(delays.HEADER_ID, sid.encode())]
+                    if ts != now:
+                        extra.append((delays.HEADER_TIMESTAMP, str(ts).encode()))
+                    hdrs.append([*header_list[i], *extra])
                 idx = [i for i, _ in lane_members]
                 vals = [values[i] for i in idx]
                 ks = [key_list[i] for i in idx]
