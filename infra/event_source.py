@@ -496,7 +496,7 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
     p.add_argument("--function", default=SCHEDULER_FUNCTION)
     p.add_argument("--topics", default="", help="comma separated; default: the delay levels")
     p.add_argument("--group", default=SCHEDULER_GROUP)
-    p.add_argument("--batch-size", type=int, default=500)
+    p.add_argument("--batch-size", type=int, default=None)
     p.add_argument("--window-ms", type=int, default=None)
     p.add_argument("--fetch-max-wait-ms", type=int, default=None)
     p.add_argument("--concurrency", type=int, default=None)
@@ -504,12 +504,13 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
     p.add_argument("--session-timeout-ms", type=int, default=10_000)
     a = p.parse_args(argv)
     options: dict[str, Any] = {
-        "batch_size": a.batch_size,
         "invocation_timeout": a.invocation_timeout,
         "session_timeout_ms": a.session_timeout_ms,
     }
     if a.concurrency is not None:
         options["concurrency"] = a.concurrency
+    if a.batch_size is not None:
+        options["batch_size"] = a.batch_size
     if a.window_ms is not None:
         options["window_ms"] = a.window_ms
     if a.fetch_max_wait_ms is not None:
