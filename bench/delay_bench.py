@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="strata-delay-bench-"))
     zk = start_zookeeper(work / "zookeeper")
-    scheduler = None
+    scheduler = agent = None
     try:
         connect = zk.connect_string + "/bench"
         agent = start_agent(1, connect, work / "agent-1")
@@ -206,6 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if scheduler is not None:
             scheduler.stop()
+        if agent is not None:
+            agent.stop()
         zk.stop()
         shutil.rmtree(work, ignore_errors=True)
     result = {
