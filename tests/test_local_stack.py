@@ -191,7 +191,7 @@ def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> No
     state = local.read_state(state_dir)
     assert state is not None
     pids = [state.supervisor_pid, *state.pids()]
-    assert len(pids) == 7
+    assert len(pids) == 8  # supervisor, delay scheduler, admin, 3 agents, ZooKeeper, moto
     assert "stopped" in strata(state_dir, "local", "down").stdout
     deadline = time.monotonic() + 10
     while any(local._alive(p) for p in pids) and time.monotonic() < deadline:
