@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-spark bench-venv bench-compare lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-venv bench-compare lint clean
 
 venv: $(STAMP)
 
@@ -51,6 +51,9 @@ bench-tier: venv
 bench-filters: venv
 	$(PY) -m bench.filter_bench --write-docs
 
+bench-delays: venv
+	$(PY) -m bench.delay_bench --write-docs
+
 # `make bench` also installs the `bench` extra (peers' Python clients, matplotlib, py-spy);
 # bench-compare apt-installs nats-server, redis-server and rabbitmq-server if they are missing.
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -64,7 +67,7 @@ $(BENCH_STAMP): $(STAMP)
 bench-compare: bench-venv
 	$(PY) -m bench.compare_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-spark bench-compare
+bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-compare
 
 lint: venv
 	$(PY) -m ruff check .

@@ -150,7 +150,7 @@ class Apis:
                     parts.append(
                         m.PartitionMetadata(err, p, st.leader, st.leader_epoch, st.replicas, st.isr)
                     )
-            topics.append(m.TopicMetadata(0, name, parts))
+            topics.append(m.TopicMetadata(0, name, parts, spec.config.delay_max_ms))
         return m.MetadataResponse(agents, view.controller_id, topics)
 
     # ---- Produce ----------------------------------------------------------------------------

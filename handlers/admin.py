@@ -8,6 +8,7 @@
     POST   /topics/{name}/partitions  {"count": N}       -> 200 TopicDescription
     PATCH  /topics/{name}/configs     {"configs": {...}} -> 200 TopicDescription
     /groups...                        consumer groups: see ``handlers.groups``
+    /delays...                        delay levels, cancel, status: see ``handlers.delays``
 
 The admin writes topic specs only (``/topics/<name>`` in ZooKeeper); the controller notices
 and creates the partition states (leader, replicas, ISR). Until it has, a describe shows
@@ -33,6 +34,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from handlers.delays import ROUTES as DELAY_ROUTES
 from handlers.groups import ROUTES as GROUP_ROUTES
 from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
 from handlers.runtime import Invocation
@@ -317,6 +319,7 @@ ROUTER = Router(
         Route("POST", "/topics/{name}/partitions", _create_partitions),
         Route("PATCH", "/topics/{name}/configs", _alter_configs),
         *GROUP_ROUTES,
+        *DELAY_ROUTES,
     ],
     invocation=Invocation,
 )

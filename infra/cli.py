@@ -59,9 +59,14 @@ topics_app = typer.Typer(
 groups_app = typer.Typer(
     help="Consumer groups: list, describe, reset offsets.", no_args_is_help=True
 )
+delays_app = typer.Typer(
+    help="Delayed records: status of the delay levels, cancel, create the level topics.",
+    no_args_is_help=True,
+)
 local_app = typer.Typer(help="The local stack: moto S3, ZooKeeper, agents, admin API.", no_args_is_help=True)  # fmt: skip
 app.add_typer(topics_app, name="topics")
 app.add_typer(groups_app, name="groups")
+app.add_typer(delays_app, name="delays")
 app.add_typer(local_app, name="local")
 
 out = Console(soft_wrap=True)
@@ -814,6 +819,70 @@ def groups_reset(
     else:
         for tp, offset in sorted(targets.items()):
             out.print(f"{group} {tp.topic}-{tp.partition} -> {offset}")
+
+
+# ---------------------------------------------------------------- delays
+
+
+@delays_app.command("status")
+def delays_status() -> None:
+    """Pending records per delay level, cancels, and each scheduler's counters and lateness."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        status = admin.delays_status()
+    if ctx.json:
+        ctx.emit(status)
+        return
+    table = Table("level", "delay", "pending", box=None)
+    for level in status["levels"]:
+        table.add_row(level["topic"], _duration(level["delay_ms"]), str(level["pending"]))
+    out.print(table)
+    out.print(f"pending {status['pending']}, cancelled (kept) {status['cancels']}")
+    for name, stats in sorted(status["schedulers"].items()):
+        bounds, counts = stats["lateness_buckets_ms"], stats["lateness_counts"]
+        lateness = ", ".join(
+            f"<={b}ms {c}" for b, c in zip([*bounds, "inf"], counts, strict=True) if c
+        )
+        out.print(
+            f"{name}: delivered {stats['delivered']}, hops {stats['hops']}, cancelled "
+            f"{stats['cancelled']}, dropped {stats['dropped']}, redone {stats['redone']}; "
+            f"lateness {lateness or '-'}"
+        )
+
+
+def _duration(ms: int) -> str:
+    for unit, size in (("d", 86_400_000), ("h", 3_600_000), ("min", 60_000), ("s", 1000)):
+        if ms >= size:
+            return f"{ms / size:.3g} {unit}"
+    return f"{ms} ms"
+
+
+@delays_app.command("cancel")
+def delays_cancel(schedule_id: str) -> None:
+    """Cancel a delayed record by the id its send returned; says whether it was in time."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        cancelled = admin.cancel_scheduled(schedule_id)
+    if ctx.json:
+        ctx.emit({"schedule_id": schedule_id, "cancelled": cancelled})
+    else:
+        out.print("cancelled in time" if cancelled else "too late: it was delivered already")
+    if not cancelled:
+        raise typer.Exit(3)
+
+
+@delays_app.command("init")
+def delays_init(
+    partitions: Annotated[int | None, typer.Option(help="Lanes per level (default 4)")] = None,
+    replication_factor: Annotated[int | None, typer.Option()] = None,
+) -> None:
+    """Create the delay level topics that are missing (``strata local up`` does it)."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        result = admin.create_delay_topics(partitions, replication_factor)
+    ctx.emit(result) if ctx.json else out.print(
+        f"created {len(result['created'])}, existing {len(result['existing'])}"
+    )
 
 
 # ---------------------------------------------------------------- replay

@@ -3,7 +3,9 @@
 One **supervisor** process owns the stack. It starts, in order, moto in server mode (and
 creates the bucket), ZooKeeper (one standalone server, or with ``zookeepers=3`` an ensemble of
 three that keeps serving when one fails), the agents (tiering to the bucket, Prometheus
-endpoints on free ports) and the local handler runtime (the admin API over HTTP); it writes
+endpoints on free ports), the local handler runtime (the admin API over HTTP) and the delay
+scheduler (the delay level topics, and ``infra.event_source`` feeding them to
+``handlers.scheduler``); it writes
 what it started to ``<state_dir>/stack.json``; then it watches its children until SIGTERM or
 SIGINT, and stops them in reverse order (agents before ZooKeeper, so that they leave
 cleanly). Every child dies with the supervisor (``PR_SET_PDEATHSIG``), so even a supervisor
@@ -43,6 +45,7 @@ import boto3
 from botocore.config import Config as BotoConfig
 
 from infra.agents import AgentProcess, spawn_agent
+from infra.event_source import EventSourceProcess, start_event_source
 from infra.local_runtime import LocalRuntimeProcess, start_local_runtime
 from infra.moto_s3 import MotoServer, start_moto
 from infra.processes import LocalStackError, spawn, terminate
@@ -54,6 +57,7 @@ from infra.zookeeper import (
     start_ensemble,
     start_zookeeper,
 )
+from sdk.admin import SyncAdmin
 from storage import jsonlog
 
 log = logging.getLogger("infra.local")
@@ -161,6 +165,8 @@ class StackState:
     agents: list[AgentInfo] = field(default_factory=list)
     admin_url: str = ""
     admin_pid: int = 0
+    scheduler_pid: int = 0
+    scheduler_log: str = ""
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -172,9 +178,9 @@ class StackState:
         return f"{self.zookeeper}{self.chroot}"
 
     def pids(self) -> list[int]:
-        return [p for p in (self.admin_pid, *(a.pid for a in self.agents)) if p] + [
-            p for p in (*(z.pid for z in self.zookeepers), self.s3_pid) if p
-        ]
+        return [
+            p for p in (self.scheduler_pid, self.admin_pid, *(a.pid for a in self.agents)) if p
+        ] + [p for p in (*(z.pid for z in self.zookeepers), self.s3_pid) if p]
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -237,6 +243,7 @@ class Stack:
         self.zookeeper: ZooKeeperServer | ZooKeeperEnsemble | None = None
         self.agents: list[AgentProcess] = []
         self.admin: LocalRuntimeProcess | None = None
+        self.scheduler: EventSourceProcess | None = None
         self.started_at = time.time()
         self.state = StackState(
             status="starting",
@@ -278,6 +285,8 @@ class Stack:
             )
             self.admin = start_local_runtime(zk, log_path=self.state_dir / "admin.log")
             log.info("admin API at %s", self.admin.url)
+            self.scheduler = start_delay_scheduler(self.admin.url, self.agents, zk, self.state_dir)
+            log.info("delay scheduler started (pid %d)", self.scheduler.pid)
         except BaseException:
             self.stop()
             raise
@@ -307,6 +316,8 @@ class Stack:
             ],
             admin_url=self.admin.url,
             admin_pid=self.admin.pid,
+            scheduler_pid=self.scheduler.pid,
+            scheduler_log=str(self.scheduler.log_path),
         )
         write_state(self.state)
         log.info("healthy after %.2f s", self.state.healthy_after_s or 0)
@@ -328,6 +339,8 @@ class Stack:
                 out.append(f"agent {a.agent_id} exited (see {a.log_path})")
         if self.admin is not None and not self.admin.running:
             out.append(f"admin runtime exited (see {self.admin.log_path})")
+        if self.scheduler is not None and not self.scheduler.running:
+            out.append(f"delay scheduler exited (see {self.scheduler.log_path})")
         return out
 
     def watch(self, stop: threading.Event, interval: float = 0.5) -> None:
@@ -349,6 +362,8 @@ class Stack:
             self.state = _replace(self.state, status="stopping")
             with contextlib.suppress(OSError):
                 write_state(self.state)
+        if self.scheduler is not None:
+            self.scheduler.stop()
         if self.admin is not None:
             self.admin.stop()
         threads = [threading.Thread(target=a.stop) for a in self.agents]
@@ -371,6 +386,20 @@ def _zookeeper_servers(zookeeper: ZooKeeperServer | ZooKeeperEnsemble) -> list[Z
     if isinstance(zookeeper, ZooKeeperEnsemble):
         return zookeeper.servers
     return [zookeeper]
+
+
+def start_delay_scheduler(
+    admin_url: str, agents: list[AgentProcess], zookeeper: str, state_dir: Path
+) -> EventSourceProcess:
+    """Create the delay level topics (through the admin API) and start the event-source
+    runner that feeds them to the scheduler handler (``docs/delays.md``)."""
+    with SyncAdmin(admin_url) as admin:
+        admin.create_delay_topics()
+    bootstrap = ",".join(a.address for a in agents)
+    # not waited for: it imports, connects and joins its group while the stack is in use
+    return start_event_source(
+        bootstrap, zookeeper, log_path=state_dir / "scheduler.log", wait=False
+    )
 
 
 def _replace(state: StackState, **changes: Any) -> StackState:
@@ -603,6 +632,17 @@ def status(state: StackState) -> list[ComponentStatus]:
             )
         )
     out.append(ComponentStatus("admin api", state.admin_url, state.admin_pid, *_probe_admin(state)))
+    if state.scheduler_pid:
+        alive = _alive(state.scheduler_pid)
+        out.append(
+            ComponentStatus(
+                "delay scheduler",
+                state.scheduler_log,
+                state.scheduler_pid,
+                alive,
+                "running" if alive else "not running",
+            )
+        )
     return out
 
 

@@ -275,6 +275,29 @@ class SyncAdmin:
     def delete_group(self, group: str) -> None:
         self._http.request("DELETE", _group(group))
 
+    # ---- delayed records (docs/delays.md) ------------------------------------------------
+    def create_delay_topics(
+        self, partitions: int | None = None, replication_factor: int | None = None
+    ) -> dict[str, list[str]]:
+        """Create the delay level topics that are missing: ``{"created", "existing"}``."""
+        body: dict[str, Any] = {}
+        if partitions is not None:
+            body["partitions"] = partitions
+        if replication_factor is not None:
+            body["replication_factor"] = replication_factor
+        answer = self._http.request("POST", "/delays/topics", body)
+        return {k: list(v) for k, v in answer.items()}
+
+    def cancel_scheduled(self, schedule_id: str) -> bool:
+        """Cancel a delayed record: True if it was in time (it will never be delivered),
+        False if it was delivered already."""
+        answer = self._http.request("POST", "/delays/cancel", {"schedule_id": schedule_id})
+        return bool(answer["cancelled"])
+
+    def delays_status(self) -> dict[str, Any]:
+        """Pending records per level, cancels, and the schedulers' counters and lateness."""
+        return dict(self._http.request("GET", "/delays/status"))
+
     def close(self) -> None:
         """Nothing to release (a connection per request); for symmetry with ``Admin``."""
 
@@ -364,6 +387,23 @@ class Admin:
 
     async def delete_group(self, group: str) -> None:
         await self._call(self._sync.delete_group, group)
+
+    async def create_delay_topics(
+        self, partitions: int | None = None, replication_factor: int | None = None
+    ) -> dict[str, list[str]]:
+        result: dict[str, list[str]] = await self._call(
+            self._sync.create_delay_topics, partitions, replication_factor
+        )
+        return result
+
+    async def cancel_scheduled(self, schedule_id: str) -> bool:
+        """Cancel a delayed record: True if it was in time, False if already delivered."""
+        result: bool = await self._call(self._sync.cancel_scheduled, schedule_id)
+        return result
+
+    async def delays_status(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self._call(self._sync.delays_status)
+        return result
 
     async def close(self) -> None:
         self._sync.close()

@@ -96,6 +96,7 @@ class Cluster:
         self._partitions: dict[str, dict[int, PartitionInfo]] = {}
         self._available: dict[str, list[int]] = {}
         self._topic_errors: dict[str, StrataError] = {}
+        self._delay_max_ms: dict[str, int] = {}
         self._topics: set[str] = set()
         self.controller_id = -1
         #: (address, channel) -> connection; see ``send``
@@ -142,6 +143,10 @@ class Cluster:
         parts = self._partitions.get(topic)
         info = parts.get(partition) if parts else None
         return -1 if info is None else info.leader_epoch
+
+    def delay_max_ms(self, topic: str) -> int:
+        """The topic's ``delay.max.ms`` as the agents last said (-1: not known)."""
+        return self._delay_max_ms.get(topic, -1)
 
     def topic_error(self, topic: str) -> StrataError | None:
         return self._topic_errors.get(topic)
@@ -227,6 +232,7 @@ class Cluster:
         self.controller_id = response.controller_id
         partitions: dict[str, dict[int, PartitionInfo]] = {}
         errors: dict[str, StrataError] = {}
+        delay_max: dict[str, int] = {}
         for t in response.topics:
             if t.error_code and t.error_code != _LEADER_NOT_AVAILABLE:
                 errors[t.name] = from_wire(t.error_code, f"topic {t.name!r}: error {t.error_code}")
@@ -248,11 +254,13 @@ class Cluster:
                 parts[p.partition] = info
             if parts:
                 partitions[t.name] = parts
+                delay_max[t.name] = t.delay_max_ms
         self._partitions = partitions
         self._available = {
             name: [p for p, i in parts.items() if i.leader_id >= 0 and i.leader_id in self._agents]
             for name, parts in partitions.items()
         }
+        self._delay_max_ms = delay_max
         self._topic_errors = errors
         self.version += 1
         self.last_refresh = self._clock()

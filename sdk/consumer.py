@@ -143,6 +143,7 @@ class _PartitionState:
     high_watermark: int = -1
     log_start_offset: int = -1
     attempts: int = field(default=0)
+    paused: bool = False  # neither fetched nor returned until resumed
 
 
 def _as_tp(tp: Any) -> TopicPartition:
@@ -541,6 +542,25 @@ class Consumer:
         st.position, st.reset = offset, None
         self._reposition(tp, st)
 
+    def pause(self, *partitions: TopicPartition | tuple[str, int]) -> None:
+        """Stop fetching and returning records of ``partitions`` until ``resume``. Their
+        buffered data is dropped (the position stays), so a paused partition holds no memory."""
+        for tp in map(_as_tp, partitions):
+            st = self._state(tp)
+            if not st.paused:
+                st.paused = True
+                self._reposition(tp, st)
+
+    def resume(self, *partitions: TopicPartition | tuple[str, int]) -> None:
+        for tp in map(_as_tp, partitions):
+            st = self._state(tp)
+            if st.paused:
+                st.paused = False
+                self._wake.set()
+
+    def paused(self) -> set[TopicPartition]:
+        return {tp for tp, st in self._states.items() if st.paused}
+
     def seek_to_beginning(self, *partitions: TopicPartition | tuple[str, int]) -> None:
         self._seek_to(EARLIEST_TIMESTAMP, partitions)
 
@@ -682,7 +702,7 @@ class Consumer:
         delay: float | None = None
         room = self._buffered_bytes < self.config.fetch_max_bytes
         for tp, st in self._states.items():
-            if st.error is not None or st.buffered is not None or st.busy:
+            if st.error is not None or st.buffered is not None or st.busy or st.paused:
                 continue
             if st.retry_at > now:
                 wait = st.retry_at - now
@@ -935,7 +955,7 @@ class Consumer:
             tps = tps[start:] + tps[:start]
         for tp in tps:
             st = self._states.get(tp)
-            if st is None:
+            if st is None or st.paused:
                 continue
             if st.error is not None:
                 failed = failed or (tp, st)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -51,6 +52,7 @@ from typing import Any, Self
 
 import numpy as np
 
+from sdk import delays
 from sdk.accumulator import (
     RECORD_OVERHEAD,
     Headers,
@@ -65,7 +67,7 @@ from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedEr
 from sdk.idempotence import Sequencer
 from sdk.partitioner import DefaultPartitioner, partition_for_key, partitions_for_keys
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
-from storage.errors import StrataError, UnknownTopicOrPartitionError, from_wire
+from storage.errors import InvalidDelayError, StrataError, UnknownTopicOrPartitionError, from_wire
 from storage.protocol.messages import (
     ProducePartition,
     ProduceRequest,
@@ -113,6 +115,12 @@ def _check_tags(tags: Any) -> list[str] | None:
         if not isinstance(t, str):
             raise TypeError(f"tags must be str, not {type(t).__name__}")
     return out
+
+
+class ScheduledFuture(asyncio.Future[RecordMetadata]):
+    """The future of a delayed ``send``: its ``schedule_id`` is known before it resolves."""
+
+    schedule_id: str = ""
 
 
 class Sender:
@@ -322,6 +330,8 @@ class Producer:
         self._acc: RecordAccumulator | None = None
         self._sender: Sender | None = None
         self._tps: dict[tuple[str, int], TopicPartition] = {}
+        self._schedule_nonce = f"{secrets.randbits(40):010x}"
+        self._scheduled = 0
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -459,8 +469,28 @@ class Producer:
         tags: Sequence[str] | None = None,
         partition: int | None = None,
         timestamp_ms: int | None = None,
+        *,
+        delay_ms: int | None = None,
+        deliver_at_ms: int | None = None,
+        delay_level: int | None = None,
     ) -> asyncio.Future[RecordMetadata]:
-        """Buffer one record; the returned future resolves when the leader acknowledges it."""
+        """Buffer one record; the returned future resolves when the leader acknowledges it.
+
+        With ``delay_ms``, ``deliver_at_ms`` or ``delay_level`` (one of them) the record is
+        delayed (``docs/delays.md``): it is stored in the delay levels and becomes readable
+        on ``topic`` no earlier than its due time; the future's ``RecordMetadata`` then names
+        the target partition and carries the ``schedule_id``."""
+        if delay_ms is not None or deliver_at_ms is not None or delay_level is not None:
+            return await self._send_delayed(
+                topic,
+                value,
+                key,
+                headers,
+                tags,
+                partition,
+                timestamp_ms,
+                (delay_ms, deliver_at_ms, delay_level),
+            )
         acc = self._running_acc()
         cluster = self._cluster
         assert cluster is not None
@@ -507,6 +537,9 @@ class Producer:
         tags: Sequence[Sequence[str] | None] | None = None,
         partition: int | None = None,
         timestamp_ms: int | Sequence[int] | None = None,
+        delay_ms: int | Sequence[int] | None = None,
+        deliver_at_ms: int | Sequence[int] | None = None,
+        delay_level: int | Sequence[int] | None = None,
     ) -> asyncio.Future[list[RecordsMetadata]]:
         """Buffer many records in one call: the fast path for bulk producing.
 
@@ -515,7 +548,23 @@ class Producer:
         ``partition`` all go to the topic's current sticky partition. The returned future
         resolves to one :class:`RecordsMetadata` per run of records stored together (record
         ``i`` of a run is at ``base_offset + i``), in the order of the input.
+
+        ``delay_ms`` / ``deliver_at_ms`` / ``delay_level`` (one of them, for the batch or one
+        per record) delay the records as ``send`` does; the future then resolves to one
+        :class:`RecordsMetadata` per target partition and level, with the records'
+        ``schedule_ids``.
         """
+        if delay_ms is not None or deliver_at_ms is not None or delay_level is not None:
+            return await self._send_batch_delayed(
+                topic,
+                values,
+                keys,
+                headers,
+                tags,
+                partition,
+                timestamp_ms,
+                (delay_ms, deliver_at_ms, delay_level),
+            )
         acc = self._running_acc()
         cluster = self._cluster
         assert cluster is not None
@@ -637,9 +686,431 @@ class Producer:
         tags: Sequence[str] | None = None,
         partition: int | None = None,
         timestamp_ms: int | None = None,
+        *,
+        delay_ms: int | None = None,
+        deliver_at_ms: int | None = None,
+        delay_level: int | None = None,
     ) -> RecordMetadata:
-        fut = await self.send(topic, value, key, headers, tags, partition, timestamp_ms)
+        fut = await self.send(
+            topic,
+            value,
+            key,
+            headers,
+            tags,
+            partition,
+            timestamp_ms,
+            delay_ms=delay_ms,
+            deliver_at_ms=deliver_at_ms,
+            delay_level=delay_level,
+        )
         return await fut
+
+    # ---- delayed records (docs/delays.md) -------------------------------------------------
+    def _next_schedule_nonce(self) -> str:
+        self._scheduled += 1
+        return f"{self._schedule_nonce}{self._scheduled:x}"
+
+    def _target_partition(
+        self, topic: str, key: bytes | None, partition: int | None, n: int
+    ) -> int:
+        assert self._cluster is not None
+        if partition is not None:
+            if not 0 <= partition < n:
+                raise UnknownTopicOrPartitionError(
+                    f"partition {partition} of topic {topic!r} does not exist (it has {n})"
+                )
+            return partition
+        if key is not None:
+            return partition_for_key(key, n)
+        return self._partitioner.partition(
+            topic, None, n, self._cluster.available_partitions(topic)
+        )
+
+    async def _lanes(self, level_topic: str, max_wait: float) -> int:
+        """The partition count of a level topic (the same for every level)."""
+        assert self._cluster is not None
+        n = self._cluster.partition_count(level_topic)
+        if n:
+            return n
+        try:
+            return await self._cluster.wait_for_topic(level_topic, max(max_wait, 0.0))
+        except UnknownTopicOrPartitionError as exc:
+            raise UnknownTopicOrPartitionError(
+                f"{exc}: delayed records need the delay level topics (`strata delays init`, "
+                "or `strata local up`, creates them)"
+            ) from None
+
+    def _delay_max_ms(self, topic: str) -> int:
+        assert self._cluster is not None
+        limit = self._cluster.delay_max_ms(topic)
+        return delays.DEFAULT_DELAY_MAX_MS if limit < 0 else limit
+
+    async def _send_delayed(
+        self,
+        topic: str,
+        value: bytes | None,
+        key: bytes | None,
+        headers: Sequence[tuple[str, bytes]] | Mapping[str, bytes] | None,
+        tags: Sequence[str] | None,
+        partition: int | None,
+        timestamp_ms: int | None,
+        delay: tuple[int | None, int | None, int | None],
+    ) -> asyncio.Future[RecordMetadata]:
+        acc = self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        value = _as_bytes(value, "value")
+        key = _as_bytes(key, "key")
+        hdrs = list(_check_headers(headers) or ())
+        if any(k in delays.DELAY_HEADERS for k, _ in hdrs):
+            raise InvalidDelayError(f"headers {sorted(delays.DELAY_HEADERS)} are reserved")
+        tag_list = _check_tags(tags) if tags else None
+        started = self._clock()
+        max_block = self.config.max_block_ms / 1000
+        n = cluster.partition_count(topic) or await cluster.wait_for_topic(topic, max_block)
+        now = self._wall_ms()
+        due = delays.due_ms(
+            now,
+            delay_ms=delay[0],
+            deliver_at_ms=delay[1],
+            delay_level=delay[2],
+            max_delay_ms=self._delay_max_ms(topic),
+        )
+        partition = self._target_partition(topic, key, partition, n)
+        original_ts = now if timestamp_ms is None else int(timestamp_ms)
+        schedule = delays.ScheduleId.new(due, topic, partition, key, self._next_schedule_nonce())
+        sid = schedule.encode()
+        hdrs.append((delays.HEADER_ID, sid.encode()))
+        if original_ts != now:  # else the level record's own timestamp says it
+            hdrs.append((delays.HEADER_TIMESTAMP, str(original_ts).encode()))
+        level_topic = delays.level_topic(delays.level_for(due - now))
+        lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
+        tp = TopicPartition(level_topic, schedule.lane_in(lanes))
+        stored = acc.append_nowait(tp, value, key, hdrs, tag_list, now)
+        if stored is None:
+            remaining = max_block - (self._clock() - started)
+            stored = await acc.append(tp, value, key, hdrs, tag_list, now, remaining)
+        out = ScheduledFuture(loop=asyncio.get_running_loop())
+        out.schedule_id = sid
+
+        def done(f: asyncio.Future[RecordMetadata]) -> None:
+            if out.done():
+                return
+            if f.cancelled():
+                out.cancel()
+            elif (exc := f.exception()) is not None:
+                out.set_exception(exc)
+            else:
+                out.set_result(RecordMetadata(topic, partition, -1, original_ts, sid))
+
+        stored.add_done_callback(done)
+        return out
+
+    async def _send_batch_one_delay(
+        self,
+        topic: str,
+        values: list[bytes | None],
+        keys: Sequence[bytes | None] | None,
+        tags: Sequence[Sequence[str] | None] | None,
+        partition: int | None,
+        timestamp_ms: int | None,
+        delay: tuple[Any, Any, Any],
+    ) -> asyncio.Future[list[RecordsMetadata]]:
+        """``send_batch`` with one delay for every record and no headers of the caller's: the
+        due time and level are worked out once, keyless records share one lane per call."""
+        acc = self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        count = len(values)
+        key_list = None if keys is None else list(keys)
+        if key_list is not None and (
+            len(key_list) != count or not set(map(type, key_list)) <= _VALUE_TYPES
+        ):
+            raise TypeError("keys must be bytes (or None), one per value")
+        tag_lists = None if tags is None else [_check_tags(t) if t else None for t in tags]
+        if tag_lists is not None and len(tag_lists) != count:
+            raise ValueError("tags must have one entry per value")
+        started = self._clock()
+        max_block = self.config.max_block_ms / 1000
+        n = cluster.partition_count(topic) or await cluster.wait_for_topic(topic, max_block)
+        now = self._wall_ms()
+        due = delays.due_ms(
+            now,
+            delay_ms=delay[0],
+            deliver_at_ms=delay[1],
+            delay_level=delay[2],
+            max_delay_ms=self._delay_max_ms(topic),
+        )
+        level_topic = delays.level_topic(delays.level_for(due - now))
+        lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
+        stamp = b"" if timestamp_ms is None else str(int(timestamp_ms)).encode()
+        first = self._scheduled + 1
+        self._scheduled += count
+        nonce = self._schedule_nonce
+        ids: list[str]
+        groups: dict[tuple[int, int], list[int]]
+        if key_list is None or (None in key_list and len(set(key_list)) == 1):
+            p = self._target_partition(topic, None, partition, n)
+            h = delays.lane_hash(topic, p, None, f"{nonce}{first:x}")
+            head = f"{due}~{p}~{h:08x}~{nonce}"
+            ids = [f"{head}{c:x}~{topic}" for c in range(first, first + count)]
+            groups = {(p, h % lanes): list(range(count))}
+        else:
+            ids = []
+            groups = defaultdict(list)
+            for i, k in enumerate(key_list):
+                p = self._target_partition(topic, k, partition, n)
+                h = delays.lane_hash(topic, p, k, f"{nonce}{first + i:x}")
+                ids.append(f"{due}~{p}~{h:08x}~{nonce}{first + i:x}~{topic}")
+                groups[(p, h % lanes)].append(i)
+        hdr_id, hdr_ts = delays.HEADER_ID, delays.HEADER_TIMESTAMP
+        extra = 16 + len(hdr_id) + len(hdr_ts) + len(stamp) + max(map(len, ids))
+        if stamp == str(now).encode():
+            stamp = b""
+        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[RecordsMetadata]]]] = []
+        for (p, lane), idx in groups.items():
+            every = len(idx) == count
+            vals = values if every else [values[i] for i in idx]
+            ks = None if key_list is None else key_list if every else [key_list[i] for i in idx]
+            tgs: list[Sequence[str] | None] | None = (
+                None if tag_lists is None else [tag_lists[i] for i in idx]
+            )
+            run_ids = ids if every else [ids[i] for i in idx]
+            # tuples of str/bytes: the cyclic GC stops tracking them, so a full buffer of
+            # delayed records does not make every later collection slower
+            hdrs: list[Headers | None] = (
+                [((hdr_id, sid.encode()), (hdr_ts, stamp)) for sid in run_ids]
+                if stamp
+                else [((hdr_id, sid.encode()),) for sid in run_ids]
+            )
+            sizes = [RECORD_OVERHEAD + extra + (len(v) if v else 0) for v in vals]
+            if ks is not None:
+                sizes = [s + (len(k) if k else 0) for s, k in zip(sizes, ks, strict=True)]
+            if tgs is not None:
+                sizes = [
+                    s + sum(4 + len(t.encode()) for t in tg or ())
+                    for s, tg in zip(sizes, tgs, strict=True)
+                ]
+            stored = await acc.append_many(
+                TopicPartition(level_topic, lane),
+                vals,
+                ks,
+                hdrs,
+                tgs,
+                [now] * len(idx),
+                sizes,
+                max_block - (self._clock() - started),
+            )
+            runs.append((p, tuple(run_ids), stored))
+
+        async def settle() -> list[RecordsMetadata]:
+            for _, _, stored in runs:
+                await asyncio.gather(*stored)
+            return [RecordsMetadata(topic, p, -1, len(ids), ids) for p, ids, _ in runs]
+
+        return asyncio.ensure_future(settle())
+
+    async def _send_batch_delayed(
+        self,
+        topic: str,
+        values: Sequence[bytes | None],
+        keys: Sequence[bytes | None] | None,
+        headers: Sequence[Sequence[tuple[str, bytes]] | None] | None,
+        tags: Sequence[Sequence[str] | None] | None,
+        partition: int | None,
+        timestamp_ms: int | Sequence[int] | None,
+        delay: tuple[Any, Any, Any],
+    ) -> asyncio.Future[list[RecordsMetadata]]:
+        acc = self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        values = list(values)
+        count = len(values)
+        if not count:
+            raise ValueError("send_batch needs at least one record")
+        if not set(map(type, values)) <= _VALUE_TYPES:
+            raise TypeError("values must be bytes (or None)")
+        if (
+            headers is None
+            and all(v is None or isinstance(v, int) for v in delay)
+            and (timestamp_ms is None or isinstance(timestamp_ms, int))
+        ):
+            return await self._send_batch_one_delay(
+                topic, values, keys, tags, partition, timestamp_ms, delay
+            )
+
+        def column(col: Any, what: str) -> list[Any]:
+            if col is None or isinstance(col, int):
+                return [col] * count
+            out = list(col)
+            if len(out) != count:
+                raise ValueError(f"{what} must have one entry per value")
+            return out
+
+        key_list = column(keys, "keys")
+        if not set(map(type, key_list)) <= _VALUE_TYPES:
+            raise TypeError("keys must be bytes (or None), one per value")
+        header_list = [list(_check_headers(h) or ()) for h in column(headers, "headers")]
+        tag_lists = [_check_tags(t) if t else None for t in column(tags, "tags")]
+        stamps = column(timestamp_ms, "timestamp_ms")
+        delay_cols = [
+            column(d, name)
+            for d, name in zip(delay, ("delay_ms", "deliver_at_ms", "delay_level"), strict=True)
+        ]
+        started = self._clock()
+        max_block = self.config.max_block_ms / 1000
+        n = cluster.partition_count(topic) or await cluster.wait_for_topic(topic, max_block)
+        max_delay = self._delay_max_ms(topic)
+        now = self._wall_ms()
+        keyless = None
+        groups: dict[tuple[int, int], list[tuple[int, delays.ScheduleId]]] = defaultdict(list)
+        for i in range(count):
+            if any(k in delays.DELAY_HEADERS for k, _ in header_list[i]):
+                raise InvalidDelayError(f"headers {sorted(delays.DELAY_HEADERS)} are reserved")
+            due = delays.due_ms(
+                now,
+                delay_ms=delay_cols[0][i],
+                deliver_at_ms=delay_cols[1][i],
+                delay_level=delay_cols[2][i],
+                max_delay_ms=max_delay,
+            )
+            k = key_list[i]
+            if partition is None and k is None:
+                if keyless is None:
+                    keyless = self._target_partition(topic, None, None, n)
+                p = keyless
+            else:
+                p = self._target_partition(topic, k, partition, n)
+            schedule = delays.ScheduleId.new(due, topic, p, k, self._next_schedule_nonce())
+            groups[(p, delays.level_for(due - now))].append((i, schedule))
+        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[RecordsMetadata]]]] = []
+        for (p, level), members in groups.items():
+            level_topic = delays.level_topic(level)
+            lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
+            by_lane: dict[int, list[tuple[int, delays.ScheduleId]]] = defaultdict(list)
+            for i, schedule in members:
+                by_lane[schedule.lane_in(lanes)].append((i, schedule))
+            ids: list[str] = []
+            stored: list[asyncio.Future[RecordsMetadata]] = []
+            for lane, lane_members in by_lane.items():
+                hdrs: list[Headers | None] = []
+                for i, schedule in lane_members:
+                    sid = schedule.encode()
+                    ids.append(sid)
+                    ts = now if stamps[i] is None else int(stamps[i])
+                    extra = [(delays.HEADER_ID, sid.encode())]
+                    if ts != now:
+                        extra.append((delays.HEADER_TIMESTAMP, str(ts).encode()))
+                    hdrs.append([*header_list[i], *extra])
+                idx = [i for i, _ in lane_members]
+                vals = [values[i] for i in idx]
+                ks = [key_list[i] for i in idx]
+                tgs: list[Sequence[str] | None] = [tag_lists[i] for i in idx]
+                sizes = [estimate_size(*rec) for rec in zip(vals, ks, hdrs, tgs, strict=True)]
+                stored += await acc.append_many(
+                    TopicPartition(level_topic, lane),
+                    vals,
+                    ks,
+                    hdrs,
+                    tgs,
+                    [now] * len(idx),
+                    sizes,
+                    max_block - (self._clock() - started),
+                )
+            runs.append((p, tuple(ids), stored))
+
+        async def settle() -> list[RecordsMetadata]:
+            for _, _, stored in runs:
+                await asyncio.gather(*stored)
+            return [RecordsMetadata(topic, p, -1, len(ids), ids) for p, ids, _ in runs]
+
+        return asyncio.ensure_future(settle())
+
+    async def send_exact(
+        self,
+        batches: Mapping[TopicPartition, bytes],
+        deadline_s: float,
+        *,
+        channel: str = "",
+    ) -> dict[TopicPartition, int]:
+        """Store encoded batches whose producer fields the caller chose (``encode_batch``'s
+        ``producer_id``, epoch, ``base_sequence``), at most one per partition, with
+        ``acks=all``: one request per leader agent, retriable errors retried (for the
+        partitions that got them) for up to ``deadline_s`` seconds. Returns each partition's
+        base offset; raises the first error that is not retriable or outlives the deadline.
+
+        The caller owns idempotence: a retry of the same batch after a lost answer, or the
+        same batch sent again by another process, is answered by the leader with the offset
+        it was stored at the first time (``docs/protocol.md``). The delay scheduler uses it to
+        make its forwards exactly-once across crashes (``docs/delays.md``). ``channel`` picks
+        a connection of its own (an agent answers a connection's requests in order, so writes
+        that wait for a slow fsync hold up those behind them)."""
+        self._running_acc()
+        cluster = self._cluster
+        assert cluster is not None
+        backoff = self._backoff or ExponentialBackoff(
+            self.config.retry_backoff_ms, self.config.effective_backoff_max_ms
+        )
+        deadline = self._clock() + deadline_s
+        todo = dict(batches)
+        done: dict[TopicPartition, int] = {}
+        for topic in {tp.topic for tp in todo if cluster.partition_count(tp.topic) is None}:
+            await cluster.wait_for_topic(topic, max(deadline - self._clock(), 0))
+        attempt = 0
+        while todo:
+            errors: list[StrataError] = []
+            by_leader: dict[int, list[TopicPartition]] = defaultdict(list)
+            for tp in todo:
+                leader = cluster.leader_for(tp.topic, tp.partition)
+                if leader is None:
+                    cluster.request_update()
+                    errors.append(
+                        UnknownTopicOrPartitionError(
+                            f"no leader known for {tp.topic}[{tp.partition}]"
+                        )
+                    )
+                else:
+                    by_leader[leader].append(tp)
+
+            async def one(
+                leader: int, tps: list[TopicPartition], errors: list[StrataError] = errors
+            ) -> None:
+                topics: dict[str, list[ProducePartition]] = defaultdict(list)
+                for tp in tps:
+                    topics[tp.topic].append(ProducePartition(tp.partition, todo[tp]))
+                request = ProduceRequest(
+                    acks=-1,
+                    timeout_ms=self.config.request_timeout_ms,
+                    topics=[ProduceTopic(t, parts) for t, parts in topics.items()],
+                )
+                try:
+                    response: ProduceResponse = await cluster.send(leader, request, channel=channel)
+                except StrataError as exc:
+                    errors.append(exc)
+                    return
+                for t in response.topics:
+                    for r in t.partitions:
+                        tp = TopicPartition(t.name, r.partition)
+                        if r.error_code == 0:
+                            done[tp] = r.base_offset
+                            todo.pop(tp, None)
+                        else:
+                            errors.append(from_wire(r.error_code, r.error_message))
+
+            await asyncio.gather(*(one(leader, tps) for leader, tps in by_leader.items()))
+            if not todo:
+                break
+            if any(isinstance(e, STALE_METADATA_ERRORS) for e in errors):
+                cluster.request_update()
+            error = next((e for e in errors if not e.retriable), None) or (
+                errors[0] if errors else UnknownTopicOrPartitionError("no answer")
+            )
+            wait = backoff(attempt)
+            attempt += 1
+            if not error.retriable or self._clock() + wait > deadline:
+                raise error
+            await asyncio.sleep(wait)
+        return done
 
     async def partitions_for(self, topic: str) -> list[int]:
         self._running_acc()

@@ -18,6 +18,9 @@ class RecordMetadata(NamedTuple):
     partition: int
     offset: int
     timestamp: int  # ms since the epoch: the record's own (CreateTime) timestamp
+    schedule_id: str | None = None
+    """For a delayed record: its id (``Admin.cancel_scheduled``). ``topic`` and ``partition``
+    are then where it will be delivered, and ``offset`` is -1 (not placed there yet)."""
 
 
 class RecordsMetadata(NamedTuple):
@@ -29,6 +32,8 @@ class RecordsMetadata(NamedTuple):
     partition: int
     base_offset: int
     record_count: int
+    schedule_ids: tuple[str, ...] = ()
+    """For delayed records: their ids in the run's order (``base_offset`` is then -1)."""
 
 
 class ConsumerRecord(NamedTuple):

@@ -30,7 +30,7 @@ from typing import Any, Protocol, Self, TypeVar
 from sdk.config import ConsumerConfig, ProducerConfig
 from sdk.consumer import Consumer
 from sdk.errors import IllegalStateError, ProducerClosedError
-from sdk.producer import Producer
+from sdk.producer import Producer, ScheduledFuture
 from sdk.records import ConsumerRecord, OffsetAndTimestamp, RecordMetadata, TopicPartition
 from storage.errors import StrataError
 from storage.filters import Filter, as_filter
@@ -127,8 +127,15 @@ class SyncProducer:
         timestamp: int | None = None,
         on_delivery: DeliveryCallback | None = None,
         callback: DeliveryCallback | None = None,
-    ) -> None:
-        """Buffer one record; its report reaches ``on_delivery(err, metadata)`` via ``poll``."""
+        *,
+        delay_ms: int | None = None,
+        deliver_at_ms: int | None = None,
+        delay_level: int | None = None,
+    ) -> str | None:
+        """Buffer one record; its report reaches ``on_delivery(err, metadata)`` via ``poll``.
+
+        A delayed record (``delay_ms``, ``deliver_at_ms`` or ``delay_level``: see
+        ``Producer.send``) returns its schedule id; any other returns None."""
         if self._closed:
             raise ProducerClosedError("the producer is closed")
         with self._lock:
@@ -139,8 +146,11 @@ class SyncProducer:
                 )
             self._outstanding += 1
         cb = on_delivery or callback
+        delay = (delay_ms, deliver_at_ms, delay_level)
         try:
-            self._thread.run(self._send(topic, value, key, headers, tags, partition, timestamp, cb))
+            return self._thread.run(
+                self._send(topic, value, key, headers, tags, partition, timestamp, cb, delay)
+            )
         except BaseException:
             with self._lock:
                 self._outstanding -= 1
@@ -156,9 +166,22 @@ class SyncProducer:
         partition: int | None,
         timestamp: int | None,
         cb: DeliveryCallback | None,
-    ) -> None:
-        fut = await self._producer.send(topic, value, key, headers, tags, partition, timestamp)
+        delay: tuple[int | None, int | None, int | None],
+    ) -> str | None:
+        fut = await self._producer.send(
+            topic,
+            value,
+            key,
+            headers,
+            tags,
+            partition,
+            timestamp,
+            delay_ms=delay[0],
+            deliver_at_ms=delay[1],
+            delay_level=delay[2],
+        )
         fut.add_done_callback(partial(self._delivered, cb))
+        return fut.schedule_id if isinstance(fut, ScheduledFuture) else None
 
     def _delivered(self, cb: DeliveryCallback | None, fut: asyncio.Future[RecordMetadata]) -> None:
         if fut.cancelled():

@@ -18,6 +18,7 @@ at one boundary per adapter and never leak out.
     │   ├── InvalidReplicationFactorError  more replicas than live agents, or out of range
     │   ├── TopicAlreadyExistsError
     │   ├── InvalidFilterError         a filter expression that does not parse (``position``)
+    │   ├── InvalidDelayError          a bad delay: negative, over delay.max.ms, or ambiguous
     │   └── MalformedFrameError        a protocol frame that does not parse
     │       └── FrameTooLargeError     a frame over the connection's maximum size
     ├── OffsetOutOfRangeError          offset below the log start or above the log end
@@ -149,6 +150,14 @@ class InvalidFilterError(InvalidRequestError):
         super().__init__(message)
         self.reason = message
         self.position = position
+
+
+class InvalidDelayError(InvalidRequestError):
+    """A delayed send the producer refuses before storing anything: a negative delay, one
+    over the topic's ``delay.max.ms``, both ``delay_ms`` and ``deliver_at_ms``, an unknown
+    delay level, or a malformed schedule id."""
+
+    code = 1040
 
 
 class MalformedFrameError(InvalidRequestError):

@@ -73,10 +73,22 @@ def test_up_detach_is_healthy_and_status_shows_every_component(
     print(f"strata local up --detach: healthy after {up['measured_s']:.1f} s")
     status = as_json(strata(state_dir, "-o", "json", "local", "status"))
     names = [c["name"] for c in status["components"]]
-    assert names == ["s3 (moto)", "zookeeper", "agent 1", "agent 2", "agent 3", "admin api"]
+    assert names == [
+        "s3 (moto)",
+        "zookeeper",
+        "agent 1",
+        "agent 2",
+        "agent 3",
+        "admin api",
+        "delay scheduler",
+    ]
     assert status["healthy"] and all(c["healthy"] for c in status["components"]), status
     text = strata(state_dir, "local", "status").stdout
     assert "agent 3" in text and "DOWN" not in text
+    delays = as_json(strata(state_dir, "-o", "json", "delays", "status"))
+    assert len(delays["levels"]) == 29 and delays["pending"] == 0, delays
+    bad = strata(state_dir, "delays", "cancel", "not-an-id", check=False)
+    assert bad.returncode == 1 and "InvalidDelayError" in bad.stderr, bad.stderr
 
 
 def test_topics_produce_consume_group_reset(stack: tuple[Path, dict[str, Any]]) -> None:
@@ -179,7 +191,7 @@ def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> No
     state = local.read_state(state_dir)
     assert state is not None
     pids = [state.supervisor_pid, *state.pids()]
-    assert len(pids) == 7
+    assert len(pids) == 8  # supervisor, delay scheduler, admin, 3 agents, ZooKeeper, moto
     assert "stopped" in strata(state_dir, "local", "down").stdout
     deadline = time.monotonic() + 10
     while any(local._alive(p) for p in pids) and time.monotonic() < deadline:

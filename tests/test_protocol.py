@@ -366,7 +366,7 @@ GOLDEN_PRODUCE = m.ProduceRequest(
 )
 
 GOLDEN_METADATA_RESPONSE = bytes.fromhex(
-    "49000000"  # size 73
+    "51000000"  # size 81
     "2a000000"  # correlation_id 42
     "0000"  # error_code 0
     "01000000"  # 1 agent
@@ -389,11 +389,14 @@ GOLDEN_METADATA_RESPONSE = bytes.fromhex(
     "02000000"  # replicas [1, 2]
     "01000000"
     "01000000"  # isr [1]
+    "002cb15707000000"  # delay_max_ms: one year
 )
 GOLDEN_METADATA = m.MetadataResponse(
     agents=[m.AgentInfo(1, "a1", 9092)],
     controller_id=1,
-    topics=[m.TopicMetadata(0, "t", [m.PartitionMetadata(0, 0, 1, 5, [1, 2], [1])])],
+    topics=[
+        m.TopicMetadata(0, "t", [m.PartitionMetadata(0, 0, 1, 5, [1, 2], [1])], 31_536_000_000)
+    ],
 )
 
 

@@ -97,10 +97,28 @@ def test_least_privilege_roles(cfn: dict[str, Any]) -> None:
 
 def test_agents_run_as_long_lived_services_with_a_wal_volume(cfn: dict[str, Any]) -> None:
     services = _of_type(cfn, "AWS::ECS::Service")
-    assert len(services) == 3
-    for td in _of_type(cfn, "AWS::ECS::TaskDefinition").values():
+    assert len([name for name in services if name.startswith("Agent")]) == 3
+    agents = {
+        k: v for k, v in _of_type(cfn, "AWS::ECS::TaskDefinition").items() if k.startswith("Agent")
+    }
+    for td in agents.values():
         props = td["Properties"]
         assert props["Volumes"] == [{"Name": "wal"}]
         container = props["ContainerDefinitions"][0]
         assert container["MountPoints"][0]["SourceVolume"] == "wal"
         assert {"Ref": "ZooKeeperConnect"} in container["Command"]
+
+
+def test_the_delay_scheduler_runs_as_a_fargate_service_with_no_bucket_access(
+    cfn: dict[str, Any],
+) -> None:
+    service = cfn["Resources"]["SchedulerService"]["Properties"]
+    assert service["LaunchType"] == "FARGATE" and service["DesiredCount"] >= 2
+    td = cfn["Resources"]["SchedulerTaskDefinition"]["Properties"]
+    command = td["ContainerDefinitions"][0]["Command"]
+    assert command[:3] == ["python", "-m", "infra.event_source"]
+    assert command[command.index("--function") + 1] == "handlers.scheduler:handler"
+    env = {e["Name"]: e["Value"] for e in td["ContainerDefinitions"][0]["Environment"]}
+    assert env["STRATA_ZOOKEEPER_CONNECT"] == {"Ref": "ZooKeeperConnect"}
+    role = cfn["Resources"]["SchedulerTaskRole"]["Properties"]
+    assert "Policies" not in role and "ManagedPolicyArns" not in role

@@ -18,6 +18,9 @@ from storage.names import validate_topic_name as validate_topic_name
 
 MAX_PARTITIONS = 10_000
 DAY_MS = 24 * 3600 * 1000
+YEAR_MS = 365 * DAY_MS
+MAX_DELAY_MS = 2**36 - 1
+"""The longest delay the delay levels can hold (about 795 days): see docs/delays.md."""
 
 
 class TopicConfig(LogConfig):
@@ -29,6 +32,8 @@ class TopicConfig(LogConfig):
     local_retention_bytes: int = Field(-2, alias="local.retention.bytes", ge=-2)
     min_insync_replicas: int = Field(1, alias="min.insync.replicas", ge=1)
     unclean_leader_election_enable: bool = Field(False, alias="unclean.leader.election.enable")
+    delay_max_ms: int = Field(YEAR_MS, alias="delay.max.ms", ge=0, le=MAX_DELAY_MS)
+    """The longest delay a producer may ask for on this topic (docs/delays.md)."""
 
     def log_config(self) -> LogConfig:
         return LogConfig.model_validate({k: getattr(self, k) for k in LogConfig.model_fields})

@@ -110,10 +110,12 @@ class TopicMetadata(Message):
     error_code: int
     name: str
     partitions: list[PartitionMetadata]
+    delay_max_ms: int = -1  # the topic's delay.max.ms; -1 when unknown
     SCHEMA = (
         ("error_code", INT16),
         ("name", STRING),
         ("partitions", Array(struct_of(PartitionMetadata))),
+        ("delay_max_ms", INT64),
     )
 
 
