@@ -208,8 +208,13 @@ class Scheduler:
         self._producers: dict[str, Producer] = {}
         self._stats_at = 0.0
         self._swept_at = 0.0
+        self._flush: asyncio.TimerHandle | None = None
+        self._flushing: asyncio.Task[None] | None = None
 
     async def close(self) -> None:
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
         producers, self._producers = self._producers, {}
         for p in producers.values():
             await p.close(flush_timeout=1.0)
@@ -256,11 +261,29 @@ class Scheduler:
     async def _housekeeping(self, ds: DelayStore) -> None:
         now = time.monotonic()
         if now - self._stats_at >= STATS_EVERY:
-            self._stats_at = now
-            await ds.write_stats(self.name, self.stats.to_json())
+            await self._write_stats(ds)
+        elif self._flush is None:
+            # no invocation may come for a long time after this one (nothing else due): its
+            # counts are written when the interval is up rather than left stale until then
+            self._flush = asyncio.get_running_loop().call_later(
+                self._stats_at + STATS_EVERY - now, self._flush_later, ds
+            )
         if now - self._swept_at >= SWEEP_EVERY:
             self._swept_at = now
             await ds.sweep_cancels(self.clock_ms())
+
+    async def _write_stats(self, ds: DelayStore) -> None:
+        self._stats_at = time.monotonic()
+        if self._flush is not None:
+            self._flush.cancel()
+            self._flush = None
+        await ds.write_stats(self.name, self.stats.to_json())
+
+    def _flush_later(self, ds: DelayStore) -> None:
+        self._flush = None
+        if self._flushing is None or self._flushing.done():
+            self._flushing = asyncio.ensure_future(self._write_stats(ds))
+            self._flushing.add_done_callback(_log_failure)
 
     async def _lane(
         self,
@@ -413,6 +436,11 @@ class Scheduler:
                         self.stats.late(max(0, timestamp - r.sid.due_ms))
         else:
             self.stats.hops += sum(map(len, outputs.values()))
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("writing the scheduler's stats failed: %r", task.exception())
 
 
 async def _topic_exists(producer: Producer, topic: str) -> bool:

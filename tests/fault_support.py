@@ -39,12 +39,14 @@ def data_dir(cluster: Cluster, agent_id: int) -> Path:
     return cluster.data_root / f"agent-{agent_id}"
 
 
-def start_recorded(cluster: Cluster, agent_id: int, *configs: str) -> AgentHandle:
-    """Start (or restart) an agent whose data directory a power loss can hit."""
+def start_recorded(
+    cluster: Cluster, agent_id: int, *configs: str, env: dict[str, str] | None = None
+) -> AgentHandle:
+    """Start (or restart) an agent whose data directory a power loss (or a quota) can hit."""
     journal = journal_dir(cluster, agent_id)
     if not journal.exists():
         crashfs.start_recording(data_dir(cluster, agent_id), journal)
-    return cluster.start_agent(agent_id, *configs, env={crashfs.ENV: str(journal)})
+    return cluster.start_agent(agent_id, *configs, env={**(env or {}), crashfs.ENV: str(journal)})
 
 
 def power_loss(cluster: Cluster, *agent_ids: int) -> None:

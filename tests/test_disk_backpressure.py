@@ -3,8 +3,11 @@
 The agent's S3 endpoint is a fault-injecting proxy in front of moto that answers every request
 ``503 SlowDown`` for as long as the outage lasts. Segments then cannot leave the disk, and the
 upload backlog bound (``tier.max.pending.bytes``, 4 GiB by default) is far above what this
-"disk" holds: ``log.dir.min.free.bytes`` is set to the real filesystem's free space minus
-24 MiB, so the agent has 24 MiB to fill. Checked:
+"disk" holds: the agent's data directory is a 32 MiB disk (the ``fileio`` seam's byte quota,
+``storage.wal.crashfs``: free space is what the quota leaves, a write past it fails with
+``ENOSPC``) and ``log.dir.min.free.bytes`` is 8 MiB, so the agent has 24 MiB to fill. (The
+machine's real free space is not used: other processes on the same filesystem move it.)
+Checked:
 
 * producers are refused with the retriable ``LogDirFullError`` before the floor is crossed by
   more than one request (the disk never fills: no append fails, no replica goes offline);
@@ -15,7 +18,6 @@ upload backlog bound (``tier.max.pending.bytes``, 4 GiB by default) is far above
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -25,18 +27,20 @@ from kazoo.client import KazooClient
 from storage.codec import encode_batch
 from storage.errors import LogDirFullError
 from storage.protocol import messages as m
+from storage.wal import crashfs
 from tests.cluster import Cluster, WireClient, produce_request
+from tests.fault_support import data_dir, journal_dir, start_recorded
 from tests.faulty_proxy import FaultyProxy
 from tests.harness import ProcessGroup, S3Target, ZooKeeperChroot
 from tests.test_tier import TOPIC, _consume, _manifest
 
-ROOM = 24 << 20
+DISK = 32 << 20
+FLOOR = 8 << 20
 SEGMENT = 1 << 20
 
 
-def _free(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+def _used(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
 def test_an_s3_outage_fills_no_disk_and_writes_resume_after(
@@ -46,20 +50,21 @@ def test_an_s3_outage_fills_no_disk_and_writes_resume_after(
     s3: S3Target,
     tmp_path: Path,
 ) -> None:
-    data = tmp_path / "data"
-    data.mkdir()
-    floor = _free(data) - ROOM
     upstream = urlsplit(s3.endpoint_url)
     assert upstream.hostname is not None and upstream.port is not None
     with FaultyProxy(upstream.hostname, upstream.port, seed=3) as proxy:
-        cluster = Cluster(processes, zk_chroot, data)
-        agent = cluster.start_agent(
+        cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+        data = data_dir(cluster, 1)
+        crashfs.start_recording(data, journal_dir(cluster, 1))
+        crashfs.set_faults(journal_dir(cluster, 1), quota_bytes=DISK)
+        agent = start_recorded(
+            cluster,
             1,
             f"s3.bucket={s3.bucket}",
             "tier.check.interval.ms=100",
             "s3.request.timeout.ms=1000",
             "s3.max.attempts=2",
-            f"log.dir.min.free.bytes={floor}",
+            f"log.dir.min.free.bytes={FLOOR}",
             env={**s3.env(), "AWS_ENDPOINT_URL": proxy.endpoint_url},
         )
         cluster.create_topic(
@@ -73,7 +78,7 @@ def test_an_s3_outage_fills_no_disk_and_writes_resume_after(
             client = await WireClient.connect(agent.host, agent.port)
             acked: list[bytes] = []
             refused = 0
-            lowest = _free(data)
+            lowest = DISK - _used(data)
             request_bytes = 0
             try:
 
@@ -87,7 +92,7 @@ def test_an_s3_outage_fills_no_disk_and_writes_resume_after(
                             m.ApiKey.PRODUCE, produce_request(TOPIC, 0, records), wait_s=30
                         )
                         r = resp.topics[0].partitions[0]
-                        lowest = min(lowest, _free(data))
+                        lowest = min(lowest, DISK - _used(data))
                         if r.error_code == 0:
                             assert r.base_offset == len(acked)
                             acked.extend(values)
@@ -115,11 +120,11 @@ def test_an_s3_outage_fills_no_disk_and_writes_resume_after(
 
         acked, lowest, request_bytes, resumed = asyncio.run(run())
         print(
-            f"acked={len(acked)} lowest free={(lowest - floor) >> 10} KiB above the floor,"
+            f"acked={len(acked)} lowest free={(lowest - FLOOR) >> 10} KiB above the floor,"
             f" writes resumed {resumed:.1f} s after the outage, proxy={proxy.counts()}"
         )
         # refused before the floor was crossed by more than the request that found it above
-        assert lowest >= floor - 2 * request_bytes - SEGMENT, (lowest, floor)
+        assert lowest >= FLOOR - 2 * request_bytes - SEGMENT, (lowest, FLOOR)
         log_text = agent.process.log_text()
         assert "offline" not in log_text and "No space left" not in log_text
         got = asyncio.run(_consume(cluster.bootstrap, len(acked)))
