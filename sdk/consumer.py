@@ -97,6 +97,13 @@ from storage.protocol.messages import (
 
 _OUT_OF_RANGE = OffsetOutOfRangeError.code
 _RESETS = {"earliest": EARLIEST_TIMESTAMP, "latest": LATEST_TIMESTAMP}
+FETCHES_PER_AGENT = 4
+"""Fetches in flight to one agent at once, for disjoint partitions, each on a connection of
+its own (an agent answers a connection's requests in order). A partition that becomes
+fetchable while a long poll for others of the same agent is in flight (its buffered records
+were handed out; it was resumed, sought, or reset) is fetched at once instead of waiting for
+that poll to end, which could take ``fetch.max.wait.ms``. Long polls and the default
+connection's requests (metadata, offset lookups) no longer wait behind each other either."""
 _INT64 = pa.int64()
 
 
@@ -219,7 +226,8 @@ class Consumer:
         )
         self._states: dict[TopicPartition, _PartitionState] = {}
         self._buffered_bytes = 0
-        self._fetching: set[int] = set()
+        #: agent id -> the fetch slots in use (each slot its own connection: ``_fetch``)
+        self._fetching: dict[int, set[int]] = defaultdict(set)
         self._rotation = 0
         self._pending: deque[ConsumerRecord] = deque()
         self._wake = asyncio.Event()
@@ -721,7 +729,7 @@ class Consumer:
                 continue  # woken by the metadata update
             if st.reset is not None:
                 resets[leader][tp] = st.reset
-            elif room and leader not in self._fetching:
+            elif room and len(self._fetching[leader]) < FETCHES_PER_AGENT:
                 fetches[leader].append(tp)
         for leader, query in resets.items():
             for tp in query:
@@ -730,8 +738,10 @@ class Consumer:
         for leader, tps in fetches.items():
             for tp in tps:
                 self._states[tp].busy = True
-            self._fetching.add(leader)
-            self._spawn(self._fetch(leader, tps), f"strata-fetch-from-{leader}")
+            in_use = self._fetching[leader]
+            slot = min(set(range(FETCHES_PER_AGENT)) - in_use)
+            in_use.add(slot)
+            self._spawn(self._fetch(leader, tps, slot), f"strata-fetch-from-{leader}")
         return delay
 
     def _backoff_partition(self, st: _PartitionState) -> None:
@@ -772,7 +782,7 @@ class Consumer:
                     )
         self._notify()
 
-    async def _fetch(self, leader: int, tps: list[TopicPartition]) -> None:
+    async def _fetch(self, leader: int, tps: list[TopicPartition], slot: int) -> None:
         cluster = self._cluster
         assert cluster is not None
         cfg = self.config
@@ -804,6 +814,7 @@ class Consumer:
                 leader,
                 request,
                 request_timeout=(cfg.request_timeout_ms + cfg.fetch_max_wait_ms) / 1000,
+                channel=f"fetch-{slot}",
             )
         except StrataError as exc:
             for tp, (gen, _) in asked.items():
@@ -812,7 +823,7 @@ class Consumer:
                     self._partition_error(tp, st, exc)
             return
         finally:
-            self._fetching.discard(leader)
+            self._fetching[leader].discard(slot)
             for tp in tps:
                 st = self._states.get(tp)
                 if st is not None:

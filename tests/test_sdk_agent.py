@@ -256,3 +256,38 @@ def test_a_partitions_queued_batches_travel_together_in_order(
     asyncio.run(run())
     batches = len(values) * 100 // 4096  # at least this many 4 KiB batches were filled
     assert produce_requests() - before < batches / (2 if idempotent else 4)
+
+
+def test_new_data_is_fetched_while_another_partition_of_the_leader_long_polls(
+    agent: Cluster,
+) -> None:
+    """A partition that becomes fetchable while a long poll for another partition of the same
+    agent is in flight must not wait for that poll to time out (end-to-end stalls as long as
+    ``fetch.max.wait.ms``). Here: t-0's record is handed out while t-1 (no data) long-polls
+    for 20 s; the next record on t-0 must arrive long before that poll ends."""
+    wait_ms = 20_000
+
+    async def run() -> float:
+        async with (
+            Producer({"bootstrap.servers": agent.bootstrap, "linger.ms": 0}) as producer,
+            Consumer(
+                {
+                    "bootstrap.servers": agent.bootstrap,
+                    "auto.offset.reset": "earliest",
+                    "fetch.max.wait.ms": wait_ms,
+                }
+            ) as consumer,
+        ):
+            consumer.assign([("t", 0), ("t", 1)])
+            await producer.send_and_wait("t", b"first", partition=0)
+            first = await asyncio.wait_for(consumer.getone(), 10)
+            assert first.value == b"first"
+            await producer.send_and_wait("t", b"second", partition=0)
+            started = asyncio.get_running_loop().time()
+            second = await asyncio.wait_for(consumer.getone(), wait_ms / 1000 + 10)
+            assert second.value == b"second"
+            return asyncio.get_running_loop().time() - started
+
+    took = asyncio.run(run())
+    # the bug this guards against makes it wait out the other partition's 20 s poll
+    assert took < wait_ms / 1000 / 2, f"the second record took {took:.1f} s"
