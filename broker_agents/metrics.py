@@ -7,6 +7,12 @@ Two kinds of metric, kept apart:
   (``AgentServer.observer``), group commit reports each fsync's duration
   (``storage.wal.group_commit.set_fsync_observer``), the uploader each segment upload
   (``Tiering.on_upload``);
+* **stalls**: a probe on the event loop (``LoopLagProbe``) asks to be woken every
+  ``LAG_INTERVAL`` and records how late it was (``strata_event_loop_lag_seconds``): everything
+  the agent does waits that long too, so a request's latency has this as its floor. Pauses
+  of Python's cyclic garbage collector are timed by generation (``strata_gc_pause_seconds``).
+  A lag over ``LAG_WARN`` is also logged, with its time, to be matched with what else
+  happened then;
 * **state** (gauges: ISR sizes, under-replicated partitions, un-uploaded bytes, offsets,
   consumer-group lag) is read from the agent's own structures at scrape time by
   :class:`_StateCollector`, so nothing has to keep a gauge up to date.
@@ -21,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -58,6 +65,13 @@ log = logging.getLogger(__name__)
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
 )  # fmt: skip
+LAG_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+)  # fmt: skip
+LAG_INTERVAL = 0.05
+"""How often the loop-lag probe asks to be woken (seconds)."""
+LAG_WARN = 0.5
+"""A lag at least this long is logged as a stall."""
 UPLOAD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 MAX_REQUEST_HEAD = 8192
 """A scrape request whose head (request line + headers) is longer is refused."""
@@ -129,8 +143,24 @@ class AgentMetrics:
             "Bytes of batches filtered fetches sent",
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "strata_event_loop_lag_seconds",
+            f"How late a wake-up asked for every {int(LAG_INTERVAL * 1000)} ms ran: how long the"
+            " event loop was busy or blocked (every request waited as long)",
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
+        self.gc_seconds = Histogram(
+            "strata_gc_pause_seconds",
+            "Pauses of Python's cyclic garbage collector, by generation",
+            ["generation"],
+            buckets=LAG_BUCKETS,
+            registry=r,
+        )
         r.register(_StateCollector(agent))
         self._server: asyncio.Server | None = None
+        self._lag_probe: asyncio.Task[None] | None = None
+        self._gc_started = 0.0
 
     # ---- hooks (ServerObserver, fsync observer, Tiering.on_upload) --------------------------
     def request_done(self, api_key: int, seconds: float, failed: bool) -> None:
@@ -162,14 +192,43 @@ class AgentMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
+    # ---- stalls -----------------------------------------------------------------------------
+    async def _probe_lag(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            asked = loop.time()
+            await asyncio.sleep(LAG_INTERVAL)
+            lag = max(0.0, loop.time() - asked - LAG_INTERVAL)
+            self.loop_lag.observe(lag)
+            if lag >= LAG_WARN:
+                log.warning("event loop stalled for %.0f ms", lag * 1000)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif self._gc_started:
+            self.gc_seconds.labels(str(info.get("generation", "?"))).observe(
+                time.perf_counter() - self._gc_started
+            )
+            self._gc_started = 0.0
+
     # ---- the endpoint -----------------------------------------------------------------------
     async def start(self, host: str, port: int) -> int:
         """Serve ``GET /metrics`` on ``host:port`` (0: any free port); return the port."""
         self._server = await asyncio.start_server(self._serve, host, port)
+        self._lag_probe = asyncio.create_task(self._probe_lag(), name="loop-lag-probe")
+        gc.callbacks.append(self._on_gc)
         bound: int = self._server.sockets[0].getsockname()[1]
         return bound
 
     async def stop(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
+        if self._lag_probe is not None:
+            self._lag_probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._lag_probe
+            self._lag_probe = None
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
