@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-venv bench-compare lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-latency bench-venv bench-compare lint clean
 
 venv: $(STAMP)
 
@@ -67,7 +67,11 @@ $(BENCH_STAMP): $(STAMP)
 bench-compare: bench-venv
 	$(PY) -m bench.compare_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-compare
+# end-to-end latency (HDR histograms, CDF plot); BENCH_ARGS="--soak-minutes 15" adds the soak
+bench-latency: bench-venv
+	$(PY) -m bench.latency_bench --write-docs $(BENCH_ARGS)
+
+bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-latency bench-compare
 
 lint: venv
 	$(PY) -m ruff check .

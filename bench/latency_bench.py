@@ -1,0 +1,464 @@
+"""End-to-end and produce->ack latency, and a soak that reports every stall (#31).
+
+Run with ``make bench-latency`` (``python -m bench.latency_bench [--write-docs]``). Starts a
+real ZooKeeper and three agents (and moto as S3 for the soak), then for each row runs a
+**producer process** and a **consumer process** (``--role``: this module again), so neither
+one's event loop delays the other's clock readings:
+
+* the producer sends 1 KiB values at a fixed rate with ``linger.ms=0`` (keyless, round robin
+  over 6 partitions); each value starts with ``time.monotonic_ns()`` at the send (the
+  monotonic clock is one clock for every process of the machine), and records the
+  produce->ack latency of each record;
+* the consumer is assigned all 6 partitions and long-polls (``fetch.max.wait.ms=500``); it
+  records, for each record, the time from that send to the moment it holds the record.
+
+Both record into HDR histograms (``hdrhistogram``, 1 µs to 60 s, 3 significant digits) and
+hand them back encoded. Rows: acks=1 on a topic with replication factor 1, acks=all on one
+with replication factor 3 (``min.insync.replicas=2``), at 1,000 and 10,000 msgs/s. Each row
+runs ``--runs`` times (3), alternated with the others, and a figure is the median of its runs
+with the min-max beside it.
+
+**Soak** (``--soak-minutes N``): acks=all, RF 3, keyed, 2,000 msgs/s, tiering on (segments of
+8 MiB uploaded to moto, local retention 0), for N minutes. Producer and consumer report every
+gap over 100 ms between consecutive acknowledgements (while sends were outstanding) or between
+consecutive deliveries, with its time; the report lists each gap with the agents' log lines
+from 1 s before it to its end (segment rolls and uploads, ZooKeeper, ISR changes, and the
+agents' own ``event loop stalled`` lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from hdrh.histogram import HdrHistogram
+
+from bench.common import publish, settle_writeback
+from infra.agents import AgentProcess, start_agent
+from infra.local import s3_client, s3_env
+from infra.moto_s3 import start_moto
+from infra.zookeeper import start_zookeeper
+from sdk import Consumer, Producer
+from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+PARTITIONS = 6
+SIZE = 1024
+GAP_NS = 100_000_000
+"""A gap in acks or deliveries at least this long is reported by the soak."""
+SOAK_RATE = 2_000
+BUCKET = "strata-latency"
+ROWS = (("1", 1, 1_000), ("1", 1, 10_000), ("all", 3, 1_000), ("all", 3, 10_000))
+DOCS_IMG = ROOT / "docs" / "img"
+
+
+def _histogram() -> HdrHistogram:
+    return HdrHistogram(1, 60_000_000, 3)  # microseconds
+
+
+def _summary(h: HdrHistogram) -> dict[str, float]:
+    return {
+        "count": h.get_total_count(),
+        "p50_ms": h.get_value_at_percentile(50) / 1000,
+        "p99_ms": h.get_value_at_percentile(99) / 1000,
+        "p999_ms": h.get_value_at_percentile(99.9) / 1000,
+        "max_ms": h.get_max_value() / 1000,
+    }
+
+
+# ---------------------------------------------------------------- the two roles
+
+
+async def _produce(args: argparse.Namespace) -> dict[str, Any]:
+    acks: int | str = "all" if args.acks == "all" else int(args.acks)
+    config = {
+        "bootstrap.servers": args.bootstrap,
+        "acks": acks,
+        "linger.ms": 0,
+        "enable.idempotence": acks == "all",
+    }
+    acked = _histogram()
+    gaps: list[dict[str, float]] = []
+    last_ack = [0]
+    outstanding = [0]
+
+    def done(sent: int, fut: asyncio.Future[Any]) -> None:
+        now = time.monotonic_ns()
+        outstanding[0] -= 1
+        if fut.exception() is None:
+            acked.record_value(max(1, (now - sent) // 1000))
+        if last_ack[0] and now - last_ack[0] >= GAP_NS and args.gaps:
+            gaps.append({"kind": "ack", "end_wall": time.time(), "ms": (now - last_ack[0]) / 1e6})
+        last_ack[0] = now
+
+    async with Producer(config) as producer:
+        await producer.partitions_for(args.topic)
+        total = int(args.rate * args.seconds)
+        interval = 1e9 / args.rate
+        pad = os.urandom(SIZE - 8)
+        start = time.monotonic_ns() + 200_000_000  # the consumer is polling by then
+        futures = []
+        for i in range(total):
+            pause = (start + i * interval - time.monotonic_ns()) / 1e9
+            if pause > 0:
+                await asyncio.sleep(pause)
+            sent = time.monotonic_ns()
+            if not outstanding[0]:
+                last_ack[0] = sent  # nothing was owed before: no gap runs over idle time
+            outstanding[0] += 1
+            key = b"k%d" % (i % 64) if args.keyed else None
+            fut = await producer.send(
+                args.topic,
+                sent.to_bytes(8, "big") + pad,
+                key=key,
+                partition=None if args.keyed else i % PARTITIONS,
+            )
+            fut.add_done_callback(lambda f, sent=sent: done(sent, f))
+            futures.append(fut)
+            if len(futures) >= 10_000:
+                await asyncio.gather(*futures[:5_000], return_exceptions=True)
+                del futures[:5_000]
+        await asyncio.gather(*futures, return_exceptions=True)
+    return {"ack": acked.encode().decode(), "gaps": gaps, "sent": total}
+
+
+async def _consume(args: argparse.Namespace) -> dict[str, Any]:
+    config = {
+        "bootstrap.servers": args.bootstrap,
+        "auto.offset.reset": "latest",
+        "fetch.max.wait.ms": 500,
+    }
+    e2e = _histogram()
+    gaps: list[dict[str, float]] = []
+    expected = int(args.rate * args.seconds)
+    got = 0
+    last = 0
+    async with Consumer(config) as consumer:
+        consumer.assign([(args.topic, p) for p in range(PARTITIONS)])
+        for p in range(PARTITIONS):
+            await consumer.position((args.topic, p))  # at the end before the producer starts
+        print(json.dumps({"ready": True}), flush=True)
+        deadline = time.monotonic() + args.seconds + 60
+        while got < expected and time.monotonic() < deadline:
+            batches = await consumer.getmany_arrow(timeout_ms=1000)
+            now = time.monotonic_ns()
+            for table in batches.values():
+                for value in table.column("value").to_pylist():
+                    e2e.record_value(max(1, (now - int.from_bytes(value[:8], "big")) // 1000))
+                got += table.num_rows
+            if batches:
+                if last and now - last >= GAP_NS and args.gaps:
+                    gaps.append(
+                        {"kind": "delivery", "end_wall": time.time(), "ms": (now - last) / 1e6}
+                    )
+                last = now
+    return {"e2e": e2e.encode().decode(), "gaps": gaps, "received": got}
+
+
+def _role_main(args: argparse.Namespace) -> int:
+    run = _produce if args.role == "producer" else _consume
+    print(json.dumps({"result": asyncio.run(run(args))}), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def _role(
+    role: str,
+    bootstrap: str,
+    topic: str,
+    acks: str,
+    rate: int,
+    seconds: float,
+    *,
+    keyed: bool = False,
+    gaps: bool = False,
+) -> subprocess.Popen[str]:
+    argv = [
+        sys.executable, "-m", "bench.latency_bench", "--role", role, "--bootstrap", bootstrap,
+        "--topic", topic, "--acks", acks, "--rate", str(rate), "--seconds", str(seconds),
+    ]  # fmt: skip
+    if keyed:
+        argv.append("--keyed")
+    if gaps:
+        argv.append("--gaps")
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+
+
+def _result(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=timeout)
+    for line in out.splitlines():
+        if line.startswith('{"result"'):
+            result: dict[str, Any] = json.loads(line)["result"]
+            return result
+    raise RuntimeError(f"{proc.args} printed no result (exit {proc.returncode})")
+
+
+def run_row(
+    bootstrap: str, topic: str, acks: str, rate: int, seconds: float, **kw: bool
+) -> dict[str, Any]:
+    consumer = _role("consumer", bootstrap, topic, acks, rate, seconds, **kw)
+    assert consumer.stdout is not None
+    ready = consumer.stdout.readline()  # the consumer is at the end of every partition
+    if '"ready"' not in ready:
+        raise RuntimeError(f"the consumer did not start: {ready!r}")
+    producer = _role("producer", bootstrap, topic, acks, rate, seconds, **kw)
+    timeout = seconds + 120
+    prod = _result(producer, timeout)
+    cons = _result(consumer, timeout)
+    return {"producer": prod, "consumer": cons}
+
+
+async def _create(connect: str, name: str, rf: int, configs: dict[str, Any]) -> None:
+    zk = AsyncZooKeeper(connect)
+    await zk.start()
+    try:
+        spec = TopicSpec.build(
+            name=name, partitions=PARTITIONS, replication_factor=rf, config=configs,
+            topic_id=uuid.uuid4().hex, created_ms=int(time.time() * 1000),
+        )  # fmt: skip
+        await MetadataStore(zk).create_topic(spec)
+    finally:
+        await zk.stop()
+
+
+async def _warm(bootstrap: str, topic: str) -> None:
+    async with Producer({"bootstrap.servers": bootstrap, "acks": "all"}) as producer:
+        await producer.partitions_for(topic)
+        for p in range(PARTITIONS):
+            await producer.send_and_wait(topic, b"warm-up", partition=p)
+
+
+def _decode(text: str) -> HdrHistogram:
+    return HdrHistogram.decode(text.encode())
+
+
+def _median_row(runs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    summaries = [
+        _summary(_decode(r["producer"]["ack"] if kind == "ack" else r["consumer"]["e2e"]))
+        for r in runs
+    ]
+    out: dict[str, Any] = {}
+    for field in ("p50_ms", "p99_ms", "p999_ms", "max_ms"):
+        values = [s[field] for s in summaries]
+        out[field] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return out
+
+
+def _plot(curves: dict[str, HdrHistogram], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, h in curves.items():
+        xs, ys = [], []
+        for item in h.get_percentile_iterator(5):
+            p = item.percentile_level_iterated_to
+            if p >= 100:
+                break
+            xs.append(1 / (1 - p / 100))
+            ys.append(item.value_iterated_to / 1000)
+        ax.plot(xs, ys, label=label)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ticks = [1, 2, 10, 100, 1000, 10000]
+    ax.set_xticks(ticks, ["0%", "50%", "90%", "99%", "99.9%", "99.99%"])
+    ax.set_xlabel("percentile")
+    ax.set_ylabel("end-to-end latency (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _fmt(cell: dict[str, float]) -> str:
+    return f"{cell['median']:.2f} ({cell['min']:.2f}-{cell['max']:.2f})"
+
+
+def render(r: dict[str, Any]) -> str:
+    rows = []
+    for row in r["rows"]:
+        for kind in ("e2e", "ack"):
+            c = row[kind]
+            rows.append(
+                f"| acks={row['acks']}, RF {row['rf']} | {row['rate']:,} | {kind} |"
+                f" {_fmt(c['p50_ms'])} | {_fmt(c['p99_ms'])} | {_fmt(c['p999_ms'])} | {_fmt(c['max_ms'])} |"
+            )
+    lines = [
+        "<!-- latency-bench:begin (generated by `make bench-latency`; do not edit by hand) -->",
+        f"Measured {r['date']} on {r['machine']} with `{r['command']}`: three agent processes,"
+        f" {PARTITIONS} partitions, 1 KiB values, `linger.ms=0`, producer and consumer in separate"
+        f" processes (the consumer long-polls all partitions, `fetch.max.wait.ms=500`),"
+        f" {r['seconds']:g} s per run, `fsync.policy` default (`always`). Each cell: median of"
+        f" {r['runs']} alternated runs (min-max), milliseconds. *e2e*: send → the consumer holds"
+        " the record; *ack*: send → acknowledgement.",
+        "",
+        "| setup | msgs/s | path | p50 | p99 | p99.9 | max |",
+        "|---|---:|---|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "![End-to-end latency by percentile](img/latency-cdf.png)",
+    ]
+    if "soak" in r:
+        s = r["soak"]
+        lines += [
+            "",
+            f"Soak: {s['minutes']:g} min, acks=all, RF 3, keyed, {SOAK_RATE:,} msgs/s, tiering on:"
+            f" {s['sent']:,} sent, {s['received']:,} received; gaps ≥ 100 ms: {len(s['gaps'])}"
+            + (" (longest " + f"{max(g['ms'] for g in s['gaps']):.0f} ms)" if s["gaps"] else "")
+            + f"; end-to-end p99 {s['e2e']['p99_ms']:.2f} ms, max {s['e2e']['max_ms']:.2f} ms.",
+        ]
+    lines.append("<!-- latency-bench:end -->")
+    return "\n".join(lines)
+
+
+def _agent_lines(agents: list[AgentProcess], start: float, end: float) -> list[str]:
+    out = []
+    for a in agents:
+        for line in a.log_path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+                ts = time.mktime(time.strptime(rec["ts"].split(",")[0], "%Y-%m-%d %H:%M:%S"))
+            except (ValueError, KeyError, TypeError):
+                continue
+            if start - 1 <= ts <= end + 1:
+                out.append(f"agent {a.agent_id}: {rec.get('msg', '')[:160]}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Strata end-to-end latency benchmark")
+    parser.add_argument("--role", choices=["producer", "consumer"])
+    parser.add_argument("--bootstrap")
+    parser.add_argument("--topic")
+    parser.add_argument("--acks", default="1")
+    parser.add_argument("--rate", type=int, default=1000)
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--keyed", action="store_true")
+    parser.add_argument("--gaps", action="store_true")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--soak-minutes", type=float, default=0.0)
+    parser.add_argument("--dir", type=Path, default=ROOT / "var" / "bench")
+    parser.add_argument("--write-docs", action="store_true")
+    args = parser.parse_args(argv)
+    if args.role:
+        return _role_main(args)
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=args.dir))
+    zk = start_zookeeper(work / "zookeeper")
+    moto = start_moto(work / "moto") if args.soak_minutes else None
+    agents: list[AgentProcess] = []
+    try:
+        connect = f"{zk.connect_string}/latency"
+        env, configs = None, None
+        if moto is not None:
+            s3_client(moto.endpoint_url).create_bucket(Bucket=BUCKET)
+            env = s3_env(moto.endpoint_url, BUCKET)
+            configs = {"s3.bucket": BUCKET, "s3.endpoint.url": moto.endpoint_url}
+        agents = [
+            start_agent(i, connect, work / f"agent-{i}", configs=configs, env=env)
+            for i in (1, 2, 3)
+        ]
+        bootstrap = ",".join(a.address for a in agents)
+        topics = {1: "latency-rf1", 3: "latency-rf3"}
+        for rf, name in topics.items():
+            asyncio.run(_create(connect, name, rf, {"min.insync.replicas": min(rf, 2)}))
+            asyncio.run(_warm(bootstrap, name))
+        results: dict[tuple[str, int, int], list[dict[str, Any]]] = {row: [] for row in ROWS}
+        for _ in range(args.runs):
+            for acks, rf, rate in ROWS:
+                settle_writeback(args.dir)
+                results[(acks, rf, rate)].append(
+                    run_row(bootstrap, topics[rf], acks, rate, args.seconds)
+                )
+                print(f"acks={acks} RF {rf} {rate}/s done", file=sys.stderr)
+        report: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
+            "command": "make bench-latency",
+            "seconds": args.seconds,
+            "runs": args.runs,
+            "rows": [
+                {
+                    "acks": acks,
+                    "rf": rf,
+                    "rate": rate,
+                    "e2e": _median_row(runs, "e2e"),
+                    "ack": _median_row(runs, "ack"),
+                }
+                for (acks, rf, rate), runs in results.items()
+            ],
+        }
+        curves = {}
+        for (acks, rf, rate), runs in results.items():
+            merged = _histogram()
+            for r in runs:
+                merged.add(_decode(r["consumer"]["e2e"]))
+            curves[f"acks={acks}, RF {rf}, {rate:,}/s"] = merged
+        _plot(curves, DOCS_IMG / "latency-cdf.png" if args.write_docs else work / "cdf.png")
+        if args.soak_minutes:
+            report["soak"] = soak(connect, bootstrap, agents, args.soak_minutes)
+    finally:
+        for a in agents:
+            a.stop()
+        if moto is not None:
+            moto.stop()
+        zk.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    publish("latency", render(report), report, write_docs=args.write_docs)
+    if "soak" in report:
+        for gap in report["soak"]["gaps"]:
+            print(
+                f"\ngap of {gap['ms']:.0f} ms in {gap['kind']}s ending {time.ctime(gap['end_wall'])}"
+            )
+            for line in gap["agents"]:
+                print("  " + line)
+    return 0
+
+
+def soak(
+    connect: str, bootstrap: str, agents: list[AgentProcess], minutes: float
+) -> dict[str, Any]:
+    topic = "latency-soak"
+    configs = {
+        "min.insync.replicas": 2,
+        "segment.bytes": 8 << 20,
+        "local.retention.ms": 0,
+    }
+    asyncio.run(_create(connect, topic, 3, configs))
+    asyncio.run(_warm(bootstrap, topic))
+    seconds = minutes * 60
+    r = run_row(bootstrap, topic, "all", SOAK_RATE, seconds, keyed=True, gaps=True)
+    gaps = r["producer"]["gaps"] + r["consumer"]["gaps"]
+    for gap in gaps:
+        gap["agents"] = _agent_lines(agents, gap["end_wall"] - gap["ms"] / 1000, gap["end_wall"])
+    return {
+        "minutes": minutes,
+        "sent": r["producer"]["sent"],
+        "received": r["consumer"]["received"],
+        "gaps": sorted(gaps, key=lambda g: g["end_wall"]),
+        "e2e": _summary(_decode(r["consumer"]["e2e"])),
+        "ack": _summary(_decode(r["producer"]["ack"])),
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
