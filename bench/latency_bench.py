@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import platform
@@ -90,7 +91,7 @@ async def _produce(args: argparse.Namespace) -> dict[str, Any]:
         "enable.idempotence": acks == "all",
     }
     acked = _histogram()
-    gaps: list[dict[str, float]] = []
+    gaps: list[dict[str, Any]] = []
     last_ack = [0]
     outstanding = [0]
 
@@ -125,7 +126,7 @@ async def _produce(args: argparse.Namespace) -> dict[str, Any]:
                 key=key,
                 partition=None if args.keyed else i % PARTITIONS,
             )
-            fut.add_done_callback(lambda f, sent=sent: done(sent, f))
+            fut.add_done_callback(functools.partial(done, sent))
             futures.append(fut)
             if len(futures) >= 10_000:
                 await asyncio.gather(*futures[:5_000], return_exceptions=True)
@@ -141,7 +142,7 @@ async def _consume(args: argparse.Namespace) -> dict[str, Any]:
         "fetch.max.wait.ms": 500,
     }
     e2e = _histogram()
-    gaps: list[dict[str, float]] = []
+    gaps: list[dict[str, Any]] = []
     expected = int(args.rate * args.seconds)
     got = 0
     last = 0
@@ -204,7 +205,7 @@ def _result(proc: subprocess.Popen[str], timeout: float) -> dict[str, Any]:
         if line.startswith('{"result"'):
             result: dict[str, Any] = json.loads(line)["result"]
             return result
-    raise RuntimeError(f"{proc.args} printed no result (exit {proc.returncode})")
+    raise RuntimeError(f"{proc.args!r} printed no result (exit {proc.returncode})")
 
 
 def run_row(
@@ -368,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     agents: list[AgentProcess] = []
     try:
         connect = f"{zk.connect_string}/latency"
-        env, configs = None, None
+        env: dict[str, str] | None = None
+        configs: dict[str, object] | None = None
         if moto is not None:
             s3_client(moto.endpoint_url).create_bucket(Bucket=BUCKET)
             env = s3_env(moto.endpoint_url, BUCKET)
