@@ -21,7 +21,12 @@ the consumer's supervisor:
 5. **Poll interval.** If the application does not call ``getmany``/``getone`` for
    ``max.poll.interval.ms``, the member leaves the group (its partitions go to others) and
    rejoins at the next poll.
-6. **Auto-commit** (``enable.auto.commit``) commits the positions every
+6. **Partitions added.** The member remembers how many partitions each topic had when the
+   group was last assigned (the leader: every topic of the group; others: their own); a
+   metadata update (every ``metadata.max.age.ms`` at the latest) that shows another count
+   makes it rejoin, so the new partitions are assigned after one rebalance, as Kafka's
+   consumers do, instead of at the next unrelated one.
+7. **Auto-commit** (``enable.auto.commit``) commits the positions every
    ``auto.commit.interval.ms``, before an eager revocation and at close.
 
 A committed offset is the next offset to read (Kafka's rule): ``commit()`` with no argument
@@ -130,6 +135,25 @@ class GroupClient:
         self._revoking_in: int | None = None
         self._polled = asyncio.Event()
         self.rebalances = 0
+        #: partition counts the current assignment was made with (see 6. above)
+        self._assigned_counts: dict[str, int] = {}
+        cluster.add_listener(self._metadata_updated)
+
+    def _metadata_updated(self) -> None:
+        if not self.member_id or self._joining or self._need_join.is_set():
+            return
+        for topic, count in self._assigned_counts.items():
+            now = self.cluster.partition_count(topic)
+            if now is not None and now != count:
+                log.info(
+                    "group %s: %s has %d partitions, %d when assigned: rejoining",
+                    self.group_id,
+                    topic,
+                    now,
+                    count,
+                )
+                self._need_join.set()
+                return
 
     # ---- coordinator --------------------------------------------------------------------
     async def _find_coordinator(self, deadline: float) -> int:
@@ -431,8 +455,9 @@ class GroupClient:
             self._check(join.error_code, "join")
         self.member_id = join.member_id
         assignments: list[m.SyncGroupAssignment] = []
+        counts: dict[str, int] = {}
         if join.leader == join.member_id and join.members:
-            assignments = await self._assign(join)
+            assignments, counts = await self._assign(join)
         sync: m.SyncGroupResponse = await self._send(
             m.SyncGroupRequest(
                 self.group_id,
@@ -463,6 +488,10 @@ class GroupClient:
                 self._revoking_in = None
             self._need_join.set()  # cooperative: their new owners get them next generation
         added = new - self.owned
+        for topic in self.topics:
+            if topic not in counts and (n := self.cluster.partition_count(topic)) is not None:
+                counts[topic] = n
+        self._assigned_counts = counts
         self.generation = join.generation_id
         self.protocol = join.protocol_name
         self.rebalances += 1
@@ -485,7 +514,10 @@ class GroupClient:
         if added and self.listener is not None:
             await _call(getattr(self.listener, "on_partitions_assigned", None), set(added))
 
-    async def _assign(self, join: m.JoinGroupResponse) -> list[m.SyncGroupAssignment]:
+    async def _assign(
+        self, join: m.JoinGroupResponse
+    ) -> tuple[list[m.SyncGroupAssignment], dict[str, int]]:
+        """The leader's assignment, and the partition counts it was made with."""
         members: dict[str, Subscription] = {}
         for member in join.members:
             sub = cp.ConsumerSubscription.decode(member.metadata)
@@ -515,7 +547,7 @@ class GroupClient:
                 [cp.TopicPartitions(t, ps) for t, ps in by_topic.items()]
             )
             out.append(m.SyncGroupAssignment(member_id, cp.encode(payload)))
-        return out
+        return out, counts
 
     async def leave(self) -> None:
         """Leave the group (static members do not: their place waits for them)."""

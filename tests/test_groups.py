@@ -16,6 +16,7 @@ import pytest
 
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
 from broker_agents.view import ClusterView
+from handlers.admin import TopicAdmin
 from sdk import Consumer, Producer, TopicPartition
 from sdk.group import OffsetAndMetadata
 from storage.errors import (
@@ -25,7 +26,7 @@ from storage.errors import (
     UnknownMemberIdError,
     from_wire,
 )
-from storage.metadata import AgentRegistration, AsyncZooKeeper
+from storage.metadata import AgentRegistration, AsyncZooKeeper, MetadataStore
 from storage.protocol import consumer as cp
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient
@@ -407,5 +408,63 @@ def test_cooperative_revocation_commits_what_was_processed(cluster: Cluster) -> 
         finally:
             await b.close()
             await a.close()
+
+    asyncio.run(run())
+
+
+def test_a_group_reads_partitions_added_to_its_topic_after_one_rebalance(cluster: Cluster) -> None:
+    """Kafka's consumers rejoin when metadata shows more partitions; so do ours: two members of
+    a group on a 4-partition topic; the topic grows to 8; both members' next metadata refresh
+    (``metadata.max.age.ms``) starts one rebalance that hands out the new partitions, and the
+    records produced to them are read. No member joins or leaves meanwhile, so nothing else
+    could have caused that rebalance."""
+    cluster.create_topic("grow", 4)
+    cluster.wait_for_leaders("grow")
+    config = consumer_config(cluster, "g-grow", **{"metadata.max.age.ms": 1000})
+
+    async def grow_to(count: int) -> None:
+        zk = AsyncZooKeeper(cluster.zk.connect_string)
+        await zk.start()
+        try:
+            await TopicAdmin(MetadataStore(zk)).create_partitions("grow", count)
+        finally:
+            await zk.stop()
+
+    async def run() -> None:
+        await produce(cluster, "grow", 5, 4)
+        a, b = Consumer(config), Consumer(config)
+        await a.start()
+        await b.start()
+        try:
+            a.subscribe(["grow"])
+            b.subscribe(["grow"])
+            read: set[bytes] = set()
+
+            async def poll_both() -> None:
+                for c in (a, b):
+                    for records in (await c.getmany(timeout_ms=50)).values():
+                        read.update(r.value for r in records)
+
+            async def all_read(want: set[bytes]) -> bool:
+                await poll_both()
+                return want <= read
+
+            first = {b"%d-%d" % (p, i) for p in range(4) for i in range(5)}
+            await until(lambda: all_read(first), "the first 4 partitions are read")
+            assert a.group_generation == b.group_generation
+            generation = a.group_generation
+            assert len(a.assignment() | b.assignment()) == 4
+
+            await grow_to(8)
+            await asyncio.to_thread(cluster.wait_for_leaders, "grow")
+            await produce(cluster, "grow", 5, 8)
+            every = {b"%d-%d" % (p, i) for p in range(8) for i in range(5)}
+            await until(lambda: all_read(every), "the added partitions are read", within=30)
+            assert a.assignment() | b.assignment() == {TopicPartition("grow", p) for p in range(8)}
+            assert not (a.assignment() & b.assignment())
+            assert a.group_generation == b.group_generation == generation + 1, "one rebalance"
+        finally:
+            await a.close()
+            await b.close()
 
     asyncio.run(run())
