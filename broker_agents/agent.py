@@ -27,6 +27,7 @@ from broker_agents.disk import DiskGuard
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
 from broker_agents.partitions import PartitionManager
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
+from broker_agents.retention import LocalRetention
 from broker_agents.server import AgentServer
 from broker_agents.tiering import Tiering
 from broker_agents.view import ClusterView
@@ -72,6 +73,11 @@ class Agent:
         )
         if self.tiering.enabled:
             self.partitions.tier_start_offset = self.tiering.start_offset
+        self.retention = LocalRetention(
+            lambda: self.partitions.partitions.values(),
+            config.log_retention_check_interval_ms / 1000,
+            self.tiering.committed_end if self.tiering.enabled else None,
+        )
         self.groups = GroupCoordinator(
             self.agent_id,
             self.zk,
@@ -200,6 +206,7 @@ class Agent:
                 tg.create_task(self.controller.run(), name="controller")
                 tg.create_task(self._registration_loop(), name="registration")
                 tg.create_task(self.tiering.run(), name="tiering")
+                tg.create_task(self.retention.run(), name="local-retention")
                 tg.create_task(self.isr.run(), name="isr-maintenance")
                 tg.create_task(self.groups.run(), name="group-coordinator")
                 await self._stop.wait()

@@ -62,6 +62,9 @@ class AgentConfig(_Config):
     tier_retention_check_interval_ms: int = Field(
         30000, alias="tier.retention.check.interval.ms", ge=10
     )
+    log_retention_check_interval_ms: int = Field(
+        30000, alias="log.retention.check.interval.ms", ge=10
+    )
     tier_orphan_check_interval_ms: int = Field(300000, alias="tier.orphan.check.interval.ms", ge=10)
     tier_orphan_grace_ms: int = Field(600000, alias="tier.orphan.grace.ms", ge=0)
     replica_lag_time_max_ms: int = Field(10_000, alias="replica.lag.time.max.ms", ge=100)

@@ -8,7 +8,9 @@ body was deep-checked by the leader). Before fetching a partition (at start, and
 leadership change) the follower asks the leader where its latest leader epoch ended and cuts
 its log there (KIP-101, ``_truncate_by_epoch``), so what it wrote in an epoch the leader does
 not have is gone before it appends; an OFFSET_OUT_OF_RANGE answer with the follower ahead of
-the leader's high watermark still truncates to it. Under ``fsync.policy=always`` the next
+the leader's high watermark still truncates to it, and one with the follower's log ending
+below the leader's log start (retention there, ``broker_agents.retention``) restarts the
+follower's log at that start. Under ``fsync.policy=always`` the next
 fetch waits for the fsync of what the last one appended (``_acknowledgeable``): a fetch offset
 is what the leader counts toward acks=all.
 """
@@ -255,6 +257,19 @@ class ReplicaFetchers:
                 if p is None or p.role != "follower":
                     continue
                 if r.error_code == OffsetOutOfRangeError.code:
+                    if p.log.log_end_offset < r.log_start_offset:
+                        # retention on the leader removed what this follower had yet to copy:
+                        # nothing here is wanted any more; go on from the leader's log start
+                        log.info(
+                            "%s-%d: the leader's log starts at %d, past this log's end %d:"
+                            " restarting the follower log there",
+                            p.topic,
+                            p.index,
+                            r.log_start_offset,
+                            p.log.log_end_offset,
+                        )
+                        p.log.restart_at(r.log_start_offset)
+                        continue
                     if p.log.log_end_offset > r.high_watermark >= 0:
                         log.info(
                             "%s-%d: truncating follower log to the leader's high watermark %d",

@@ -17,7 +17,8 @@ For every partition this agent leads, one pass of the uploader (every
    change a copy goes to the bucket (``storage.tier.snapshot``) for readers that do not talk
    to ZooKeeper (the SDK's replay, Spark).
 4. **Local retention.** Committed segments are deleted from disk by ``local.retention.ms`` /
-   ``local.retention.bytes`` (-2: the total retention's values).
+   ``local.retention.bytes`` (-2: the total retention's values); followers do the same in
+   ``broker_agents.retention``.
 
 Every ``tier.retention.check.interval.ms`` the **retention sweep** removes segments older than
 ``retention.ms`` (by their largest record timestamp) or beyond ``retention.bytes`` from the
@@ -52,6 +53,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from broker_agents.retention import retention_cut
 from storage.errors import (
     MetadataError,
     NodeNotFoundError,
@@ -495,27 +497,30 @@ class Tiering:
 
     # ---- retention ------------------------------------------------------------------------
     def _local_retention(self, p: Partition, manifest: Manifest) -> None:
-        cfg = p.config
-        ms = cfg.retention_ms if cfg.local_retention_ms == -2 else cfg.local_retention_ms
-        limit = (
-            cfg.retention_bytes if cfg.local_retention_bytes == -2 else cfg.local_retention_bytes
-        )
+        """Committed segments leave this leader's disk (followers: ``broker_agents.retention``)."""
         if not manifest.segments:
             return
-        now_ms = time.time() * 1000
-        size = p.log.size_bytes
-        cut = None
-        for seg in p.log.segments[:-1]:
-            if seg.next_offset > manifest.end or not seg.sealed or seg.dirty:
-                break
-            expired = ms >= 0 and seg.max_timestamp < now_ms - ms
-            too_big = limit >= 0 and size > limit
-            if not (expired or too_big):
-                break
-            cut = seg.next_offset
-            size -= seg.size
+        cfg = p.config
+        cut = retention_cut(
+            p.log,
+            retention_ms=cfg.retention_ms
+            if cfg.local_retention_ms == -2
+            else cfg.local_retention_ms,
+            retention_bytes=(
+                cfg.retention_bytes
+                if cfg.local_retention_bytes == -2
+                else cfg.local_retention_bytes
+            ),
+            upto=manifest.end,
+            now_ms=time.time() * 1000,
+        )
         if cut is not None:
             p.log.delete_segments_before(cut)
+
+    async def committed_end(self, p: Partition) -> int:
+        """Where the committed manifest of ``p`` ends (read from ZooKeeper; 0: nothing yet)."""
+        manifest, _ = await self._load_manifest(p.topic, p.index)
+        return manifest.end if manifest.segments else 0
 
     async def _retention_loop(self) -> None:
         interval = self.config.tier_retention_check_interval_ms / 1000

@@ -437,6 +437,32 @@ def test_delete_segments_before(tmp_path: Path, open_log: Opener) -> None:
     assert read_all(log) == records[segs[-1].base_offset :]
 
 
+def test_restart_at_drops_everything_and_continues_from_the_offset(
+    tmp_path: Path, open_log: Opener
+) -> None:
+    log = open_log(tmp_path)
+    records = fill(log, random.Random(14), 30, count=3)
+    log.flush()
+    assert len(log.segments) > 2
+    end = log.log_end_offset
+    with pytest.raises(InvalidOffsetError):
+        log.restart_at(end - 1)  # it would lose records the log has
+    log.restart_at(end + 500)
+    assert (log.log_start_offset, log.log_end_offset) == (end + 500, end + 500)
+    assert [p.name for p in tmp_path.glob("*.log")] == [log.active.path.name]
+    assert log.epochs == []
+    with pytest.raises(OffsetOutOfRangeError):
+        log.read(end, 100)
+    more = fill(log, random.Random(15), 2)
+    assert read_all(log) == more
+    assert more[0].offset == end + 500
+    log.flush()
+    log.close()
+    log = open_log(tmp_path)  # reopens where it restarted, nothing of before left
+    assert (log.log_start_offset, log.log_end_offset) == (end + 500, end + 500 + len(more))
+    assert len(records) == end
+
+
 def test_delete_segments_before_trims_the_leader_epoch_cache(
     tmp_path: Path, open_log: Opener
 ) -> None:

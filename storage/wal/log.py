@@ -477,6 +477,34 @@ class PartitionLog:
                 del self.epochs[:keep]
         return deleted
 
+    def restart_at(self, offset: int) -> None:
+        """Drop every segment and go on, empty, from ``offset`` (at or past the log end).
+
+        For a follower whose leader's log now starts past this log's end (retention removed
+        what it had not copied yet): nothing it holds is wanted any more. The old segments
+        go first, then the new one is created; a crash in between leaves an empty
+        directory, which opens as an empty log and is restarted again by the next fetch
+        (never a gap between segments, which would read as corruption)."""
+        self._check_open()
+        if offset < self.log_end_offset:
+            raise InvalidOffsetError(
+                f"cannot restart at {offset}, below the log end {self.log_end_offset}"
+            )
+        try:
+            while self._segments:
+                self._segments.pop().delete()
+                self._bases.pop()
+            self._dir_dirty = True
+            seg = Segment.create(self.directory, offset, self.config.index_interval_bytes)
+        except StorageError as exc:  # fenced: the log has no segment to answer with
+            raise self._fence(exc, fsync_failed=False) from exc
+        seg.created_at = self._clock()
+        self._segments.append(seg)
+        self._bases.append(offset)
+        self.epochs.clear()
+        self.producers = ProducerStateTable()
+        self.flushed_offset = offset
+
     # ---- closing -----------------------------------------------------------------------
     def close(self) -> None:
         """Flush and release every file; further calls raise ``LogClosedError``."""
