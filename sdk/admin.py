@@ -16,6 +16,14 @@ An error answer (``{"error": {"type", "code", "message", "retriable"}}``) is rai
 agents raise. A refused or reset connection is ``NetworkError``, a missed deadline
 ``RequestTimedOutError`` (both retriable).
 
+**Signing.** The deployed admin API is an IAM-authorised HTTP API (``template.yaml``): its
+requests must carry an AWS Signature Version 4 for ``execute-api``. ``sign="auto"`` (the
+default) signs when the URL is an API Gateway endpoint
+(``https://<id>.execute-api.<region>.amazonaws.com``), with the region taken from the host and
+the credentials botocore finds (environment, profile, instance role); the local stack's
+loopback URL stays unsigned. ``sign=True`` with ``region=`` signs any URL (a custom domain).
+The signature is botocore's ``SigV4Auth``, over the exact bytes sent.
+
 The wire shapes (:class:`TopicDescription`, :class:`PartitionInfo`) are defined here, once:
 the admin handler builds its answers with them. This module imports neither kazoo nor
 ``broker_agents``; the SDK never talks to ZooKeeper.
@@ -27,6 +35,7 @@ import asyncio
 import enum
 import http.client
 import json
+import re
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -145,10 +154,60 @@ def error_from_body(status: int, body: bytes) -> StrataError:
     return exc
 
 
+_API_GATEWAY = re.compile(r"^[a-z0-9]+\.execute-api\.([a-z0-9-]+)\.amazonaws\.com$")
+SIGNED_SERVICE = "execute-api"
+
+
+class SigV4Signer:
+    """Signs admin requests with botocore's SigV4 for API Gateway (``execute-api``)."""
+
+    def __init__(self, region: str, credentials: Any = None) -> None:
+        if credentials is None:
+            from botocore.session import get_session
+
+            credentials = get_session().get_credentials()
+        if credentials is None:
+            raise InvalidRequestError(
+                "signing admin requests needs AWS credentials (environment, profile or role)"
+            )
+        self.region = region
+        self.credentials = credentials
+
+    def sign(self, method: str, url: str, data: bytes | None, headers: dict[str, str]) -> None:
+        """Add the ``Authorization``, ``X-Amz-Date`` (and token) headers to ``headers``."""
+        from botocore.auth import SigV4Auth
+        from botocore.awsrequest import AWSRequest
+
+        req = AWSRequest(method=method, url=url, data=data or b"", headers=headers)
+        SigV4Auth(self.credentials.get_frozen_credentials(), SIGNED_SERVICE, self.region).add_auth(
+            req
+        )
+        headers.update(dict(req.headers.items()))
+
+
+def signer_for(
+    url: str, sign: bool | str = "auto", region: str | None = None, credentials: Any = None
+) -> SigV4Signer | None:
+    """The signer ``url`` needs: ``sign="auto"`` signs API Gateway URLs only (region from the
+    host unless given); ``True`` always (then a region is needed); ``False`` never."""
+    if sign is False:
+        return None
+    host = urllib.parse.urlsplit(url).hostname or ""
+    found = _API_GATEWAY.match(host)
+    if sign == "auto" and found is None:
+        return None
+    if sign not in (True, "auto"):
+        raise InvalidRequestError(f"sign must be True, False or 'auto', got {sign!r}")
+    region = region or (found.group(1) if found else None)
+    if region is None:
+        raise InvalidRequestError(f"signing requests to {host!r} needs a region")
+    return SigV4Signer(region, credentials)
+
+
 class _Transport:
     """Blocking JSON-over-HTTP requests with a deadline; errors as ``StrataError``."""
 
-    def __init__(self, url: str, timeout: float) -> None:
+    def __init__(self, url: str, timeout: float, signer: SigV4Signer | None = None) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise InvalidRequestError(f"admin URL {url!r} is not http(s)://host:port[/prefix]")
@@ -156,14 +215,17 @@ class _Transport:
             raise InvalidRequestError(f"timeout must be positive, got {timeout!r}")
         self.base = url.rstrip("/")
         self.timeout = timeout
+        self.signer = signer
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method)
-        req.add_header("accept", "application/json")
+        headers = {"accept": "application/json"}
         if data is not None:
-            req.add_header("content-type", "application/json")
+            headers["content-type"] = "application/json"
+        if self.signer is not None:
+            self.signer.sign(method, self.base + path, data, headers)
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
         try:
             with self._opener.open(req, timeout=self.timeout) as resp:
                 payload = resp.read(MAX_RESPONSE_BYTES + 1)
@@ -208,8 +270,16 @@ def _group(group: str) -> str:
 class SyncAdmin:
     """The blocking admin client (one HTTP request per call, ``timeout`` s each)."""
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        self._http = _Transport(url, timeout)
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        sign: bool | str = "auto",
+        region: str | None = None,
+        credentials: Any = None,
+    ) -> None:
+        self._http = _Transport(url, timeout, signer_for(url, sign, region, credentials))
 
     @property
     def timeout(self) -> float:
@@ -316,8 +386,18 @@ class SyncAdmin:
 class Admin:
     """The async admin client; each call runs one request in a worker thread."""
 
-    def __init__(self, url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
-        self._sync = SyncAdmin(url, timeout=timeout)
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        sign: bool | str = "auto",
+        region: str | None = None,
+        credentials: Any = None,
+    ) -> None:
+        self._sync = SyncAdmin(
+            url, timeout=timeout, sign=sign, region=region, credentials=credentials
+        )
 
     @property
     def timeout(self) -> float:
