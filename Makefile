@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-latency bench-venv bench-compare lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -72,6 +72,14 @@ bench-latency: bench-venv
 	$(PY) -m bench.latency_bench --write-docs $(BENCH_ARGS)
 
 bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-latency bench-compare
+
+# `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
+build-AdminFunction:
+	python3 -m infra.lambda_package "$(ARTIFACTS_DIR)"
+
+# the agent image (infra/docker/Dockerfile; needs a container builder)
+image:
+	docker build -f infra/docker/Dockerfile -t strata-agent .
 
 lint: venv
 	$(PY) -m ruff check .
