@@ -821,6 +821,19 @@ def groups_reset(
             out.print(f"{group} {tp.topic}-{tp.partition} -> {offset}")
 
 
+@groups_app.command("delete")
+def groups_delete(
+    group: str, yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask")] = False
+) -> None:
+    """Delete a group with no active members: its committed offsets and metadata."""
+    ctx = _ctx()
+    if not yes and sys.stdin.isatty():
+        typer.confirm(f"delete group {group} and its committed offsets?", abort=True)
+    with _errors():
+        ctx.admin().delete_group(group)
+    ctx.emit({"deleted": group}) if ctx.json else out.print(f"deleted group [bold]{group}[/]")
+
+
 # ---------------------------------------------------------------- delays
 
 

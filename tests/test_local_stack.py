@@ -141,6 +141,8 @@ def test_topics_produce_consume_group_reset(stack: tuple[Path, dict[str, Any]]) 
     assert described["total_lag"] == 1200 - 30
     again = strata(state_dir, "consume", "cli", "-g", "readers", "--idle", "1")
     assert len(again.stdout.splitlines()) == 1170
+    strata(state_dir, "groups", "delete", "readers", "--yes")
+    assert "readers" not in as_json(strata(state_dir, "-o", "json", "groups", "list"))["groups"]
 
     # replay a range into a new topic
     replayed = as_json(
