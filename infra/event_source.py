@@ -83,8 +83,9 @@ class MappingConfig:
     partition_per_invocation: bool = False
     """One partition per invocation: a slow partition holds up no other (the scheduler)."""
     fetch_max_wait_ms: int = 50
-    """The consumer's long-poll wait: a resumed partition is fetched at the latest this long
-    after it is due (one fetch per agent is in flight at a time)."""
+    """The consumer's long-poll wait. A resumed partition is fetched at once while fewer than
+    four fetches to its agent are waiting (``sdk.consumer.FETCHES_PER_AGENT``), else at the
+    latest this long after it is due."""
     invocation_timeout: float = 30.0
     session_timeout_ms: int = 10_000
     """The group member's session: how long a crashed runner holds its partitions."""
