@@ -1,0 +1,215 @@
+"""Retry topics and dead-letter topics end to end: real agents, real ZooKeeper, the scheduler
+and the retry router each run by the event-source runner as its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from handlers.admin import handler as admin_handler
+from sdk import Consumer, Producer
+from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
+from storage.errors import InvalidRetryPolicyError
+from storage.retry_policy import RetryPolicy
+from tests.cluster import Cluster
+from tests.delay_support import create_levels, start_scheduler, wait_until
+from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.retry_support import read_all, retry_status, set_policy, start_router
+
+TOPIC = "orders"
+DLQ = "orders.dlq"
+GROUP = "billing"
+PARTITIONS = 6
+POLICY = {
+    "backoff": "exponential",
+    "initial_ms": 200,
+    "multiplier": 2,
+    "max_ms": 2000,
+    "jitter": True,
+    "max_attempts": 3,
+    "dead_letter_topic": DLQ,
+}
+
+
+@pytest.fixture
+def cluster(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -> Cluster:
+    c = Cluster(processes, zk_chroot, tmp_path / "data")
+    c.start(1)
+    c.create_topic(TOPIC, PARTITIONS, 1, {"fsync.policy": "interval"})
+    c.wait_for_leaders(TOPIC)
+    create_levels(c, lanes=4)
+    return c
+
+
+def failure_plan(n: int) -> tuple[set[int], set[int]]:
+    """The test's own log of injected failures: about 10% of records fail their first two
+    attempts, 1% fail every attempt (a hash of the record number decides)."""
+    twice, always = set(), set()
+    for i in range(n):
+        h = zlib.crc32(str(i).encode()) % 1000
+        if h < 10:
+            always.add(i)
+        elif h < 110:
+            twice.add(i)
+    return twice, always
+
+
+@dataclass
+class Log:
+    processed: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    order: dict[bytes, list[int]] = field(default_factory=lambda: defaultdict(list))
+    failed_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(record, attempt) -> when the test failed it (wall ms, before retry_later)."""
+    redelivered: list[tuple[int, int, int, int, int, str]] = field(default_factory=list)
+    """(record, attempt, seen ms, due ms header, failure ms header, retry seed)."""
+
+
+async def produce(bootstrap: str, n: int, keys: int) -> None:
+    async with Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "acks": "all"}) as p:
+        for start in range(0, n, 1000):
+            idx = range(start, min(n, start + 1000))
+            await (
+                await p.send_batch(
+                    TOPIC,
+                    [str(i).encode() for i in idx],
+                    keys=[f"key-{i % keys}".encode() for i in idx],
+                )
+            )
+
+
+async def consume(
+    bootstrap: str, twice: set[int], always: set[int], expected: int, deadline_s: float
+) -> Log:
+    log = Log()
+    config = {
+        "bootstrap.servers": bootstrap,
+        "group.id": GROUP,
+        "auto.offset.reset": "earliest",
+        "fetch.max.wait.ms": 50,
+        "retry.ordering": "key",
+    }
+    async with Consumer(config) as consumer:
+        consumer.subscribe([TOPIC])
+        deadline = time.monotonic() + deadline_s
+        while sum(log.processed.values()) < expected and time.monotonic() < deadline:
+            try:
+                async with asyncio.timeout(1.0):
+                    record = await consumer.getone()
+            except TimeoutError:
+                continue
+            i = int(record.value or b"-1")
+            info = retry_info(record)
+            now = time.time_ns() // 1_000_000
+            if info.attempt > 1:
+                due = int(header(record.headers, H_DUE_MS) or b"0")
+                failed = int(header(record.headers, H_FAILED_MS) or b"0")
+                seed = identity_seed(GROUP, info.topic, info.partition, info.offset)
+                log.redelivered.append((i, info.attempt, now, due, failed, seed))
+            if i in always or (i in twice and info.attempt <= 2):
+                log.failed_at[(i, info.attempt)] = now
+                await consumer.retry_later(record, reason=f"injected failure {info.attempt}")
+                continue
+            log.processed[i] += 1
+            assert record.key is not None
+            log.order[record.key].append(i)
+        # a few seconds more: a duplicate would show up here
+        settle = time.monotonic() + 3
+        while time.monotonic() < settle:
+            try:
+                async with asyncio.timeout(0.5):
+                    record = await consumer.getone()
+            except TimeoutError:
+                continue
+            i = int(record.value or b"-1")
+            if i not in always:
+                log.processed[i] += 1
+    return log
+
+
+def test_10k_records_each_processed_once_or_dead_lettered_once_retries_on_time_in_key_order(
+    cluster: Cluster,
+) -> None:
+    n, keys = 10_000, 1000
+    twice, always = failure_plan(n)
+    set_policy(cluster, GROUP, TOPIC, POLICY)
+    start_scheduler(cluster)
+    start_router(cluster)
+    asyncio.run(produce(cluster.bootstrap, n, keys))
+    log = asyncio.run(consume(cluster.bootstrap, twice, always, n - len(always), 240))
+
+    # processed successfully exactly once, or (the 1%) never
+    wrong = {i: c for i, c in log.processed.items() if c != 1}
+    assert not wrong, f"{len(wrong)} record(s) processed more than once, e.g. {list(wrong)[:5]}"
+    missing = set(range(n)) - always - set(log.processed)
+    assert not missing, f"{len(missing)} record(s) never processed, e.g. {sorted(missing)[:5]}"
+    assert not set(log.processed) & always
+
+    # dead-lettered exactly once, with the attempts and the origin in headers
+    dlq = asyncio.run(read_all(cluster.bootstrap, DLQ, PARTITIONS, len(always), 60, 3))
+    values = [int(r.value or b"-1") for r in dlq]
+    assert len(values) == len(set(values)), "a record dead-lettered twice"
+    assert set(values) == always
+    for rec in dlq:
+        info = retry_info(rec._replace(topic="__strata_retry_failures"))
+        assert info.topic == TOPIC and info.attempt - 1 == POLICY["max_attempts"]
+        assert info.last_error == f"injected failure {POLICY['max_attempts']}"
+
+    # every retry came no earlier than its backoff (from the test's own failure time)
+    policy = RetryPolicy.parse(POLICY)
+    assert len(log.redelivered) >= 2 * len(twice) + 2 * len(always)
+    for i, attempt, seen, due, failed, seed in log.redelivered:
+        assert failed >= log.failed_at[(i, attempt - 1)]
+        assert due == failed + policy.backoff_ms(attempt - 1, seed)
+        assert seen >= due, f"record {i} attempt {attempt} seen {due - seen} ms before it was due"
+
+    # key order: each key's records were processed in the order they were produced
+    for key, seq in log.order.items():
+        assert seq == sorted(seq), f"{key!r} processed out of order: {seq}"
+
+    def counted() -> bool:
+        routers = retry_status(cluster)["routers"].values()
+        return sum(s["dead_lettered"].get(DLQ, 0) for s in routers) == len(always)
+
+    wait_until(counted, 15, "the router's counters to show the dead letters")
+
+
+@pytest.mark.parametrize(
+    ("policy", "topic", "mistake"),
+    [
+        ({"initial_ms": -1}, TOPIC, "initial_ms"),
+        ({"max_ms": -5, "initial_ms": 0}, TOPIC, "max_ms"),
+        ({"max_attempts": 0}, TOPIC, "max_attempts"),
+        ({"dead_letter_topic": TOPIC}, TOPIC, "dead_letter_topic is the source topic"),
+        ({"dead_letter_topic": "bad/name"}, TOPIC, "invalid topic name"),
+        ({"backoff": "fibonacci"}, TOPIC, "backoff"),
+        ({"initial_ms": 5000, "max_ms": 1000}, TOPIC, "max_ms (1000) is below initial_ms"),
+        ({"max_attempts": 3, "retries": 5}, TOPIC, "retries"),
+    ],
+)
+def test_bad_policies_are_refused_with_a_clear_error(
+    policy: dict[str, object], topic: str, mistake: str
+) -> None:
+    with pytest.raises(InvalidRetryPolicyError, match=re.escape(mistake)) as info:
+        RetryPolicy.parse(policy, topic=topic)
+    assert info.value.code == 1041 and not info.value.retriable
+    # the admin API refuses it the same way, before it touches ZooKeeper
+    answer = admin_handler(
+        {
+            "httpMethod": "PUT",
+            "path": f"/groups/{GROUP}/retry/{topic}",
+            "headers": {"content-type": "application/json"},
+            "body": json.dumps(policy),
+        },
+        None,
+    )
+    error = json.loads(answer["body"])["error"]
+    assert answer["statusCode"] == 400
+    assert error["code"] == 1041 and mistake in error["message"]
