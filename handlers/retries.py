@@ -7,6 +7,15 @@
     GET    /retry/status                   -> 200 {"routers": {name: counters}}
     GET    /dlq/{topic}/count              -> 200 {"topic", "count", "partitions": {p: n}}
     GET    /dlq/{topic}/peek?limit=N       -> 200 {"records": [...]} (the oldest N, per partition)
+    POST   /dlq/{topic}/redrive            {"to", "rate", "filter"?, "dry_run"?} -> 200 the task
+    GET    /dlq/redrives                   -> 200 {"tasks": [...]}
+    GET    /dlq/redrives/{id}              -> 200 the task: state, total, scanned, moved, skipped
+    POST   /dlq/redrives/{id}/run          -> 200 the task, after running it for this invocation
+    DELETE /dlq/redrives/{id}              -> 200 the task, cancelled
+
+A redrive (``handlers.redrive``) is a task in ZooKeeper; ``POST .../run`` moves records for as
+long as the invocation allows and is called again until the task is ``done``: ``strata dlq
+redrive`` does that with a progress bar.
 
 Setting a policy checks it (``storage.retry_policy``: a negative backoff, ``max_attempts`` 0
 and a dead-letter topic equal to the source are refused with ``InvalidRetryPolicyError``, 400)
@@ -21,7 +30,10 @@ import time
 import uuid
 from typing import Any
 
-from handlers.http import Request, Response, Route
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+
+from handlers import redrive
+from handlers.http import Request, Response, Route, parse_body
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
 from sdk import retry as r
@@ -220,7 +232,60 @@ def _peek(request: Request, invocation: Invocation, topic: str) -> Response:
     return Response(200, invocation.run(lambda store: RetryAdmin(store).dlq_peek(topic, limit)))
 
 
+class RedriveBody(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    to: StrictStr
+    rate: StrictInt = Field(100, ge=1, le=redrive.MAX_RATE)
+    filter: StrictStr | None = None
+    dry_run: StrictBool = False
+
+
+def _redrive(request: Request, invocation: Invocation, topic: str) -> Response:
+    validate_topic_name(topic)
+    body = parse_body(RedriveBody, request.json())
+    redrive.parse_filter(body.filter)
+    doc = invocation.run(
+        lambda store: redrive.new_task(store, topic, body.to, body.rate, body.filter, body.dry_run)
+    )
+    return Response(200, redrive.describe(doc))
+
+
+def _task_id(task_id: str) -> str:
+    if not task_id.isalnum() or len(task_id) > 64:
+        raise InvalidRequestError(f"bad redrive id {task_id!r}")
+    return task_id
+
+
+def _tasks(request: Request, invocation: Invocation) -> Response:
+    found = invocation.run(lambda store: RetryStore(store.zk).list_tasks())
+    return Response(200, {"tasks": [redrive.describe(d) for d in found.values()]})
+
+
+def _task(request: Request, invocation: Invocation, task_id: str) -> Response:
+    _task_id(task_id)
+    doc, _ = invocation.run(lambda store: RetryStore(store.zk).read_task(task_id))
+    return Response(200, redrive.describe(doc))
+
+
+def _run_task(request: Request, invocation: Invocation, task_id: str) -> Response:
+    _task_id(task_id)
+    doc = invocation.run(lambda store: redrive.WORKER.run(store, task_id, invocation.budget()))
+    return Response(200, redrive.describe(doc))
+
+
+def _cancel_task(request: Request, invocation: Invocation, task_id: str) -> Response:
+    _task_id(task_id)
+    doc = invocation.run(lambda store: redrive.cancel_task(store, task_id))
+    return Response(200, redrive.describe(doc))
+
+
 ROUTES = [
+    Route("POST", "/dlq/{topic}/redrive", _redrive),
+    Route("GET", "/dlq/redrives", _tasks),
+    Route("GET", "/dlq/redrives/{task_id}", _task),
+    Route("POST", "/dlq/redrives/{task_id}/run", _run_task),
+    Route("DELETE", "/dlq/redrives/{task_id}", _cancel_task),
     Route("GET", "/groups/{group}/retry", _list),
     Route("PUT", "/groups/{group}/retry/{topic}", _set),
     Route("GET", "/groups/{group}/retry/{topic}", _get),

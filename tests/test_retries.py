@@ -4,8 +4,13 @@ and the retry router each run by the event-source runner as its own process."""
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import json
+import os
 import re
+import signal
+import threading
 import time
 import zlib
 from collections import defaultdict
@@ -15,9 +20,11 @@ from pathlib import Path
 import pytest
 
 from handlers.admin import handler as admin_handler
+from infra.local_runtime import start_local_runtime
 from sdk import Consumer, Producer
+from sdk.admin import SyncAdmin
 from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
-from storage.errors import InvalidRetryPolicyError
+from storage.errors import InvalidRetryPolicyError, StrataError
 from storage.retry_policy import RetryPolicy
 from tests.cluster import Cluster
 from tests.delay_support import create_levels, start_scheduler, wait_until
@@ -213,3 +220,91 @@ def test_bad_policies_are_refused_with_a_clear_error(
     error = json.loads(answer["body"])["error"]
     assert answer["statusCode"] == 400
     assert error["code"] == 1041 and mistake in error["message"]
+
+
+def fill_dlq(bootstrap: str, n: int) -> None:
+    """``n`` records in the dead-letter topic as the router leaves them (origin in headers)."""
+
+    async def run() -> None:
+        async with Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "acks": "all"}) as p:
+            for start in range(0, n, 500):
+                idx = range(start, min(n, start + 500))
+                await (
+                    await p.send_batch(
+                        DLQ,
+                        [str(i).encode() for i in idx],
+                        keys=[f"key-{i}".encode() for i in idx],
+                        headers=[
+                            [
+                                ("strata.retry.topic", TOPIC.encode()),
+                                ("strata.retry.partition", str(i % PARTITIONS).encode()),
+                                ("strata.retry.offset", str(i).encode()),
+                                ("strata.retry.attempt", b"3"),
+                                ("kind", b"odd" if i % 2 else b"even"),
+                            ]
+                            for i in idx
+                        ],
+                    )
+                )
+
+    asyncio.run(run())
+
+
+def test_redrive_5000_at_1000_per_s_killed_halfway_and_rerun_moves_each_record_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    n, rate = 5000, 1000
+    cluster.create_topic(DLQ, PARTITIONS, 1, {"fsync.policy": "interval"})
+    cluster.wait_for_leaders(DLQ)
+    fill_dlq(cluster.bootstrap, n)
+    runtime = start_local_runtime(cluster.zk.connect_string, log_path=tmp_path / "runtime-1.log")
+    with SyncAdmin(runtime.url, timeout=30) as admin:
+        assert admin.dlq_count(DLQ) == n
+        peeked = admin.dlq_peek(DLQ, 3)
+        assert len(peeked) == 3 and peeked[0]["original"]["topic"] == TOPIC
+        dry = admin.redrive(DLQ, TOPIC, rate, header_filter="kind=odd", dry_run=True)
+        while dry["state"] == "running":
+            dry = admin.redrive_run(dry["id"])
+        assert (dry["moved"], dry["skipped"]) == (n // 2, n // 2)
+        task = admin.redrive(DLQ, TOPIC, rate)
+    progress: list[dict[str, object]] = []
+
+    def drive(url: str) -> None:
+        with SyncAdmin(url, timeout=30) as admin:
+            doc = task
+            while doc["state"] == "running":
+                doc = admin.redrive_run(str(task["id"]))
+                progress.append(doc)
+
+    def drive_until_killed(url: str) -> None:
+        with contextlib.suppress(StrataError):  # the admin API dies under it
+            drive(url)
+
+    first = threading.Thread(target=drive_until_killed, args=(runtime.url,), daemon=True)
+    first.start()
+    time.sleep(2.5)  # halfway at 1,000/s
+    os.kill(runtime.pid, signal.SIGKILL)  # the worker dies mid-chunk as likely as not
+    first.join(40)
+    runtime.stop()
+    runtime = start_local_runtime(cluster.zk.connect_string, log_path=tmp_path / "runtime-2.log")
+    try:
+        with SyncAdmin(runtime.url, timeout=30) as admin:
+            halfway = admin.redrive_status(str(task["id"]))
+            assert 0 < int(halfway["moved"]) < n, halfway
+            drive(runtime.url)
+            final = admin.redrive_status(str(task["id"]))
+    finally:
+        runtime.stop()
+    assert final["state"] == "done" and final["moved"] == n
+
+    got = asyncio.run(read_all(cluster.bootstrap, TOPIC, PARTITIONS, n, 60, 3))
+    origins = [header(x.headers, "strata.redrive.from") for x in got]
+    assert len(origins) == n == len(set(origins)), "a record redriven twice or lost"
+    for x in got:  # back on its original partition, fresh (no retry headers)
+        assert x.partition == int(x.value or b"-1") % PARTITIONS
+        assert not any(k.startswith("strata.retry.") for k, _ in x.headers)
+    # the rate: no 1 s window holds more than 10% over the limit
+    stamps = sorted(x.timestamp for x in got)
+    worst = max(bisect.bisect_left(stamps, t + 1000) - i for i, t in enumerate(stamps))
+    print(f"redrive: busiest 1 s window {worst} records (limit {rate}/s)")
+    assert worst <= rate * 1.1
