@@ -8,8 +8,10 @@ import bisect
 import contextlib
 import json
 import os
+import random
 import re
 import signal
+import sys
 import threading
 import time
 import zlib
@@ -26,9 +28,9 @@ from sdk.admin import SyncAdmin
 from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
 from storage.errors import InvalidRetryPolicyError, StrataError
 from storage.retry_policy import RetryPolicy
-from tests.cluster import Cluster
+from tests.cluster import ROOT, Cluster
 from tests.delay_support import create_levels, start_scheduler, wait_until
-from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.harness import ManagedProcess, ProcessGroup, ZooKeeperChroot
 from tests.retry_support import read_all, retry_status, set_policy, start_router
 
 TOPIC = "orders"
@@ -308,3 +310,45 @@ def test_redrive_5000_at_1000_per_s_killed_halfway_and_rerun_moves_each_record_o
     worst = max(bisect.bisect_left(stamps, t + 1000) - i for i, t in enumerate(stamps))
     print(f"redrive: busiest 1 s window {worst} records (limit {rate}/s)")
     assert worst <= rate * 1.1
+
+
+def test_consumer_and_router_killed_at_random_moments_lose_nothing_and_dead_letter_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    n = 4000
+    twice, always = failure_plan(n)
+    rng = random.Random(23)
+    set_policy(cluster, GROUP, TOPIC, POLICY)
+    start_scheduler(cluster)
+    router = start_router(cluster, "router-0")
+    log = tmp_path / "consumer.log"
+    argv = [sys.executable, "-m", "tests.retry_consumer", "--bootstrap", cluster.bootstrap]
+    argv += ["--group", GROUP, "--topic", TOPIC, "--log", str(log)]
+
+    def consumer(name: str) -> ManagedProcess:
+        return cluster.processes.start(argv, name=name, cwd=ROOT, env={})
+
+    member = consumer("consumer-0")
+    asyncio.run(produce(cluster.bootstrap, n, 500))
+    for i in range(1, 7):
+        time.sleep(rng.uniform(0.5, 2.5))
+        if i % 2:
+            cluster.processes.kill(member.pid)  # kill -9, mid-batch as likely as not
+            member.wait(10)
+            member = consumer(f"consumer-{i}")
+        else:
+            cluster.processes.kill(router.pid)
+            router.wait(10)
+            router = start_router(cluster, f"router-{i}")
+
+    def oks() -> set[int]:
+        text = log.read_text() if log.exists() else ""
+        return {int(line.split()[1]) for line in text.splitlines() if line.startswith("ok ")}
+
+    wait_until(lambda: oks() >= set(range(n)) - always, 120, "every record processed")
+    dlq = asyncio.run(read_all(cluster.bootstrap, DLQ, PARTITIONS, len(always), 60, 3))
+    values = [int(r.value or b"-1") for r in dlq]
+    assert len(values) == len(set(values)), "a record dead-lettered twice"
+    assert set(values) == always, "a record lost on its way to the dead-letter topic"
+    assert not oks() & always
+    assert twice <= oks()
