@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from handlers.admin import handler as admin_handler
+from infra import demo_retries
 from infra.local_runtime import start_local_runtime
 from sdk import Consumer, Producer
 from sdk.admin import SyncAdmin
@@ -352,3 +353,17 @@ def test_consumer_and_router_killed_at_random_moments_lose_nothing_and_dead_lett
     assert set(values) == always, "a record lost on its way to the dead-letter topic"
     assert not oks() & always
     assert twice <= oks()
+
+
+def test_the_demo_step_retries_dead_letters_and_redrives(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.create_topic(demo_retries.TOPIC, demo_retries.PARTITIONS, 1)
+    cluster.wait_for_leaders(demo_retries.TOPIC)
+    start_scheduler(cluster)
+    with start_local_runtime(
+        cluster.zk.connect_string, log_path=tmp_path / "runtime.log"
+    ) as runtime:
+        summary = demo_retries.run(
+            cluster.bootstrap, runtime.url, cluster.zk.connect_string, tmp_path
+        )
+    print(summary)
+    assert "redriven at 200/s, each once" in summary
