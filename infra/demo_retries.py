@@ -34,10 +34,14 @@ POLICY = {
 
 
 def plan(n: int) -> tuple[set[int], set[int]]:
-    twice, always = set(), set()
+    twice: set[int] = set()
+    always: set[int] = set()
     for i in range(n):
         h = zlib.crc32(b"demo%d" % i) % 100
-        (always if h < 2 else twice if h < 12 else set()).add(i)
+        if h < 2:
+            always.add(i)
+        elif h < 12:
+            twice.add(i)
     return twice, always
 
 
