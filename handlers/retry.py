@@ -83,6 +83,8 @@ class Output:
     timestamp: int
     kind: str
     """"retry", "dlq", "park" or "notice"."""
+    summary: bool = True
+    """Write the tag/header summary filters use (not needed in a delay level)."""
 
     def encode(self) -> bytes:
         return encode_batch(
@@ -94,6 +96,7 @@ class Output:
             producer_id=self.producer_id,
             producer_epoch=0,
             base_sequence=0,
+            summary=self.summary,
         )
 
 
@@ -209,7 +212,9 @@ class Router:
     async def route(
         self, rs: RetryStore, counts: PartitionCounts, rec: ConsumerRecord
     ) -> list[Output]:
-        """Where one failure record goes: a pure function of it and its policy."""
+        """Where one failure record goes: a function of its headers and its policy only (a
+        second copy of a failure record, written at another time, routes the same way and
+        under the same producer id)."""
         h = rec.headers
         group = (r.header(h, r.H_GROUP) or b"").decode()
         info = r.retry_info(rec)
@@ -227,12 +232,12 @@ class Router:
             dlq = policy.dlq_for(info.topic)
             dest = TopicPartition(dlq, info.partition % await counts(dlq))
             pid = r.derived_producer_id("dlq", seed)
-            outs = [Output(dest, pid, rec, list(h), rec.timestamp, "dlq")]
+            outs = [Output(dest, pid, rec, list(h), failed_ms, "dlq")]
             if ordered:
                 notice = [*h, (r.H_DEAD, b"1")]
                 tp = TopicPartition(retry_topic, info.partition % await counts(retry_topic))
                 notice_pid = r.derived_producer_id("notice", seed)
-                outs.append(Output(tp, notice_pid, rec, notice, rec.timestamp, "notice"))
+                outs.append(Output(tp, notice_pid, rec, notice, failed_ms, "notice"))
             return outs
         wait = policy.park_ms(info.parked) if parked else policy.backoff_ms(attempt, seed)
         due = failed_ms + wait
@@ -241,16 +246,17 @@ class Router:
         headers.append((r.H_DUE_MS, str(due).encode()))
         kind = "park" if parked else "retry"
         pid = r.derived_producer_id(kind, seed, attempt, info.parked)
-        remaining = due - rec.timestamp
-        if remaining <= 0:
-            return [Output(dest, pid, rec, headers, rec.timestamp, kind)]
+        if wait <= 0:
+            return [Output(dest, pid, rec, headers, failed_ms, kind)]
+        # the level follows from the wait alone; entered at the failure time, the record
+        # leaves it at failed_ms + 2**level <= due (at once if the router is late)
         nonce = f"r{pid:x}"
         sid = d.ScheduleId.new(due, dest.topic, dest.partition, rec.key, nonce)
         headers.append((d.HEADER_ID, sid.encode().encode()))
-        headers.append((d.HEADER_TIMESTAMP, str(rec.timestamp).encode()))
-        level = d.level_topic(d.level_for(remaining))
+        headers.append((d.HEADER_TIMESTAMP, str(failed_ms).encode()))
+        level = d.level_topic(d.level_for(wait))
         lane = TopicPartition(level, sid.lane_in(await counts(level)))
-        return [Output(lane, pid, rec, headers, rec.timestamp, kind)]
+        return [Output(lane, pid, rec, headers, failed_ms, kind, summary=False)]
 
 
 def close(router: Router, timeout: float = 5.0) -> None:

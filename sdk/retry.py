@@ -12,13 +12,15 @@ the record as processed: its offset is committed with the next commit. The retry
 either to the dead-letter topic or, through the delay levels, to the group's retry topic
 :func:`retry_topic` — which only that group's consumers read — due after the backoff.
 
-**Exactly once into the failures topic.** Each failure record is its own batch, with a
-producer id derived from (group, original topic, partition, offset, attempt) and sequence 0,
-written with ``Producer.send_exact`` to a partition derived from the same identity. A consumer
-that crashes after writing it and before committing reads the record again; if it fails again
-the batch is the same, and the partition's leader answers it as a duplicate without storing
-it (``docs/delays.md``, "exactly once on the target"). The router's outputs are made the same
-way, so a record is retried, and dead-lettered, once per failed attempt.
+**Exactly once, where it matters.** Failure records are written by an ordinary idempotent
+producer (batched: a failure costs the consumer little), so a consumer that crashes after
+writing one and before committing may write a second copy when it fails the record again.
+Copies are harmless: the router's outputs are one-record batches whose producer id is derived
+from (group, original topic, partition, offset, attempt) — never from the failure record's
+own offset or time — written with ``Producer.send_exact`` to a destination derived from the
+same things, so the destination's leader stores the first and answers every other copy as a
+duplicate (``docs/delays.md``, "exactly once on the target"). A record is retried, and
+dead-lettered, once per failed attempt. :class:`ExactSender` sends those outputs.
 
 **Attempts.** A record from a source topic is on its attempt 1; a record redelivered from the
 retry topic carries the attempt that failed last (``strata.retry.attempt``), so it is on that
@@ -51,7 +53,6 @@ from typing import Any, NamedTuple
 
 from sdk.producer import Producer
 from sdk.records import ConsumerRecord, TopicPartition
-from storage.codec import encode_batch
 from storage.errors import StrataError
 
 log = logging.getLogger(__name__)
@@ -146,27 +147,14 @@ def failures_partition(group: str, topic: str, partition: int, n: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class Failure:
-    """One failure record, ready to encode."""
+    """One failure record, ready to send."""
 
     tp: TopicPartition
-    producer_id: int
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, bytes]]
     tags: list[str] | None
     timestamp: int
-
-    def encode(self) -> bytes:
-        return encode_batch(
-            [self.value],
-            keys=[self.key],
-            timestamps=self.timestamp,
-            headers=[self.headers],
-            tags=[self.tags],
-            producer_id=self.producer_id,
-            producer_epoch=0,
-            base_sequence=0,
-        )
 
 
 def build_failure(
@@ -204,13 +192,10 @@ def build_failure(
         headers.append((H_ORDERING, b"key"))
     if parked:
         headers.append((H_PARK, b"1"))
-    seed = identity_seed(group, info.topic, info.partition, info.offset)
-    kind = f"park{parks}" if parked else "fail"
-    pid = derived_producer_id(kind, seed, attempt)
     tp = TopicPartition(
         FAILURES_TOPIC, failures_partition(group, info.topic, info.partition, failures_partitions)
     )
-    return Failure(tp, pid, record.key, record.value, headers, list(record.tags) or None, now_ms)
+    return Failure(tp, record.key, record.value, headers, list(record.tags) or None, now_ms)
 
 
 class ExactSender:
@@ -292,20 +277,19 @@ class ExactSender:
             await asyncio.wait_for(asyncio.gather(*tasks), wait_s)
 
 
-MAX_PENDING = 10_000
-"""Most failure records a consumer has in flight; ``retry_later`` waits beyond that."""
-
-
 class Retrier:
-    """Writes failure records for one group (see the module docstring). Until one is
-    stored, :meth:`commit_caps` keeps the source record's offset from being committed."""
+    """Writes failure records for one group (see the module docstring) through an ordinary
+    idempotent producer (batched). Until one is stored, :meth:`commit_caps` keeps the
+    source record's offset from being committed; one that could not be stored is sent
+    again by the next :meth:`flush`."""
 
-    def __init__(self, producer: Producer, group: str, *, send_timeout: float = SEND_TIMEOUT):
+    def __init__(self, producer: Producer, group: str) -> None:
         self.producer = producer
         self.group = group
-        self.sender = ExactSender(producer, send_timeout=send_timeout)
         self._partitions: int | None = None
         self._unsent: dict[TopicPartition, dict[int, int]] = {}
+        self._in_flight: set[asyncio.Future[Any]] = set()
+        self._failed: list[tuple[ConsumerRecord, Failure]] = []
         self.sent = 0
         self.parked = 0
 
@@ -323,39 +307,56 @@ class Retrier:
         ordered: bool = False,
     ) -> None:
         """Start storing the failure record of ``record``; :meth:`flush` waits for it."""
-        if self.sender.in_flight >= MAX_PENDING:
-            await self.flush()
         n = await self._failure_partitions()
         now = time.time_ns() // 1_000_000
         f = build_failure(self.group, record, reason, now, n, parked=parked, ordered=ordered)
         where = TopicPartition(record.topic, record.partition)
         unsent = self._unsent.setdefault(where, {})
         unsent[record.offset] = unsent.get(record.offset, 0) + 1
+        await self._send(record, f)
+        if parked:
+            self.parked += 1
+        else:
+            self.sent += 1
 
-        def stored() -> None:
+    async def _send(self, record: ConsumerRecord, f: Failure) -> None:
+        fut = await self.producer.send(
+            f.tp.topic, f.value, f.key, f.headers, f.tags, f.tp.partition, f.timestamp
+        )
+        self._in_flight.add(fut)
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            self._in_flight.discard(fut)
+            if fut.cancelled() or fut.exception() is not None:
+                log.warning("a failure record was not stored (sent again by the next flush)")
+                self._failed.append((record, f))
+                return
+            unsent = self._unsent[TopicPartition(record.topic, record.partition)]
             left = unsent[record.offset] - 1
             if left:
                 unsent[record.offset] = left
             else:
                 del unsent[record.offset]
 
-        self.sender.submit(f.tp, record.key, f.encode(), stored)
-        if parked:
-            self.parked += 1
-        else:
-            self.sent += 1
+        fut.add_done_callback(done)
 
     def commit_caps(self) -> dict[TopicPartition, int]:
         """Per partition, the lowest offset whose failure record is not stored yet."""
         return {tp: min(offsets) for tp, offsets in self._unsent.items() if offsets}
 
     async def flush(self, wait_s: float | None = None) -> None:
-        await self.sender.flush(wait_s)
+        """Send again what failed, and wait until everything given so far is stored."""
+        failed, self._failed = self._failed, []
+        for record, f in failed:
+            await self._send(record, f)
+        if self._in_flight:
+            await asyncio.wait_for(asyncio.gather(*self._in_flight, return_exceptions=True), wait_s)
+        if self._failed:
+            raise StrataError(f"{len(self._failed)} failure record(s) not stored yet")
 
     async def close(self, wait_s: float = 5.0) -> None:
-        """Give what is in flight ``wait_s`` seconds; what is not stored then was not committed
-        either, so the partition's next owner reads those records again."""
-        self.sender.closed = True
+        """Give what is in flight ``wait_s`` seconds; what is not stored then was not
+        committed either, so the partition's next owner reads those records again."""
         with contextlib.suppress(StrataError, TimeoutError):
             await self.flush(wait_s)
         await self.producer.close(flush_timeout=1.0)
