@@ -24,7 +24,9 @@ not return within ``invocation_timeout``, fails the whole batch.
 
 **Retries** follow a :class:`RetryPolicy` (exponential backoff, by default for ever). When the
 policy gives up on a partition, ``on_give_up`` decides what happens (the default keeps
-retrying at the longest backoff; the retry router of ``docs/retries.md`` plugs in here).
+retrying at the longest backoff). With ``retry`` (``--retry``) the runner applies the
+group's retry policy instead: each failed record goes to the group's retry topic and the rest
+of the batch is committed (``docs/retries.md``).
 
 **Commits** run in the background, every partition that finished in one request, so a
 partition's next batch does not wait for the commit of its last; a failed commit is retried
