@@ -37,6 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, Validat
 from handlers.delays import ROUTES as DELAY_ROUTES
 from handlers.groups import ROUTES as GROUP_ROUTES
 from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
+from handlers.retries import ROUTES as RETRY_ROUTES
 from handlers.runtime import Invocation
 from sdk.admin import PartitionInfo, PartitionStatus, TopicDescription
 from storage.errors import (
@@ -320,6 +321,7 @@ ROUTER = Router(
         Route("PATCH", "/topics/{name}/configs", _alter_configs),
         *GROUP_ROUTES,
         *DELAY_ROUTES,
+        *RETRY_ROUTES,
     ],
     invocation=Invocation,
 )

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from storage.errors import (
     GroupIdNotFoundError,
     InvalidRequestError,
+    NodeNotFoundError,
     NonEmptyGroupError,
     RequestTimedOutError,
     StrataError,
@@ -92,6 +93,7 @@ _STATUS: dict[type[StrataError], int] = {
     UnknownTopicOrPartitionError: 404,
     RequestTimedOutError: 504,
     GroupIdNotFoundError: 404,
+    NodeNotFoundError: 404,
     NonEmptyGroupError: 409,
 }
 

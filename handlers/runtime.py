@@ -203,9 +203,12 @@ class Invocation:
             with contextlib.suppress(TypeError, ValueError):
                 self._lambda_budget = float(remaining()) / 1000 - ANSWER_MARGIN
 
-    def run(self, fn: Callable[[MetadataStore], Awaitable[T]]) -> T:
-        runtime = self._runtime()
-        budget = runtime.config.call_timeout
+    def budget(self) -> float:
+        """Seconds left for this invocation's metadata work."""
+        budget = self._runtime().config.call_timeout
         if self._lambda_budget is not None:
             budget = min(budget, self._lambda_budget)
-        return runtime.call(fn, timeout=budget - (time.monotonic() - self._started))
+        return budget - (time.monotonic() - self._started)
+
+    def run(self, fn: Callable[[MetadataStore], Awaitable[T]]) -> T:
+        return self._runtime().call(fn, timeout=self.budget())

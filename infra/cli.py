@@ -63,10 +63,19 @@ delays_app = typer.Typer(
     help="Delayed records: status of the delay levels, cancel, create the level topics.",
     no_args_is_help=True,
 )
+retry_app = typer.Typer(
+    help="Retry policies of consumer groups, and the retry routers' counters.",
+    no_args_is_help=True,
+)
+dlq_app = typer.Typer(
+    help="Dead-letter topics: count, peek, redrive back to a topic.", no_args_is_help=True
+)
 local_app = typer.Typer(help="The local stack: moto S3, ZooKeeper, agents, admin API.", no_args_is_help=True)  # fmt: skip
 app.add_typer(topics_app, name="topics")
 app.add_typer(groups_app, name="groups")
 app.add_typer(delays_app, name="delays")
+app.add_typer(retry_app, name="retry")
+app.add_typer(dlq_app, name="dlq")
 app.add_typer(local_app, name="local")
 
 out = Console(soft_wrap=True)
@@ -896,6 +905,158 @@ def delays_init(
     ctx.emit(result) if ctx.json else out.print(
         f"created {len(result['created'])}, existing {len(result['existing'])}"
     )
+
+
+# ---------------------------------------------------------------- retries and dead letters
+
+
+@retry_app.command("set")
+def retry_set(group: str, topic: str, policy: Annotated[str, typer.Argument(help="JSON")]) -> None:
+    """Declare GROUP's retry policy for TOPIC, e.g. '{"initial_ms": 1000, "max_attempts": 8,
+    "dead_letter_topic": "orders.dlq"}' (docs/retries.md); creates the topics it needs."""
+    ctx = _ctx()
+    try:
+        body = json.loads(policy)
+    except ValueError as exc:
+        raise typer.BadParameter(f"not JSON: {exc}", param_hint="POLICY") from None
+    with _errors(), ctx.admin() as admin:
+        result = admin.set_retry_policy(group, topic, body)
+    if ctx.json:
+        ctx.emit(result)
+        return
+    out.print(f"{group} / {topic}: {json.dumps(result['policy'])}")
+    if result["created"]:
+        out.print("created " + ", ".join(result["created"]))
+
+
+@retry_app.command("get")
+def retry_get(group: str, topic: str) -> None:
+    """GROUP's retry policy for TOPIC."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        policy = admin.get_retry_policy(group, topic)
+    ctx.emit(policy.to_json()) if ctx.json else out.print(json.dumps(policy.to_json()))
+
+
+@retry_app.command("status")
+def retry_status() -> None:
+    """Each retry router's counters: retries by attempt, records dead-lettered per topic."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        status = admin.retry_status()
+    if ctx.json:
+        ctx.emit(status)
+        return
+    for name, stats in sorted(status["routers"].items()):
+        by_attempt = ", ".join(
+            f"#{a}: {c}"
+            for a, c in sorted(stats["retries_by_attempt"].items(), key=lambda x: int(x[0]))
+        )
+        dead = ", ".join(f"{t}: {c}" for t, c in sorted(stats["dead_lettered"].items()))
+        out.print(
+            f"{name}: retries by attempt {by_attempt or '-'}; dead-lettered {dead or '-'}; "
+            f"parked {stats['parked']}"
+        )
+
+
+@dlq_app.command("count")
+def dlq_count(topic: str) -> None:
+    """How many records TOPIC (a dead-letter topic) holds."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        count = admin.dlq_count(topic)
+    ctx.emit({"topic": topic, "count": count}) if ctx.json else out.print(f"{topic}: {count}")
+
+
+@dlq_app.command("peek")
+def dlq_peek(
+    topic: str, limit: Annotated[int, typer.Option(help="How many (oldest first)")] = 10
+) -> None:
+    """The oldest records of a dead-letter topic: origin, attempts, last error."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        records = admin.dlq_peek(topic, limit)
+    if ctx.json:
+        ctx.emit(records)
+        return
+    table = Table("partition", "offset", "group", "from", "attempts", "last error", box=None)
+    for r in records:
+        o = r["original"]
+        table.add_row(
+            str(r["partition"]),
+            str(r["offset"]),
+            r["group"],
+            f"{o['topic']}[{o['partition']}]@{o['offset']}",
+            str(r["attempts"]),
+            (r["last_error"] or "")[:60],
+        )
+    out.print(table)
+
+
+def _rate(text: str) -> int:
+    number = text.removesuffix("/s")
+    if not number.isdigit() or int(number) < 1:
+        raise typer.BadParameter(f"{text!r} is not a rate like 100/s", param_hint="--rate")
+    return int(number)
+
+
+@dlq_app.command("redrive")
+def dlq_redrive(
+    source: Annotated[str, typer.Argument(help="The dead-letter topic")] = "",
+    to: Annotated[str, typer.Option(help="The topic to move the records to")] = "",
+    rate: Annotated[str, typer.Option(help="Records per second, e.g. 100/s")] = "100/s",
+    filter_: Annotated[
+        str | None, typer.Option("--filter", help="Only records with this header=value")
+    ] = None,
+    dry_run: Annotated[bool, typer.Option(help="Count what would move; move nothing")] = False,
+    resume: Annotated[str | None, typer.Option(help="Continue the redrive with this id")] = None,
+) -> None:
+    """Move records from a dead-letter topic back to a topic, rate-limited, with a progress
+    bar. Interrupted (Ctrl-C, a crash), it can be resumed with --resume ID: nothing is sent
+    twice. `strata dlq cancel ID` stops it."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        if resume:
+            task = admin.redrive_status(resume)
+        else:
+            if not source or not to:
+                raise UsageError("give the dead-letter topic and --to (or --resume ID)")
+            task = admin.redrive(source, to, _rate(rate), filter_, dry_run)
+            err.print(f"redrive {task['id']}: {task['total']} record(s) in {task['source']}")
+        with _progress(task["total"], "redrive", enabled=not ctx.json) as progress:
+            bar = progress.add_task(f"{task['source']} → {task['target']}", total=task["total"])
+            while task["state"] == "running":
+                task = admin.redrive_run(str(task["id"]))
+                progress.update(bar, completed=task["scanned"])
+    ctx.emit(task) if ctx.json else out.print(
+        f"{task['state']}: moved {task['moved']}, skipped {task['skipped']} (filter)"
+        + (" [dry run: nothing sent]" if task["dry_run"] else "")
+    )
+
+
+@dlq_app.command("status")
+def dlq_status(task_id: Annotated[str | None, typer.Argument()] = None) -> None:
+    """A redrive's progress (every redrive without an id)."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        tasks = [admin.redrive_status(task_id)] if task_id else admin.redrives()
+    if ctx.json:
+        ctx.emit(tasks)
+        return
+    for t in tasks:
+        out.print(
+            f"{t['id']} {t['source']} → {t['target']} {t['state']}: "
+            f"{t['scanned']}/{t['total']} scanned, {t['moved']} moved, {t['skipped']} skipped"
+        )
+
+
+@dlq_app.command("cancel")
+def dlq_cancel(task_id: str) -> None:
+    """Cancel a redrive (what it moved stays moved)."""
+    ctx = _ctx()
+    with _errors(), ctx.admin() as admin:
+        task = admin.redrive_cancel(task_id)
+    ctx.emit(task) if ctx.json else out.print(f"{task_id}: {task['state']}")
 
 
 # ---------------------------------------------------------------- replay

@@ -10,6 +10,8 @@
 7. a range replayed from the archive into a new topic, and checked;
 8. 1,000 delayed records scheduled 3 s ahead (``infra.demo_delays``): none readable early, each
    delivered once by the delay scheduler that the stack runs;
+9. retries (``infra.demo_retries``): a consumer failing some records, the retry router
+   bringing them back after the policy's backoff, the dead-letter topic, and a redrive;
 then a summary table, and the stack stopped. Exits 0 only if every step that ran checked out.
 """
 
@@ -32,7 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from infra import demo_delays, demo_storage, local
+from infra import demo_delays, demo_retries, demo_storage, local
 from infra.cli import replay_range
 from sdk import Consumer, Producer
 from sdk.admin import SyncAdmin
@@ -290,6 +292,15 @@ def main(argv: list[str] | None = None) -> int:
             except AssertionError as exc:
                 return False, str(exc)
 
+        def do_retries() -> tuple[bool, str]:
+            admin.create_topic(demo_retries.TOPIC, demo_retries.PARTITIONS, 3)
+            try:
+                return True, demo_retries.run(
+                    state.bootstrap, state.admin_url, state.zookeeper_connect, args.dir
+                )
+            except AssertionError as exc:
+                return False, str(exc)
+
         for name, fn in (
             ("create a topic", create),
             ("produce", do_produce),
@@ -298,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             ("Spark aggregation over the archive", do_spark),
             ("replay a range into a new topic", do_replay),
             ("delayed messages", do_delays),
+            ("retries, dead letters, redrive", do_retries),
         ):
             if not _timed(name, steps, fn):
                 break

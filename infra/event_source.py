@@ -24,7 +24,9 @@ not return within ``invocation_timeout``, fails the whole batch.
 
 **Retries** follow a :class:`RetryPolicy` (exponential backoff, by default for ever). When the
 policy gives up on a partition, ``on_give_up`` decides what happens (the default keeps
-retrying at the longest backoff; the retry router of ``docs/retries.md`` plugs in here).
+retrying at the longest backoff). With ``retry`` (``--retry``) the runner applies the
+group's retry policy instead: each failed record goes to the group's retry topic and the rest
+of the batch is committed (``docs/retries.md``).
 
 **Commits** run in the background, every partition that finished in one request, so a
 partition's next batch does not wait for the commit of its last; a failed commit is retried
@@ -58,6 +60,13 @@ from sdk import Consumer
 from sdk.backoff import ExponentialBackoff
 from sdk.delays import level_topics
 from sdk.records import ConsumerRecord, TopicPartition
+from sdk.retry import (
+    FAILURES_TOPIC,
+    ROUTER_GROUP,
+    Retrier,
+    new_retrier_producer,
+    retry_topic,
+)
 from storage.errors import InvalidConfigError, StrataError
 
 log = logging.getLogger("infra.event_source")
@@ -93,6 +102,11 @@ class MappingConfig:
     retry_max_ms: int = 30_000
     max_attempts: int = 0
     """Failed attempts of one batch before ``on_give_up``; 0 = never give up."""
+    retry: bool = False
+    """Apply the group's retry policy (``docs/retries.md``): each record the function reports
+    in ``batchItemFailures`` (or raises on, found by invoking the batch's records one by one)
+    goes to the group's retry topic, the rest of the batch is committed; the mapping reads
+    the group's retry topic too."""
 
     def __post_init__(self) -> None:
         if not self.topics:
@@ -220,6 +234,7 @@ class EventSourceRunner:
         self._executor = ThreadPoolExecutor(config.concurrency, thread_name_prefix="strata-fn")
         self._to_commit: dict[TopicPartition, int] = {}
         self._commit_wanted = asyncio.Event()
+        self._retrier: Retrier | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.config
@@ -238,8 +253,14 @@ class EventSourceRunner:
         )
         self._consumer = consumer
         tasks: set[asyncio.Task[None]] = set()
+        topics = list(cfg.topics)
+        if cfg.retry:
+            topics.append(retry_topic(cfg.group_id))
+            producer = new_retrier_producer(cfg.bootstrap_servers)
+            await producer.start()
+            self._retrier = Retrier(producer, cfg.group_id)
         async with consumer:
-            consumer.subscribe(list(cfg.topics), listener=self)
+            consumer.subscribe(topics, listener=self)
             committer = asyncio.create_task(self._commit_loop(consumer, stop), name="strata-commit")
             while not stop.is_set():
                 if len(tasks) >= cfg.concurrency:
@@ -262,6 +283,8 @@ class EventSourceRunner:
                 await asyncio.wait(tasks, timeout=cfg.invocation_timeout)
             self._commit_wanted.set()
             await committer
+        if self._retrier is not None:
+            await self._retrier.close()
         self._executor.shutdown(wait=False)
 
     async def _commit_loop(self, consumer: Consumer, stop: asyncio.Event) -> None:
@@ -351,9 +374,8 @@ class EventSourceRunner:
                 count += len(recs)
         return batch
 
-    async def _invoke(
-        self, consumer: Consumer, batch: dict[TopicPartition, list[ConsumerRecord]]
-    ) -> None:
+    async def _call(self, batch: Mapping[TopicPartition, Sequence[ConsumerRecord]]) -> Any:
+        """Invoke the function once with ``batch`` (within the invocation timeout)."""
         cfg = self.config
         event = build_event(batch, cfg.bootstrap_servers)
         context = LambdaContext(
@@ -361,15 +383,72 @@ class EventSourceRunner:
             aws_request_id=str(uuid.uuid4()),
             timeout=cfg.invocation_timeout,
         )
+        async with asyncio.timeout(cfg.invocation_timeout):
+            return await asyncio.get_running_loop().run_in_executor(
+                self._executor, self.handler, event, context
+            )
+
+    async def _failed_records(
+        self, batch: dict[TopicPartition, list[ConsumerRecord]]
+    ) -> list[tuple[ConsumerRecord, str]]:
+        """With ``retry``: the records the function failed on, with the reason. Each
+        ``batchItemFailures`` item names one record; an exception makes the runner invoke
+        the records one by one to find those that raise (Lambda's bisect, to the end)."""
+        try:
+            answer = await self._call(batch)
+        except Exception as exc:
+            log.info(
+                "invocation of %s failed (%r): invoking record by record", self.config.function, exc
+            )
+            self.stats.failed_invocations += 1
+            failed: list[tuple[ConsumerRecord, str]] = []
+            for tp, recs in batch.items():
+                for rec in recs:
+                    try:
+                        single = await self._call({tp: [rec]})
+                    except Exception as one:
+                        failed.append((rec, repr(one)))
+                    else:
+                        if failures_of(single):
+                            failed.append((rec, "reported in batchItemFailures"))
+            return failed
+        wanted: set[tuple[TopicPartition, int]] = set()
+        if isinstance(answer, Mapping):
+            for item in answer.get("batchItemFailures") or ():
+                wanted.add(parse_item_id(item["itemIdentifier"]))
+        return [
+            (rec, "reported in batchItemFailures")
+            for tp, recs in batch.items()
+            for rec in recs
+            if (tp, rec.offset) in wanted
+        ]
+
+    async def _invoke_with_retry(
+        self, consumer: Consumer, batch: dict[TopicPartition, list[ConsumerRecord]]
+    ) -> None:
+        assert self._retrier is not None
+        failures: dict[TopicPartition, tuple[int, int | None]] = {}
+        try:
+            failed = await self._failed_records(batch)
+            await self._retrier.fail_many(failed)
+        except Exception as exc:  # the failures could not be stored: the batch is retried
+            log.warning("retry routing for %s failed: %r", self.config.function, exc)
+            failures = {tp: (recs[0].offset, None) for tp, recs in batch.items()}
+        self._finish(consumer, batch, failures)
+
+    async def _invoke(
+        self, consumer: Consumer, batch: dict[TopicPartition, list[ConsumerRecord]]
+    ) -> None:
+        cfg = self.config
         self.stats.invocations += 1
         self.stats.records += sum(map(len, batch.values()))
+        if self._retrier is not None:
+            await self._invoke_with_retry(consumer, batch)
+            return
         failures: dict[TopicPartition, tuple[int, int | None]]
         started = time.monotonic()
         try:
-            async with asyncio.timeout(cfg.invocation_timeout):
-                answer = await asyncio.get_running_loop().run_in_executor(
-                    self._executor, self.handler, event, context
-                )
+            answer = await self._call(batch)
             log.debug(
                 "invocation: %d partitions, %d records, %.1f ms",
                 len(batch),
@@ -381,6 +460,14 @@ class EventSourceRunner:
             log.warning("invocation of %s failed: %r", cfg.function, exc)
             self.stats.failed_invocations += 1
             failures = {tp: (recs[0].offset, None) for tp, recs in batch.items()}
+        self._finish(consumer, batch, failures)
+
+    def _finish(
+        self,
+        consumer: Consumer,
+        batch: dict[TopicPartition, list[ConsumerRecord]],
+        failures: Mapping[TopicPartition, tuple[int, int | None]],
+    ) -> None:
         for tp, recs in batch.items():
             start, end = recs[0].offset, recs[-1].offset + 1
             failed = failures.get(tp)
@@ -450,6 +537,26 @@ def scheduler_mapping(bootstrap: str, **options: Any) -> MappingConfig:
     )
 
 
+ROUTER_FUNCTION = "handlers.retry:handler"
+
+
+def router_mapping(bootstrap: str, **options: Any) -> MappingConfig:
+    """The mapping that feeds the retry router: the failures topic, one group, one
+    partition per invocation (a slow destination holds up no other partition)."""
+    return MappingConfig(
+        **{
+            "function": ROUTER_FUNCTION,
+            "topics": (FAILURES_TOPIC,),
+            "group_id": ROUTER_GROUP,
+            "bootstrap_servers": bootstrap,
+            "window_ms": 5,
+            "concurrency": 8,
+            "partition_per_invocation": True,
+            **options,
+        }
+    )
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class EventSourceProcess(ChildProcess):
     """A runner child process (``strata local up`` starts the scheduler's)."""
@@ -503,6 +610,11 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
     p.add_argument("--concurrency", type=int, default=None)
     p.add_argument("--invocation-timeout", type=float, default=30.0)
     p.add_argument("--session-timeout-ms", type=int, default=10_000)
+    p.add_argument(
+        "--retry",
+        action="store_true",
+        help="apply the group's retry policy to the records the function fails on",
+    )
     a = p.parse_args(argv)
     options: dict[str, Any] = {
         "invocation_timeout": a.invocation_timeout,
@@ -519,6 +631,9 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
     topics = tuple(t for t in a.topics.split(",") if t)
     if a.function == SCHEDULER_FUNCTION and not topics:
         return scheduler_mapping(a.bootstrap, group_id=a.group, **options)
+    if a.function == ROUTER_FUNCTION and not topics:
+        group = ROUTER_GROUP if a.group == SCHEDULER_GROUP else a.group
+        return router_mapping(a.bootstrap, group_id=group, **options)
     if not topics:
         raise InvalidConfigError("--topics is required for a function other than the scheduler")
     return MappingConfig(
@@ -526,6 +641,7 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
         topics=topics,
         group_id=a.group,
         bootstrap_servers=a.bootstrap,
+        retry=a.retry,
         **options,
     )
 

@@ -51,6 +51,7 @@ from storage.errors import (
     StrataError,
     from_wire,
 )
+from storage.retry_policy import RetryPolicy
 
 DEFAULT_TIMEOUT = 30.0
 MAX_RESPONSE_BYTES = 64 << 20
@@ -368,6 +369,66 @@ class SyncAdmin:
         """Pending records per level, cancels, and the schedulers' counters and lateness."""
         return dict(self._http.request("GET", "/delays/status"))
 
+    # ---- retries and dead letters (docs/retries.md) --------------------------------------
+    def set_retry_policy(
+        self, group: str, topic: str, policy: RetryPolicy | Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Declare ``group``'s retry policy for ``topic`` (checked here first:
+        ``InvalidRetryPolicyError``); creates the retry and dead-letter topics if missing."""
+        checked = RetryPolicy.parse(policy, topic=topic)
+        path = f"{_group(group)}/retry/{urllib.parse.quote(topic, safe='')}"
+        return dict(self._http.request("PUT", path, checked.to_json()))
+
+    def get_retry_policy(self, group: str, topic: str) -> RetryPolicy:
+        path = f"{_group(group)}/retry/{urllib.parse.quote(topic, safe='')}"
+        return RetryPolicy.parse(self._http.request("GET", path))
+
+    def delete_retry_policy(self, group: str, topic: str) -> None:
+        self._http.request("DELETE", f"{_group(group)}/retry/{urllib.parse.quote(topic, safe='')}")
+
+    def retry_status(self) -> dict[str, Any]:
+        """The retry routers' counters: retries by attempt, dead-lettered per topic."""
+        return dict(self._http.request("GET", "/retry/status"))
+
+    def dlq_count(self, topic: str) -> int:
+        return int(
+            self._http.request("GET", f"/dlq/{urllib.parse.quote(topic, safe='')}/count")["count"]
+        )
+
+    def dlq_peek(self, topic: str, limit: int = 10) -> list[dict[str, Any]]:
+        path = f"/dlq/{urllib.parse.quote(topic, safe='')}/peek?limit={int(limit)}"
+        return list(self._http.request("GET", path)["records"])
+
+    def redrive(
+        self,
+        source: str,
+        to: str,
+        rate: int,
+        header_filter: str | None = None,
+        dry_run: bool = False,
+    ) -> dict[str, Any]:
+        """Make a redrive task from dead-letter topic ``source`` to ``to`` at ``rate``
+        records/s (``header_filter``: ``"name=value"``); run it with :meth:`redrive_run`."""
+        body: dict[str, Any] = {"to": to, "rate": rate, "dry_run": dry_run}
+        if header_filter:
+            body["filter"] = header_filter
+        path = f"/dlq/{urllib.parse.quote(source, safe='')}/redrive"
+        return dict(self._http.request("POST", path, body))
+
+    def redrive_run(self, task_id: str) -> dict[str, Any]:
+        """Move records for one invocation's time; the task's progress (call again until
+        its state is not ``running``)."""
+        return dict(self._http.request("POST", f"/dlq/redrives/{task_id}/run"))
+
+    def redrive_status(self, task_id: str) -> dict[str, Any]:
+        return dict(self._http.request("GET", f"/dlq/redrives/{task_id}"))
+
+    def redrive_cancel(self, task_id: str) -> dict[str, Any]:
+        return dict(self._http.request("DELETE", f"/dlq/redrives/{task_id}"))
+
+    def redrives(self) -> list[dict[str, Any]]:
+        return list(self._http.request("GET", "/dlq/redrives")["tasks"])
+
     def close(self) -> None:
         """Nothing to release (a connection per request); for symmetry with ``Admin``."""
 
@@ -480,6 +541,21 @@ class Admin:
         """Cancel a delayed record: True if it was in time, False if already delivered."""
         result: bool = await self._call(self._sync.cancel_scheduled, schedule_id)
         return result
+
+    async def set_retry_policy(
+        self, group: str, topic: str, policy: RetryPolicy | Mapping[str, Any]
+    ) -> dict[str, Any]:
+        return dict(await self._call(self._sync.set_retry_policy, group, topic, policy))
+
+    async def get_retry_policy(self, group: str, topic: str) -> RetryPolicy:
+        policy: RetryPolicy = await self._call(self._sync.get_retry_policy, group, topic)
+        return policy
+
+    async def dlq_count(self, topic: str) -> int:
+        return int(await self._call(self._sync.dlq_count, topic))
+
+    async def dlq_peek(self, topic: str, limit: int = 10) -> list[dict[str, Any]]:
+        return list(await self._call(self._sync.dlq_peek, topic, limit))
 
     async def delays_status(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call(self._sync.delays_status)

@@ -211,6 +211,10 @@ class ConsumerConfig(ClientConfig):
         "read_uncommitted", alias="isolation.level"
     )
     check_crcs: bool = Field(True, alias="check.crcs")
+    #: read the group's retry topic too and allow ``retry_later`` (``docs/retries.md``)
+    retry_enable: bool = Field(False, alias="retry.enable")
+    #: "key": later records of a key wait behind one in retry (implies retry.enable)
+    retry_ordering: Literal["none", "key"] = Field("none", alias="retry.ordering")
 
     @field_validator("partition_assignment_strategy", mode="before")
     @classmethod

@@ -67,6 +67,7 @@ from sdk.config import ConsumerConfig
 from sdk.errors import IllegalStateError, NoOffsetForPartitionError
 from sdk.group import GroupClient, OffsetAndMetadata, RebalanceListener
 from sdk.records import ConsumerRecord, OffsetAndTimestamp, TopicPartition
+from sdk.retry import HAND_OUT, PARK, KeyOrder, Retrier, new_retrier_producer, retry_topic
 from storage.codec import SCHEMA, decode_batch, read_header
 from storage.errors import (
     CorruptBatchError,
@@ -243,6 +244,8 @@ class Consumer:
         self._group_task: asyncio.Task[None] | None = None
         self._subscription: tuple[list[str], RebalanceListener | None] | None = None
         self._filter: Filter | None = None
+        self._retrier: Retrier | None = None
+        self._key_order = KeyOrder() if self.config.retry_ordering == "key" else None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -319,6 +322,8 @@ class Consumer:
                 async with asyncio.timeout(self.config.request_timeout_ms / 1000):
                     await self._group.close()
         self._closed = True
+        if self._retrier is not None:
+            await self._retrier.close()
         self._stop.set()
         if self._supervisor is not None:
             await asyncio.wait([self._supervisor])
@@ -390,12 +395,62 @@ class Consumer:
         names = sorted(set(topics))
         if not names or not all(isinstance(t, str) for t in names):
             raise TypeError(f"subscribe needs topic names, got {names!r}")
+        if self._retries_enabled:
+            names = sorted({*names, retry_topic(self.config.group_id)})
         chosen = _subscription_filter(tags, filter)
         self.assign([])
         self._filter = chosen
         self._subscription = (names, listener)
         if self._tg is not None:
             self._start_group()
+
+    @property
+    def _retries_enabled(self) -> bool:
+        return self.config.retry_enable or self.config.retry_ordering == "key"
+
+    async def retry_later(self, record: ConsumerRecord, reason: str = "") -> None:
+        """Mark ``record`` failed: it is sent to the group's retry topic and comes back to this
+        group after the policy's backoff, or goes to the dead-letter topic after its last
+        attempt (``docs/retries.md``). Returns at once (the failure record is stored in the
+        background); the record counts as processed, and its offset is committed with the
+        first commit after it is stored. Needs ``retry.enable``."""
+        group = self.config.group_id
+        if group is None or not self._retries_enabled:
+            raise IllegalStateError("retry_later needs group.id and retry.enable=true")
+        self._check_running()
+        retrier = await self._ensure_retrier()
+        if self._key_order is not None:
+            self._key_order.failed(record)
+        await retrier.submit(record, reason, ordered=self._key_order is not None)
+
+    async def flush_retries(self) -> None:
+        """Wait until every record given to ``retry_later`` is stored (a commit of explicit
+        offsets does this first; a commit of positions never passes one that is not)."""
+        if self._retrier is not None:
+            await self._retrier.flush()
+
+    async def _ensure_retrier(self) -> Retrier:
+        if self._retrier is None:
+            assert self.config.group_id is not None
+            producer = new_retrier_producer(self.config.bootstrap_servers)
+            await producer.start()
+            self._retrier = Retrier(producer, self.config.group_id)
+        return self._retrier
+
+    async def _next_in_key_order(self, wanted: set[TopicPartition]) -> ConsumerRecord:
+        """``getone`` with ``retry.ordering=key``: park what must wait behind its key."""
+        assert self._key_order is not None
+        while True:
+            ready = self._key_order.next_ready()
+            if ready is not None:
+                return ready
+            record = await self._next_pending(wanted)
+            verdict = self._key_order.admit(record)
+            if verdict == HAND_OUT:
+                return record
+            if verdict == PARK:
+                retrier = await self._ensure_retrier()
+                await retrier.submit(record, parked=True, ordered=True)
 
     def _start_group(self) -> asyncio.Task[None]:
         assert self._group is not None and self._subscription is not None
@@ -428,7 +483,15 @@ class Consumer:
         return "" if self._group is None else self._group.member_id
 
     def positions_to_commit(self) -> dict[TopicPartition, int]:
-        return {tp: st.position for tp, st in self._states.items() if st.position is not None}
+        """Every partition's position; with retries, never past a record whose failure
+        record is not stored yet or that waits behind its key (``docs/retries.md``)."""
+        out = {tp: st.position for tp, st in self._states.items() if st.position is not None}
+        for source in (self._retrier, self._key_order):
+            if source is not None:
+                for tp, cap in source.commit_caps().items():
+                    if tp in out:
+                        out[tp] = min(out[tp], cap)
+        return out
 
     def _group_client(self) -> GroupClient:
         self._check_running()
@@ -447,6 +510,7 @@ class Consumer:
         if offsets is None:
             values = {tp: OffsetAndMetadata(o) for tp, o in self.positions_to_commit().items()}
         else:
+            await self.flush_retries()  # explicit offsets may pass a failed record
             values = {
                 _as_tp(tp): o if isinstance(o, OffsetAndMetadata) else OffsetAndMetadata(o)
                 for tp, o in offsets.items()
@@ -897,8 +961,14 @@ class Consumer:
         return {tp: pa.Table.from_batches(batches, schema=SCHEMA) for tp, batches in got.items()}
 
     async def getone(self, *partitions: TopicPartition | tuple[str, int]) -> ConsumerRecord:
-        """The next record (of ``partitions``, default all), waiting as long as it takes."""
+        """The next record (of ``partitions``, default all), waiting as long as it takes.
+        With ``retry.ordering=key``, records that must wait behind their key are parked."""
         wanted = {_as_tp(tp) for tp in partitions}
+        if self._key_order is not None:
+            return await self._next_in_key_order(wanted)
+        return await self._next_pending(wanted)
+
+    async def _next_pending(self, wanted: set[TopicPartition]) -> ConsumerRecord:
         while True:
             if self._pending and not wanted:
                 return self._pending.popleft()

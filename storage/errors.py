@@ -19,6 +19,7 @@ at one boundary per adapter and never leak out.
     │   ├── TopicAlreadyExistsError
     │   ├── InvalidFilterError         a filter expression that does not parse (``position``)
     │   ├── InvalidDelayError          a bad delay: negative, over delay.max.ms, or ambiguous
+    │   ├── InvalidRetryPolicyError    a retry policy that cannot work (``storage.retry_policy``)
     │   └── MalformedFrameError        a protocol frame that does not parse
     │       └── FrameTooLargeError     a frame over the connection's maximum size
     ├── OffsetOutOfRangeError          offset below the log start or above the log end
@@ -158,6 +159,13 @@ class InvalidDelayError(InvalidRequestError):
     delay level, or a malformed schedule id."""
 
     code = 1040
+
+
+class InvalidRetryPolicyError(InvalidConfigError):
+    """A retry policy refused before it is stored: a negative backoff, ``max_attempts`` below
+    1, a dead-letter topic that is the source topic, an unknown field (``storage.retry_policy``)."""
+
+    code = 1041
 
 
 class MalformedFrameError(InvalidRequestError):

@@ -1,0 +1,508 @@
+"""Retry topics from the consumer's side: marking a record failed (``docs/retries.md``).
+
+Theory of operation
+-------------------
+A consumer that cannot process a record hands it to :meth:`Retrier.fail` (what
+``Consumer.retry_later`` and the event-source runner call). That writes one *failure record*
+to the internal topic :data:`FAILURES_TOPIC`: the record's key, value, tags and headers, plus
+the ``strata.retry.*`` headers below (the group, the original topic/partition/offset, the
+attempt that failed, the first and this failure's time, the error). The consumer then treats
+the record as processed: its offset is committed with the next commit. The retry router
+(``handlers.retry``) reads the failure records, applies the group's policy and sends each one
+either to the dead-letter topic or, through the delay levels, to the group's retry topic
+:func:`retry_topic` — which only that group's consumers read — due after the backoff.
+
+**Exactly once, where it matters.** Failure records are written by an ordinary idempotent
+producer (batched: a failure costs the consumer little), so a consumer that crashes after
+writing one and before committing may write a second copy when it fails the record again.
+Copies are harmless: the router's outputs are one-record batches whose producer id is derived
+from (group, original topic, partition, offset, attempt) — never from the failure record's
+own offset or time — written with ``Producer.send_exact`` to a destination derived from the
+same things, so the destination's leader stores the first and answers every other copy as a
+duplicate (``docs/delays.md``, "exactly once on the target"). A record is retried, and
+dead-lettered, once per failed attempt. :class:`ExactSender` sends those outputs.
+
+**Attempts.** A record from a source topic is on its attempt 1; a record redelivered from the
+retry topic carries the attempt that failed last (``strata.retry.attempt``), so it is on that
+plus one. :func:`retry_info` reads all of it back.
+
+**Key order** (``retry.ordering=key``). A consumer with that option keeps, per key, the
+records it sent to retry and not yet seen succeed. A later record of such a key is not handed
+to the application: it is *parked* — sent to retry too, not as a failed attempt
+(``strata.retry.parked`` counts how often), and the router brings it back after the policy's
+first wait. A record of such a key that comes back from retry is handed out only when it is
+the oldest of its key; the others are parked again. So the records of one key are processed
+in their original order, each only after the one before it succeeded or went to the
+dead-letter topic. This state is the consumer's memory: a partition that moves to another
+member (a rebalance, a crash) starts with none, and order across that move is not promised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hashlib
+import logging
+import time
+import zlib
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from sdk.producer import Producer
+from sdk.records import ConsumerRecord, TopicPartition
+from storage.errors import StrataError
+
+log = logging.getLogger(__name__)
+
+FAILURES_TOPIC = "__strata_retry_failures"
+"""Where consumers write failure records; the retry router reads it."""
+FAILURES_PARTITIONS = 8
+RETRY_PREFIX = "__strata_retry."
+ROUTER_GROUP = "__strata_retry_router"
+HEADER_PREFIX = "strata.retry."
+H_GROUP = "strata.retry.group"
+H_TOPIC = "strata.retry.topic"
+H_PARTITION = "strata.retry.partition"
+H_OFFSET = "strata.retry.offset"
+H_ATTEMPT = "strata.retry.attempt"
+H_FIRST_MS = "strata.retry.first_failure_ms"
+H_FAILED_MS = "strata.retry.failed_ms"
+H_ERROR = "strata.retry.error"
+H_PARKED = "strata.retry.parked"
+H_DUE_MS = "strata.retry.due_ms"
+H_PARK = "strata.retry.park"
+"""Only on a failure record of a parked record: not a failed attempt."""
+MAX_ERROR_BYTES = 1000
+SEND_TIMEOUT = 15.0
+
+
+def retry_topic(group: str) -> str:
+    """The group's retry topic: redelivered records, read by that group only."""
+    return f"{RETRY_PREFIX}{group}"
+
+
+def is_retry_topic(topic: str) -> bool:
+    return topic.startswith(RETRY_PREFIX)
+
+
+def header(headers: Sequence[tuple[str, bytes]], name: str) -> bytes | None:
+    for k, v in headers:
+        if k == name:
+            return bytes(v)
+    return None
+
+
+class RetryInfo(NamedTuple):
+    """Where a record comes from and how often it failed (:func:`retry_info`)."""
+
+    topic: str
+    partition: int
+    offset: int
+    attempt: int
+    """The attempt this delivery is (1: the first)."""
+    first_failure_ms: int | None
+    last_error: str | None
+    parked: int
+
+
+def retry_info(record: ConsumerRecord) -> RetryInfo:
+    """The original topic, partition and offset of ``record`` and its attempt number (for a
+    record from a source topic: itself, attempt 1)."""
+    h = record.headers
+    topic = header(h, H_TOPIC)
+    if topic is None or not (is_retry_topic(record.topic) or record.topic == FAILURES_TOPIC):
+        return RetryInfo(record.topic, record.partition, record.offset, 1, None, None, 0)
+    first = header(h, H_FIRST_MS)
+    error = header(h, H_ERROR)
+    return RetryInfo(
+        topic.decode(),
+        int(header(h, H_PARTITION) or b"0"),
+        int(header(h, H_OFFSET) or b"0"),
+        int(header(h, H_ATTEMPT) or b"0") + 1,
+        None if first is None else int(first),
+        None if error is None else error.decode(errors="replace"),
+        int(header(h, H_PARKED) or b"0"),
+    )
+
+
+def identity_seed(group: str, topic: str, partition: int, offset: int) -> str:
+    """The string a record's producer ids and jitter are derived from."""
+    return f"{group}/{topic}/{partition}/{offset}"
+
+
+def derived_producer_id(*parts: object) -> int:
+    """A producer id (63 bits, never negative) for one exactly-once output batch."""
+    digest = hashlib.blake2b("/".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 1
+
+
+def failures_partition(group: str, topic: str, partition: int, n: int) -> int:
+    """All failures of one source partition share a failures partition (so the router sees
+    them in order, which key order needs)."""
+    return zlib.crc32(f"{group}/{topic}/{partition}".encode()) % n
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failure record, ready to send."""
+
+    tp: TopicPartition
+    key: bytes | None
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+    tags: list[str] | None
+    timestamp: int
+
+
+def build_failure(
+    group: str,
+    record: ConsumerRecord,
+    reason: str,
+    now_ms: int,
+    failures_partitions: int,
+    *,
+    parked: bool = False,
+    ordered: bool = False,
+) -> Failure:
+    """The failure record for ``record`` (from a source topic or the group's retry topic)."""
+    info = retry_info(record)
+    attempt = info.attempt - 1 if parked else info.attempt
+    parks = info.parked + 1 if parked else info.parked
+    user = [(k, bytes(v)) for k, v in record.headers if not k.startswith(("strata.",))]
+    error = reason.encode(errors="replace")[:MAX_ERROR_BYTES]
+    if parked and info.last_error is not None:
+        error = info.last_error.encode()[:MAX_ERROR_BYTES]
+    first = info.first_failure_ms if info.first_failure_ms is not None else now_ms
+    headers = [
+        *user,
+        (H_GROUP, group.encode()),
+        (H_TOPIC, info.topic.encode()),
+        (H_PARTITION, str(info.partition).encode()),
+        (H_OFFSET, str(info.offset).encode()),
+        (H_ATTEMPT, str(attempt).encode()),
+        (H_FIRST_MS, str(first).encode()),
+        (H_FAILED_MS, str(now_ms).encode()),
+        (H_ERROR, error),
+        (H_PARKED, str(parks).encode()),
+    ]
+    if ordered:
+        headers.append((H_ORDERING, b"key"))
+    if parked:
+        headers.append((H_PARK, b"1"))
+    tp = TopicPartition(
+        FAILURES_TOPIC, failures_partition(group, info.topic, info.partition, failures_partitions)
+    )
+    return Failure(tp, record.key, record.value, headers, list(record.tags) or None, now_ms)
+
+
+class ExactSender:
+    """Sends one-record exactly-once batches (``Producer.send_exact``) with many in flight:
+    those of one (partition, key) one after the other, in the order given — a key's order
+    is kept — and everything else at once, at most ``max_in_flight`` requests. A send that
+    fails is tried again (its producer id makes a second copy harmless) until it succeeds or
+    the sender is closed."""
+
+    def __init__(
+        self,
+        producer: Producer,
+        *,
+        max_in_flight: int = 64,
+        send_timeout: float = SEND_TIMEOUT,
+        retry_s: float = 0.5,
+    ) -> None:
+        self.producer = producer
+        self.send_timeout = send_timeout
+        self.retry_s = retry_s
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self._tails: dict[tuple[TopicPartition, bytes], asyncio.Task[None]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
+
+    def submit(
+        self,
+        tp: TopicPartition,
+        key: bytes | None,
+        batch: bytes,
+        done: Callable[[], None] | None = None,
+    ) -> asyncio.Task[None]:
+        """Start sending; ``done()`` runs once it is stored."""
+        chain = None if key is None else (tp, key)
+        before = None if chain is None else self._tails.get(chain)
+        task = asyncio.ensure_future(self._send(tp, batch, before, done))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if chain is not None:
+            self._tails[chain] = task
+            task.add_done_callback(functools.partial(self._drop_tail, chain))
+        return task
+
+    def _drop_tail(self, chain: tuple[TopicPartition, bytes], task: asyncio.Task[None]) -> None:
+        if self._tails.get(chain) is task:
+            del self._tails[chain]
+
+    async def _send(
+        self,
+        tp: TopicPartition,
+        batch: bytes,
+        before: asyncio.Task[None] | None,
+        done: Callable[[], None] | None,
+    ) -> None:
+        if before is not None:
+            await asyncio.wait([before])
+        while True:
+            try:
+                async with self._slots:
+                    await self.producer.send_exact({tp: batch}, self.send_timeout, channel="retry")
+                break
+            except StrataError as exc:
+                if self.closed or not exc.retriable:
+                    raise
+                log.warning("storing a retry record on %s failed (trying again): %r", tp, exc)
+                await asyncio.sleep(self.retry_s)
+        if done is not None:
+            done()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._tasks)
+
+    async def flush(self, wait_s: float | None = None) -> None:
+        """Wait until everything submitted is stored (the first error if something fails
+        for good)."""
+        tasks = list(self._tasks)
+        if tasks:
+            await asyncio.wait_for(asyncio.gather(*tasks), wait_s)
+
+
+class Retrier:
+    """Writes failure records for one group (see the module docstring) through an ordinary
+    idempotent producer (batched). Until one is stored, :meth:`commit_caps` keeps the
+    source record's offset from being committed; one that could not be stored is sent
+    again by the next :meth:`flush`."""
+
+    def __init__(self, producer: Producer, group: str) -> None:
+        self.producer = producer
+        self.group = group
+        self._partitions: int | None = None
+        self._unsent: dict[TopicPartition, dict[int, int]] = {}
+        self._in_flight: set[asyncio.Future[Any]] = set()
+        self._failed: list[tuple[ConsumerRecord, Failure]] = []
+        self.sent = 0
+        self.parked = 0
+
+    async def _failure_partitions(self) -> int:
+        if self._partitions is None:
+            self._partitions = len(await self.producer.partitions_for(FAILURES_TOPIC))
+        return self._partitions
+
+    async def submit(
+        self,
+        record: ConsumerRecord,
+        reason: str = "",
+        *,
+        parked: bool = False,
+        ordered: bool = False,
+    ) -> None:
+        """Start storing the failure record of ``record``; :meth:`flush` waits for it."""
+        n = await self._failure_partitions()
+        now = time.time_ns() // 1_000_000
+        f = build_failure(self.group, record, reason, now, n, parked=parked, ordered=ordered)
+        where = TopicPartition(record.topic, record.partition)
+        unsent = self._unsent.setdefault(where, {})
+        unsent[record.offset] = unsent.get(record.offset, 0) + 1
+        await self._send(record, f)
+        if parked:
+            self.parked += 1
+        else:
+            self.sent += 1
+
+    async def _send(self, record: ConsumerRecord, f: Failure) -> None:
+        fut = await self.producer.send(
+            f.tp.topic, f.value, f.key, f.headers, f.tags, f.tp.partition, f.timestamp
+        )
+        self._in_flight.add(fut)
+
+        def done(fut: asyncio.Future[Any]) -> None:
+            self._in_flight.discard(fut)
+            if fut.cancelled() or fut.exception() is not None:
+                log.warning("a failure record was not stored (sent again by the next flush)")
+                self._failed.append((record, f))
+                return
+            unsent = self._unsent[TopicPartition(record.topic, record.partition)]
+            left = unsent[record.offset] - 1
+            if left:
+                unsent[record.offset] = left
+            else:
+                del unsent[record.offset]
+
+        fut.add_done_callback(done)
+
+    def commit_caps(self) -> dict[TopicPartition, int]:
+        """Per partition, the lowest offset whose failure record is not stored yet."""
+        return {tp: min(offsets) for tp, offsets in self._unsent.items() if offsets}
+
+    async def flush(self, wait_s: float | None = None) -> None:
+        """Send again what failed, and wait until everything given so far is stored."""
+        failed, self._failed = self._failed, []
+        for record, f in failed:
+            await self._send(record, f)
+        if self._in_flight:
+            await asyncio.wait_for(asyncio.gather(*self._in_flight, return_exceptions=True), wait_s)
+        if self._failed:
+            raise StrataError(f"{len(self._failed)} failure record(s) not stored yet")
+
+    async def close(self, wait_s: float = 5.0) -> None:
+        """Give what is in flight ``wait_s`` seconds; what is not stored then was not
+        committed either, so the partition's next owner reads those records again."""
+        with contextlib.suppress(StrataError, TimeoutError):
+            await self.flush(wait_s)
+        await self.producer.close(flush_timeout=1.0)
+
+    async def fail_many(self, failed: Sequence[tuple[ConsumerRecord, str]]) -> None:
+        """Store the failure records of ``failed`` and wait until they are."""
+        for record, reason in failed:
+            await self.submit(record, reason)
+        await self.flush()
+
+
+def new_retrier_producer(
+    bootstrap: Sequence[str] | str, extra: dict[str, Any] | None = None
+) -> Producer:
+    servers = bootstrap if isinstance(bootstrap, str) else ",".join(bootstrap)
+    return Producer({"bootstrap.servers": servers, "acks": "all", **(extra or {})})
+
+
+H_ORDERING = "strata.retry.ordering"
+H_DEAD = "strata.retry.dead"
+"""On a notice the router sends back to a key-ordered group when it dead-letters a record:
+the key's next record may go."""
+
+Ident = tuple[str, int, int]
+
+
+def ident_of(record: ConsumerRecord) -> Ident:
+    info = retry_info(record)
+    return (info.topic, info.partition, info.offset)
+
+
+HAND_OUT, HOLD, PARK, DROP = "hand out", "hold", "park", "drop"
+MAX_HELD = 10_000
+"""Most records a ``retry.ordering=key`` consumer holds in memory behind their keys; beyond
+that it parks them (sends them round through the retry topic)."""
+
+
+@dataclass
+class _Entry:
+    ident: Ident
+    record: ConsumerRecord | None
+    """Held here (waiting for its turn), or None: out in the retry topic."""
+
+
+class KeyOrder:
+    """The per-key line of a ``retry.ordering=key`` consumer (see the module docstring).
+
+    Per key, the records not yet done, oldest first: the first is out in retry or being
+    processed; the others wait, held in memory (bounded by ``max_held``; beyond it they are
+    parked). Pure bookkeeping: the consumer asks :meth:`admit` about every record it reads,
+    tells :meth:`failed` about every ``retry_later``, takes :meth:`next_ready` records first,
+    and never commits past :meth:`commit_caps`. The record handed out last is settled
+    (succeeded, unless it failed) when the next one is asked for."""
+
+    def __init__(self, max_held: int = MAX_HELD) -> None:
+        self.max_held = max_held
+        self.lines: dict[bytes, list[_Entry]] = {}
+        self.held = 0
+        self._ready: deque[bytes] = deque()
+        self._last: tuple[Ident, bytes] | None = None
+        self._last_failed = False
+
+    def settle(self) -> None:
+        last, self._last = self._last, None
+        if last is None:
+            return
+        ident, key = last
+        line = self.lines.setdefault(key, [])
+        if self._last_failed:
+            if line and line[0].ident == ident:
+                line[0].record = None
+            else:
+                line.insert(0, _Entry(ident, None))
+            return
+        if line and line[0].ident == ident:
+            line.pop(0)
+        self._advance(key)
+
+    def _advance(self, key: bytes) -> None:
+        line = self.lines.get(key)
+        if not line:
+            self.lines.pop(key, None)
+            return
+        if line[0].record is not None:
+            self._ready.append(key)
+
+    def next_ready(self) -> ConsumerRecord | None:
+        """A held record whose turn has come (hand it out now), if any."""
+        self.settle()
+        self._last_failed = False
+        while self._ready:
+            key = self._ready.popleft()
+            line = self.lines.get(key)
+            if line and line[0].record is not None:
+                record, line[0].record = line[0].record, None
+                self.held -= 1
+                self._last = (line[0].ident, key)
+                return record
+        return None
+
+    def admit(self, record: ConsumerRecord) -> str:
+        """HAND_OUT, HOLD (kept here until its turn), PARK or DROP (a dead-letter notice)."""
+        self.settle()
+        self._last_failed = False
+        key = record.key
+        ident = ident_of(record)
+        if header(record.headers, H_DEAD) is not None:
+            line = self.lines.get(key) if key is not None else None
+            if line:
+                was_first = line[0].ident == ident
+                line[:] = [e for e in line if e.ident != ident or e.record is not None]
+                if was_first and key is not None:
+                    self._advance(key)
+            return DROP
+        if key is None:
+            return HAND_OUT
+        line = self.lines.get(key)
+        if not line or (line[0].ident == ident and line[0].record is None):
+            self._last = (ident, key)
+            return HAND_OUT
+        for entry in line:
+            if entry.ident == ident:
+                if entry.record is not None:
+                    return DROP  # held already (a second copy)
+                if self.held >= self.max_held:
+                    return PARK
+                entry.record = record
+                self.held += 1
+                return HOLD
+        if self.held >= self.max_held:
+            line.append(_Entry(ident, None))
+            return PARK
+        line.append(_Entry(ident, record))
+        self.held += 1
+        return HOLD
+
+    def failed(self, record: ConsumerRecord) -> None:
+        if record.key is not None and self._last == (ident_of(record), record.key):
+            self._last_failed = True
+
+    def commit_caps(self) -> dict[TopicPartition, int]:
+        """Per partition, the lowest offset held here (not to be committed yet)."""
+        caps: dict[TopicPartition, int] = {}
+        for line in self.lines.values():
+            for e in line:
+                if e.record is not None:
+                    tp = TopicPartition(e.record.topic, e.record.partition)
+                    caps[tp] = min(caps.get(tp, e.record.offset), e.record.offset)
+        return caps

@@ -1,0 +1,369 @@
+"""Retry topics and dead-letter topics end to end: real agents, real ZooKeeper, the scheduler
+and the retry router each run by the event-source runner as its own process."""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import json
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import zlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from handlers.admin import handler as admin_handler
+from infra import demo_retries
+from infra.local_runtime import start_local_runtime
+from sdk import Consumer, Producer
+from sdk.admin import SyncAdmin
+from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
+from storage.errors import InvalidRetryPolicyError, StrataError
+from storage.retry_policy import RetryPolicy
+from tests.cluster import ROOT, Cluster
+from tests.delay_support import create_levels, start_scheduler, wait_until
+from tests.harness import ManagedProcess, ProcessGroup, ZooKeeperChroot
+from tests.retry_support import read_all, retry_status, set_policy, start_router
+
+TOPIC = "orders"
+DLQ = "orders.dlq"
+GROUP = "billing"
+PARTITIONS = 6
+POLICY = {
+    "backoff": "exponential",
+    "initial_ms": 200,
+    "multiplier": 2,
+    "max_ms": 2000,
+    "jitter": True,
+    "max_attempts": 3,
+    "dead_letter_topic": DLQ,
+}
+
+
+@pytest.fixture
+def cluster(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -> Cluster:
+    c = Cluster(processes, zk_chroot, tmp_path / "data")
+    c.start(1)
+    c.create_topic(TOPIC, PARTITIONS, 1, {"fsync.policy": "interval"})
+    c.wait_for_leaders(TOPIC)
+    create_levels(c, lanes=4)
+    return c
+
+
+def failure_plan(n: int) -> tuple[set[int], set[int]]:
+    """The test's own log of injected failures: about 10% of records fail their first two
+    attempts, 1% fail every attempt (a hash of the record number decides)."""
+    twice, always = set(), set()
+    for i in range(n):
+        h = zlib.crc32(str(i).encode()) % 1000
+        if h < 10:
+            always.add(i)
+        elif h < 110:
+            twice.add(i)
+    return twice, always
+
+
+@dataclass
+class Log:
+    processed: dict[int, int] = field(default_factory=lambda: defaultdict(int))
+    order: dict[bytes, list[int]] = field(default_factory=lambda: defaultdict(list))
+    failed_at: dict[tuple[int, int], int] = field(default_factory=dict)
+    """(record, attempt) -> when the test failed it (wall ms, before retry_later)."""
+    redelivered: list[tuple[int, int, int, int, int, str]] = field(default_factory=list)
+    """(record, attempt, seen ms, due ms header, failure ms header, retry seed)."""
+
+
+async def produce(bootstrap: str, n: int, keys: int) -> None:
+    async with Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "acks": "all"}) as p:
+        for start in range(0, n, 1000):
+            idx = range(start, min(n, start + 1000))
+            await (
+                await p.send_batch(
+                    TOPIC,
+                    [str(i).encode() for i in idx],
+                    keys=[f"key-{i % keys}".encode() for i in idx],
+                )
+            )
+
+
+async def consume(
+    bootstrap: str, twice: set[int], always: set[int], expected: int, deadline_s: float
+) -> Log:
+    log = Log()
+    config = {
+        "bootstrap.servers": bootstrap,
+        "group.id": GROUP,
+        "auto.offset.reset": "earliest",
+        "fetch.max.wait.ms": 50,
+        "retry.ordering": "key",
+    }
+    async with Consumer(config) as consumer:
+        consumer.subscribe([TOPIC])
+        deadline = time.monotonic() + deadline_s
+        while sum(log.processed.values()) < expected and time.monotonic() < deadline:
+            try:
+                async with asyncio.timeout(1.0):
+                    record = await consumer.getone()
+            except TimeoutError:
+                continue
+            i = int(record.value or b"-1")
+            info = retry_info(record)
+            now = time.time_ns() // 1_000_000
+            if info.attempt > 1:
+                due = int(header(record.headers, H_DUE_MS) or b"0")
+                failed = int(header(record.headers, H_FAILED_MS) or b"0")
+                seed = identity_seed(GROUP, info.topic, info.partition, info.offset)
+                log.redelivered.append((i, info.attempt, now, due, failed, seed))
+            if i in always or (i in twice and info.attempt <= 2):
+                log.failed_at[(i, info.attempt)] = now
+                await consumer.retry_later(record, reason=f"injected failure {info.attempt}")
+                continue
+            log.processed[i] += 1
+            assert record.key is not None
+            log.order[record.key].append(i)
+        # a few seconds more: a duplicate would show up here
+        settle = time.monotonic() + 3
+        while time.monotonic() < settle:
+            try:
+                async with asyncio.timeout(0.5):
+                    record = await consumer.getone()
+            except TimeoutError:
+                continue
+            i = int(record.value or b"-1")
+            if i not in always:
+                log.processed[i] += 1
+    return log
+
+
+def test_10k_records_each_processed_once_or_dead_lettered_once_retries_on_time_in_key_order(
+    cluster: Cluster,
+) -> None:
+    n, keys = 10_000, 1000
+    twice, always = failure_plan(n)
+    set_policy(cluster, GROUP, TOPIC, POLICY)
+    start_scheduler(cluster)
+    start_router(cluster)
+    asyncio.run(produce(cluster.bootstrap, n, keys))
+    log = asyncio.run(consume(cluster.bootstrap, twice, always, n - len(always), 240))
+
+    # processed successfully exactly once, or (the 1%) never
+    wrong = {i: c for i, c in log.processed.items() if c != 1}
+    assert not wrong, f"{len(wrong)} record(s) processed more than once, e.g. {list(wrong)[:5]}"
+    missing = set(range(n)) - always - set(log.processed)
+    assert not missing, f"{len(missing)} record(s) never processed, e.g. {sorted(missing)[:5]}"
+    assert not set(log.processed) & always
+
+    # dead-lettered exactly once, with the attempts and the origin in headers
+    dlq = asyncio.run(read_all(cluster.bootstrap, DLQ, PARTITIONS, len(always), 60, 3))
+    values = [int(r.value or b"-1") for r in dlq]
+    assert len(values) == len(set(values)), "a record dead-lettered twice"
+    assert set(values) == always
+    for rec in dlq:
+        info = retry_info(rec._replace(topic="__strata_retry_failures"))
+        assert info.topic == TOPIC and info.attempt - 1 == POLICY["max_attempts"]
+        assert info.last_error == f"injected failure {POLICY['max_attempts']}"
+
+    # every retry came no earlier than its backoff (from the test's own failure time)
+    policy = RetryPolicy.parse(POLICY)
+    assert len(log.redelivered) >= 2 * len(twice) + 2 * len(always)
+    for i, attempt, seen, due, failed, seed in log.redelivered:
+        assert failed >= log.failed_at[(i, attempt - 1)]
+        assert due == failed + policy.backoff_ms(attempt - 1, seed)
+        assert seen >= due, f"record {i} attempt {attempt} seen {due - seen} ms before it was due"
+
+    # key order: each key's records were processed in the order they were produced
+    for key, seq in log.order.items():
+        assert seq == sorted(seq), f"{key!r} processed out of order: {seq}"
+
+    def counted() -> bool:
+        routers = retry_status(cluster)["routers"].values()
+        return sum(s["dead_lettered"].get(DLQ, 0) for s in routers) == len(always)
+
+    wait_until(counted, 15, "the router's counters to show the dead letters")
+
+
+@pytest.mark.parametrize(
+    ("policy", "topic", "mistake"),
+    [
+        ({"initial_ms": -1}, TOPIC, "initial_ms"),
+        ({"max_ms": -5, "initial_ms": 0}, TOPIC, "max_ms"),
+        ({"max_attempts": 0}, TOPIC, "max_attempts"),
+        ({"dead_letter_topic": TOPIC}, TOPIC, "dead_letter_topic is the source topic"),
+        ({"dead_letter_topic": "bad/name"}, TOPIC, "invalid topic name"),
+        ({"backoff": "fibonacci"}, TOPIC, "backoff"),
+        ({"initial_ms": 5000, "max_ms": 1000}, TOPIC, "max_ms (1000) is below initial_ms"),
+        ({"max_attempts": 3, "retries": 5}, TOPIC, "retries"),
+    ],
+)
+def test_bad_policies_are_refused_with_a_clear_error(
+    policy: dict[str, object], topic: str, mistake: str
+) -> None:
+    with pytest.raises(InvalidRetryPolicyError, match=re.escape(mistake)) as info:
+        RetryPolicy.parse(policy, topic=topic)
+    assert info.value.code == 1041 and not info.value.retriable
+    # the admin API refuses it the same way, before it touches ZooKeeper
+    answer = admin_handler(
+        {
+            "httpMethod": "PUT",
+            "path": f"/groups/{GROUP}/retry/{topic}",
+            "headers": {"content-type": "application/json"},
+            "body": json.dumps(policy),
+        },
+        None,
+    )
+    error = json.loads(answer["body"])["error"]
+    assert answer["statusCode"] == 400
+    assert error["code"] == 1041 and mistake in error["message"]
+
+
+def fill_dlq(bootstrap: str, n: int) -> None:
+    """``n`` records in the dead-letter topic as the router leaves them (origin in headers)."""
+
+    async def run() -> None:
+        async with Producer({"bootstrap.servers": bootstrap, "linger.ms": 5, "acks": "all"}) as p:
+            for start in range(0, n, 500):
+                idx = range(start, min(n, start + 500))
+                await (
+                    await p.send_batch(
+                        DLQ,
+                        [str(i).encode() for i in idx],
+                        keys=[f"key-{i}".encode() for i in idx],
+                        headers=[
+                            [
+                                ("strata.retry.topic", TOPIC.encode()),
+                                ("strata.retry.partition", str(i % PARTITIONS).encode()),
+                                ("strata.retry.offset", str(i).encode()),
+                                ("strata.retry.attempt", b"3"),
+                                ("kind", b"odd" if i % 2 else b"even"),
+                            ]
+                            for i in idx
+                        ],
+                    )
+                )
+
+    asyncio.run(run())
+
+
+def test_redrive_5000_at_1000_per_s_killed_halfway_and_rerun_moves_each_record_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    n, rate = 5000, 1000
+    cluster.create_topic(DLQ, PARTITIONS, 1, {"fsync.policy": "interval"})
+    cluster.wait_for_leaders(DLQ)
+    fill_dlq(cluster.bootstrap, n)
+    runtime = start_local_runtime(cluster.zk.connect_string, log_path=tmp_path / "runtime-1.log")
+    with SyncAdmin(runtime.url, timeout=30) as admin:
+        assert admin.dlq_count(DLQ) == n
+        peeked = admin.dlq_peek(DLQ, 3)
+        assert len(peeked) == 3 and peeked[0]["original"]["topic"] == TOPIC
+        dry = admin.redrive(DLQ, TOPIC, rate, header_filter="kind=odd", dry_run=True)
+        while dry["state"] == "running":
+            dry = admin.redrive_run(dry["id"])
+        assert (dry["moved"], dry["skipped"]) == (n // 2, n // 2)
+        task = admin.redrive(DLQ, TOPIC, rate)
+    progress: list[dict[str, object]] = []
+
+    def drive(url: str) -> None:
+        with SyncAdmin(url, timeout=30) as admin:
+            doc = task
+            while doc["state"] == "running":
+                doc = admin.redrive_run(str(task["id"]))
+                progress.append(doc)
+
+    def drive_until_killed(url: str) -> None:
+        with contextlib.suppress(StrataError):  # the admin API dies under it
+            drive(url)
+
+    first = threading.Thread(target=drive_until_killed, args=(runtime.url,), daemon=True)
+    first.start()
+    time.sleep(2.5)  # halfway at 1,000/s
+    os.kill(runtime.pid, signal.SIGKILL)  # the worker dies mid-chunk as likely as not
+    first.join(40)
+    runtime.stop()
+    runtime = start_local_runtime(cluster.zk.connect_string, log_path=tmp_path / "runtime-2.log")
+    try:
+        with SyncAdmin(runtime.url, timeout=30) as admin:
+            halfway = admin.redrive_status(str(task["id"]))
+            assert 0 < int(halfway["moved"]) < n, halfway
+            drive(runtime.url)
+            final = admin.redrive_status(str(task["id"]))
+    finally:
+        runtime.stop()
+    assert final["state"] == "done" and final["moved"] == n
+
+    got = asyncio.run(read_all(cluster.bootstrap, TOPIC, PARTITIONS, n, 60, 3))
+    origins = [header(x.headers, "strata.redrive.from") for x in got]
+    assert len(origins) == n == len(set(origins)), "a record redriven twice or lost"
+    for x in got:  # back on its original partition, fresh (no retry headers)
+        assert x.partition == int(x.value or b"-1") % PARTITIONS
+        assert not any(k.startswith("strata.retry.") for k, _ in x.headers)
+    # the rate: no 1 s window holds more than 10% over the limit
+    stamps = sorted(x.timestamp for x in got)
+    worst = max(bisect.bisect_left(stamps, t + 1000) - i for i, t in enumerate(stamps))
+    print(f"redrive: busiest 1 s window {worst} records (limit {rate}/s)")
+    assert worst <= rate * 1.1
+
+
+def test_consumer_and_router_killed_at_random_moments_lose_nothing_and_dead_letter_once(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    n = 4000
+    twice, always = failure_plan(n)
+    rng = random.Random(23)
+    set_policy(cluster, GROUP, TOPIC, POLICY)
+    start_scheduler(cluster)
+    router = start_router(cluster, "router-0")
+    log = tmp_path / "consumer.log"
+    argv = [sys.executable, "-m", "tests.retry_consumer", "--bootstrap", cluster.bootstrap]
+    argv += ["--group", GROUP, "--topic", TOPIC, "--log", str(log)]
+
+    def consumer(name: str) -> ManagedProcess:
+        return cluster.processes.start(argv, name=name, cwd=ROOT, env={})
+
+    member = consumer("consumer-0")
+    asyncio.run(produce(cluster.bootstrap, n, 500))
+    for i in range(1, 7):
+        time.sleep(rng.uniform(0.5, 2.5))
+        if i % 2:
+            cluster.processes.kill(member.pid)  # kill -9, mid-batch as likely as not
+            member.wait(10)
+            member = consumer(f"consumer-{i}")
+        else:
+            cluster.processes.kill(router.pid)
+            router.wait(10)
+            router = start_router(cluster, f"router-{i}")
+
+    def oks() -> set[int]:
+        text = log.read_text() if log.exists() else ""
+        return {int(line.split()[1]) for line in text.splitlines() if line.startswith("ok ")}
+
+    wait_until(lambda: oks() >= set(range(n)) - always, 120, "every record processed")
+    dlq = asyncio.run(read_all(cluster.bootstrap, DLQ, PARTITIONS, len(always), 60, 3))
+    values = [int(r.value or b"-1") for r in dlq]
+    assert len(values) == len(set(values)), "a record dead-lettered twice"
+    assert set(values) == always, "a record lost on its way to the dead-letter topic"
+    assert not oks() & always
+    assert twice <= oks()
+
+
+def test_the_demo_step_retries_dead_letters_and_redrives(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.create_topic(demo_retries.TOPIC, demo_retries.PARTITIONS, 1)
+    cluster.wait_for_leaders(demo_retries.TOPIC)
+    start_scheduler(cluster)
+    with start_local_runtime(
+        cluster.zk.connect_string, log_path=tmp_path / "runtime.log"
+    ) as runtime:
+        summary = demo_retries.run(
+            cluster.bootstrap, runtime.url, cluster.zk.connect_string, tmp_path
+        )
+    print(summary)
+    assert "redriven at 200/s, each once" in summary

@@ -1,0 +1,82 @@
+"""The pure parts of retries: the policy's backoff, the redrive task's state table, the key
+order bookkeeping of a ``retry.ordering=key`` consumer."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from handlers import redrive
+from sdk.records import ConsumerRecord
+from sdk.retry import DROP, H_DEAD, HAND_OUT, HOLD, PARK, KeyOrder, retry_topic
+from storage.errors import InvalidRequestError
+from storage.retry_policy import RetryPolicy
+
+
+def test_backoff_grows_caps_and_jitters_deterministically_within_half_to_full() -> None:
+    policy = RetryPolicy.parse({"initial_ms": 1000, "multiplier": 2, "max_ms": 5000})
+    for attempt, full in [(1, 1000), (2, 2000), (3, 4000), (4, 5000), (9, 5000)]:
+        wait = policy.backoff_ms(attempt, "g/t/0/7")
+        assert full // 2 <= wait <= full
+        assert wait == policy.backoff_ms(attempt, "g/t/0/7")  # a redo computes the same
+    fixed = RetryPolicy.parse({"backoff": "fixed", "initial_ms": 300, "jitter": False})
+    assert [fixed.backoff_ms(a) for a in (1, 2, 5)] == [300, 300, 300]
+    assert not policy.gives_up(7) and policy.gives_up(8)  # max_attempts 8 by default
+
+
+@pytest.mark.parametrize(
+    ("state", "event"), list(itertools.product(redrive.STATES, redrive.EVENTS))
+)
+def test_redrive_task_states_every_pair(state: str, event: str) -> None:
+    expected = redrive.TRANSITIONS.get((state, event))
+    if expected is None:
+        with pytest.raises(InvalidRequestError):
+            redrive.transition(state, event)
+    else:
+        assert redrive.transition(state, event) == expected
+        assert state == redrive.RUNNING  # done and cancelled are final
+
+
+def rec(
+    key: bytes, offset: int, *, retried_from: int | None = None, dead: bool = False
+) -> ConsumerRecord:
+    if retried_from is None:
+        return ConsumerRecord("orders", 0, offset, 0, key, b"v", [], ())
+    headers = [
+        ("strata.retry.topic", b"orders"),
+        ("strata.retry.partition", b"0"),
+        ("strata.retry.offset", str(retried_from).encode()),
+        ("strata.retry.attempt", b"1"),
+    ]
+    if dead:
+        headers.append((H_DEAD, b"1"))
+    return ConsumerRecord(retry_topic("g"), 0, offset, 0, key, b"v", headers, ())
+
+
+def test_key_order_holds_later_records_of_a_key_until_the_retried_one_succeeds() -> None:
+    ko = KeyOrder()
+    first, second, other = rec(b"k", 1), rec(b"k", 2), rec(b"x", 3)
+    assert ko.admit(first) == HAND_OUT
+    ko.failed(first)  # retry_later
+    assert ko.admit(second) == HOLD  # k waits behind offset 1
+    assert ko.admit(other) == HAND_OUT  # another key does not
+    assert ko.next_ready() is None
+    assert ko.commit_caps() == {("orders", 0): 2}  # the held record is not committed
+    back = rec(b"k", 10, retried_from=1)
+    assert ko.admit(back) == HAND_OUT
+    assert ko.next_ready() == second  # offset 1 succeeded: offset 2's turn
+    assert ko.next_ready() is None and ko.commit_caps() == {}
+
+
+def test_key_order_a_dead_letter_notice_releases_the_key_and_a_full_memory_parks() -> None:
+    ko = KeyOrder(max_held=1)
+    assert ko.admit(rec(b"k", 1)) == HAND_OUT
+    ko.failed(rec(b"k", 1))
+    assert ko.admit(rec(b"k", 2)) == HOLD
+    assert ko.admit(rec(b"k", 3)) == PARK  # one held at most
+    assert ko.admit(rec(b"k", 11, retried_from=1, dead=True)) == DROP
+    assert ko.next_ready() == rec(b"k", 2)
+    # asking for the next record settles 2 (it succeeded): the parked 3 is next in line
+    assert ko.admit(rec(b"k", 12, retried_from=3)) == HAND_OUT
+    assert ko.admit(rec(b"k", 4)) == HAND_OUT and ko.lines == {}
