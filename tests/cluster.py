@@ -36,6 +36,7 @@ class AgentHandle:
     host: str
     port: int
     metrics_url: str = ""
+    kafka: str | None = None  # the Kafka listener's host:port, when it has one
 
     @property
     def address(self) -> str:
@@ -87,7 +88,12 @@ class Cluster:
                 if line.startswith('{"event": "listening"'):
                     info = json.loads(line)
                     handle = AgentHandle(
-                        agent_id, proc, info["host"], info["port"], info.get("metrics_url", "")
+                        agent_id,
+                        proc,
+                        info["host"],
+                        info["port"],
+                        info.get("metrics_url", ""),
+                        info.get("kafka"),
                     )
                     self.agents[agent_id] = handle
                     return handle
@@ -119,6 +125,11 @@ class Cluster:
     @property
     def bootstrap(self) -> str:
         return ",".join(a.address for a in self.alive())
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        """The Kafka listeners of the live agents (``kafka.listener`` set at start)."""
+        return ",".join(a.kafka for a in self.alive() if a.kafka)
 
     # ---- metadata ---------------------------------------------------------------------
     def create_topic(

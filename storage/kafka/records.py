@@ -494,7 +494,9 @@ def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
         lead, first, keys, second, values, tail, _EMPTY_SEP,
         null_handling="replace", null_replacement="",
     )  # fmt: skip
-    offsets = np.frombuffer(joined.buffers()[1], dtype=np.int32, count=n + 1, offset=joined.offset * 4)
+    offsets = np.frombuffer(
+        joined.buffers()[1], dtype=np.int32, count=n + 1, offset=joined.offset * 4
+    )
     start, end = int(offsets[0]), int(offsets[n])
     records = joined.buffers()[2].slice(start, end - start)
     attributes = 0
