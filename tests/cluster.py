@@ -287,3 +287,31 @@ async def read_records(consumer: Consumer, count: int, deadline_s: float = 30) -
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 got.extend(records)
     return got
+
+
+def check_acknowledged(tables: dict[int, Any], acked: dict[bytes, tuple[int, int]]) -> int:
+    """The no-loss check of a produce run through failures: per partition (``tables``: Arrow
+    tables with ``offset`` and ``value``, read from the beginning) offsets have no gap and
+    values (increasing per producer) never go backwards; every acknowledged value sits at the
+    (partition, offset) its acknowledgement named. Returns the number of duplicates."""
+    consumed: dict[tuple[int, int], bytes] = {}
+    duplicates = 0
+    for p, table in tables.items():
+        offsets = table.column("offset").to_pylist()
+        values = table.column("value").to_pylist()
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets))), "gap in offsets"
+        seen: set[bytes] = set()
+        last = b""
+        for offset, value in zip(offsets, values, strict=True):
+            consumed[(p, offset)] = value
+            if value in seen:
+                duplicates += 1
+                continue
+            seen.add(value)
+            # per-partition order: a value never comes after a larger one
+            assert value > last, (p, offset, value, last)
+            last = value
+    # every acknowledged message is there, at the offset its acknowledgement named
+    for value, where in acked.items():
+        assert consumed.get(where) == value, (value, where, consumed.get(where))
+    return duplicates

@@ -1,0 +1,555 @@
+"""Unmodified Kafka clients against three real agents' Kafka listeners.
+
+kafka-python (pure Python), aiokafka (asyncio) and confluent-kafka (librdkafka) produce with
+acks 0 / 1 / all and with idempotence; every client's records are read back by the other two
+and by the Strata SDK; keys land on the partition Kafka's murmur2 rule names; each client runs
+a consumer group of two members through a rebalance, commits, restarts and resumes from the
+committed offsets, and seeks by timestamp; kcat lists metadata, produces and consumes; a
+Kafka producer with acks=all loses nothing through a leader kill -9 (the same check as the
+native path, ``tests.cluster.check_acknowledged``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiokafka
+import confluent_kafka as ck
+import kafka as kp
+import pyarrow as pa
+import pytest
+
+from sdk import Consumer, TopicPartition
+from sdk.partitioner import murmur2, to_positive
+from tests.cluster import Cluster, check_acknowledged
+from tests.harness import ProcessGroup, ZooKeeperChroot, create_chroot, delete_chroot, kazoo_client
+from tests.harness import close_client as close_kazoo
+
+PARTITIONS = 4
+CLIENTS = ("kafka-python", "aiokafka", "confluent-kafka")
+KAFKA_CONFIGS = ("kafka.listener=127.0.0.1:0", "group.initial.rebalance.delay.ms=0")
+Record = tuple[int, int, bytes | None, bytes | None, tuple[tuple[str, bytes], ...], int]
+"""partition, offset, key, value, headers, timestamp"""
+
+
+@pytest.fixture(scope="module")
+def cluster(zk_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Three agents with Kafka listeners, shared by the tests of this module that do not
+    kill agents (each uses topics of its own)."""
+    tmp = tmp_path_factory.mktemp("kafka-cluster")
+    admin = kazoo_client(zk_server.connect_string)
+    chroot = create_chroot(admin, zk_server.connect_string, "kafka-clients")
+    group = ProcessGroup(tmp / "processes")
+    try:
+        c = Cluster(group, chroot, tmp / "data")
+        for i in (1, 2, 3):
+            c.start_agent(i, *KAFKA_CONFIGS)
+        yield c
+    finally:
+        group.close()
+        delete_chroot(admin, chroot)
+        close_kazoo(admin)
+
+
+def _topic(cluster: Cluster, name: str, partitions: int = PARTITIONS) -> str:
+    cluster.create_topic(name, partitions, 3)
+    cluster.wait_for_leaders(name)
+    return name
+
+
+def _records(n: int, tag: str) -> list[tuple[bytes, bytes, list[tuple[str, bytes]], int]]:
+    base = 1_700_000_000_000
+    return [
+        (
+            f"{tag}-key-{i % 37}".encode(),
+            f"{tag}-value-{i:06d}".encode() * (1 + i % 5),
+            [("seq", str(i).encode()), ("client", tag.encode())] if i % 3 else [],
+            base + i,
+        )
+        for i in range(n)
+    ]
+
+
+# ---- producers -------------------------------------------------------------------------------
+def produce_kafka_python(bootstrap: str, topic: str, records: list[Any], **conf: Any) -> None:
+    producer = kp.KafkaProducer(bootstrap_servers=bootstrap.split(","), linger_ms=5, **conf)
+    try:
+        futures = [
+            producer.send(topic, value=v, key=k, headers=h, timestamp_ms=ts)
+            for k, v, h, ts in records
+        ]
+        producer.flush(30)
+        if conf.get("acks", 1) != 0:
+            for f in futures:
+                f.get(timeout=30)
+    finally:
+        producer.close(10)
+
+
+def produce_aiokafka(bootstrap: str, topic: str, records: list[Any], **conf: Any) -> None:
+    async def run() -> None:
+        producer = aiokafka.AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=5, **conf)
+        await producer.start()
+        try:
+            futures = [
+                await producer.send(topic, value=v, key=k, headers=h, timestamp_ms=ts)
+                for k, v, h, ts in records
+            ]
+            await producer.flush()
+            if conf.get("acks", 1) != 0:
+                await asyncio.gather(*futures)
+        finally:
+            await producer.stop()
+
+    asyncio.run(run())
+
+
+def produce_confluent(bootstrap: str, topic: str, records: list[Any], **conf: Any) -> None:
+    errors: list[Any] = []
+    producer = ck.Producer(
+        {
+            "bootstrap.servers": bootstrap,
+            "linger.ms": 5,
+            "partitioner": "murmur2_random",  # Kafka's (Java client's) rule
+            **conf,
+        }
+    )
+    for k, v, h, ts in records:
+        producer.produce(
+            topic,
+            value=v,
+            key=k,
+            headers=h,
+            timestamp=ts,
+            on_delivery=lambda err, _msg: errors.append(err) if err else None,
+        )
+        producer.poll(0)
+    assert producer.flush(30) == 0
+    assert not errors, errors[:3]
+
+
+PRODUCERS: dict[str, Callable[..., None]] = {
+    "kafka-python": produce_kafka_python,
+    "aiokafka": produce_aiokafka,
+    "confluent-kafka": produce_confluent,
+}
+ACKS = {
+    "kafka-python": {"0": {"acks": 0}, "1": {"acks": 1}, "all": {"acks": "all"}},
+    "aiokafka": {"0": {"acks": 0}, "1": {"acks": 1}, "all": {"acks": "all"}},
+    "confluent-kafka": {"0": {"acks": "0"}, "1": {"acks": "1"}, "all": {"acks": "all"}},
+}
+IDEMPOTENT = {
+    "kafka-python": {"acks": "all", "enable_idempotence": True},
+    "aiokafka": {"acks": "all", "enable_idempotence": True},
+    "confluent-kafka": {"acks": "all", "enable.idempotence": True},
+}
+
+
+# ---- readers ---------------------------------------------------------------------------------
+def read_kafka_python(bootstrap: str, topic: str, count: int) -> list[Record]:
+    consumer = kp.KafkaConsumer(bootstrap_servers=bootstrap.split(","), enable_auto_commit=False)
+    out: list[Record] = []
+    try:
+        tps = [kp.TopicPartition(topic, p) for p in range(PARTITIONS)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + 60
+        while len(out) < count and time.monotonic() < deadline:
+            for batch in consumer.poll(timeout_ms=500).values():
+                out += [
+                    (r.partition, r.offset, r.key, r.value, tuple(r.headers), r.timestamp)
+                    for r in batch
+                ]
+    finally:
+        consumer.close()
+    return out
+
+
+def read_aiokafka(bootstrap: str, topic: str, count: int) -> list[Record]:
+    async def run() -> list[Record]:
+        consumer = aiokafka.AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        await consumer.start()
+        out: list[Record] = []
+        try:
+            tps = [aiokafka.TopicPartition(topic, p) for p in range(PARTITIONS)]
+            consumer.assign(tps)
+            await consumer.seek_to_beginning(*tps)
+            async with asyncio.timeout(60):
+                while len(out) < count:
+                    for batch in (await consumer.getmany(timeout_ms=500)).values():
+                        out += [
+                            (r.partition, r.offset, r.key, r.value, tuple(r.headers), r.timestamp)
+                            for r in batch
+                        ]
+        finally:
+            await consumer.stop()
+        return out
+
+    return asyncio.run(run())
+
+
+def read_confluent(bootstrap: str, topic: str, count: int) -> list[Record]:
+    consumer = ck.Consumer(
+        {"bootstrap.servers": bootstrap, "group.id": "reader", "enable.auto.commit": False}
+    )
+    out: list[Record] = []
+    try:
+        consumer.assign([ck.TopicPartition(topic, p, ck.OFFSET_BEGINNING) for p in range(PARTITIONS)])
+        deadline = time.monotonic() + 60
+        while len(out) < count and time.monotonic() < deadline:
+            for msg in consumer.consume(500, 0.5):
+                assert msg.error() is None, msg.error()
+                headers = tuple((k, v) for k, v in msg.headers() or [])
+                out.append(
+                    (msg.partition(), msg.offset(), msg.key(), msg.value(), headers, msg.timestamp()[1])
+                )
+    finally:
+        consumer.close()
+    return out
+
+
+def read_sdk(bootstrap: str, topic: str, count: int) -> list[Record]:
+    async def run() -> list[Record]:
+        tables: list[tuple[int, pa.Table]] = []
+        got = 0
+        async with Consumer({"bootstrap.servers": bootstrap}) as consumer:
+            tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            async with asyncio.timeout(60):
+                while got < count:
+                    for tp, table in (await consumer.getmany_arrow(timeout_ms=500)).items():
+                        tables.append((tp.partition, table))
+                        got += table.num_rows
+        out: list[Record] = []
+        for p, table in tables:
+            for row in table.to_pylist():
+                headers = tuple((h["key"], h["value"]) for h in row["headers"])
+                ts = int(row["timestamp"].timestamp() * 1000)
+                out.append((p, row["offset"], row["key"], row["value"], headers, ts))
+        return out
+
+    return asyncio.run(run())
+
+
+READERS: dict[str, Callable[[str, str, int], list[Record]]] = {
+    "kafka-python": read_kafka_python,
+    "aiokafka": read_aiokafka,
+    "confluent-kafka": read_confluent,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", CLIENTS)
+def test_produce_with_every_acks_and_idempotence_read_back_by_every_client(
+    cluster: Cluster, client: str
+) -> None:
+    """Four runs of 300 records (acks 0, 1, all, idempotent) from one client; the other two
+    clients and the SDK read all 1,200 back: same partitions, offsets, keys, values,
+    headers and timestamps, each key on ``toPositive(murmur2(key)) % partitions``."""
+    topic = _topic(cluster, f"produced-by-{client}")
+    bootstrap = cluster.kafka_bootstrap
+    sent = []
+    for run, conf in [*ACKS[client].items(), ("idempotent", IDEMPOTENT[client])]:
+        records = _records(300, f"{client}-{run}")
+        PRODUCERS[client](bootstrap, topic, records, **conf)
+        sent += records
+    expected = {(k, v, tuple(h), ts) for k, v, h, ts in sent}
+    views = {}
+    for reader in [c for c in CLIENTS if c != client]:
+        views[reader] = READERS[reader](bootstrap, topic, len(sent))
+    views["sdk"] = read_sdk(cluster.bootstrap, topic, len(sent))
+    reference = sorted(views["sdk"])
+    assert len(reference) == len(sent)
+    assert {(k, v, h, ts) for _, _, k, v, h, ts in reference} == expected
+    for p, _, key, _, _, _ in reference:
+        assert key is not None and p == to_positive(murmur2(key)) % PARTITIONS, key
+    for p in range(PARTITIONS):
+        offsets = [o for q, o, *_ in reference if q == p]
+        assert offsets == list(range(len(offsets)))
+    for reader, seen in views.items():
+        assert sorted(seen) == reference, reader
+
+
+# ---- groups ----------------------------------------------------------------------------------
+class GroupMember:
+    """One member of a consumer group, driven in steps (``poll``), for each client."""
+
+    def __init__(self, client: str, bootstrap: str, group: str, topic: str) -> None:
+        self.client = client
+        self.seen: list[tuple[int, int, int]] = []  # partition, offset, timestamp
+        self.loop = asyncio.new_event_loop() if client == "aiokafka" else None
+        if client == "kafka-python":
+            self.c: Any = kp.KafkaConsumer(
+                topic,
+                bootstrap_servers=bootstrap.split(","),
+                group_id=group,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                session_timeout_ms=10_000,
+                heartbeat_interval_ms=500,
+            )
+        elif client == "aiokafka":
+            assert self.loop is not None
+            self.c = aiokafka.AIOKafkaConsumer(
+                topic,
+                bootstrap_servers=bootstrap,
+                group_id=group,
+                enable_auto_commit=False,
+                auto_offset_reset="earliest",
+                session_timeout_ms=10_000,
+                heartbeat_interval_ms=500,
+            )
+            self.loop.run_until_complete(self.c.start())
+        else:
+            self.c = ck.Consumer(
+                {
+                    "bootstrap.servers": bootstrap,
+                    "group.id": group,
+                    "enable.auto.commit": False,
+                    "auto.offset.reset": "earliest",
+                    "session.timeout.ms": 10_000,
+                    "heartbeat.interval.ms": 500,
+                }
+            )
+            self.c.subscribe([topic])
+
+    def poll(self) -> None:
+        if self.client == "kafka-python":
+            for batch in self.c.poll(timeout_ms=200).values():
+                self.seen += [(r.partition, r.offset, r.timestamp) for r in batch]
+        elif self.client == "aiokafka":
+            assert self.loop is not None
+            got = self.loop.run_until_complete(self.c.getmany(timeout_ms=200))
+            for batch in got.values():
+                self.seen += [(r.partition, r.offset, r.timestamp) for r in batch]
+        else:
+            for msg in self.c.consume(100, 0.2):
+                assert msg.error() is None, msg.error()
+                self.seen.append((msg.partition(), msg.offset(), msg.timestamp()[1]))
+
+    def assignment(self) -> set[int]:
+        if self.client == "aiokafka":
+            return {tp.partition for tp in self.c.assignment()}
+        return {tp.partition for tp in self.c.assignment()}
+
+    def commit(self) -> None:
+        if self.client == "kafka-python":
+            self.c.commit()
+        elif self.client == "aiokafka":
+            assert self.loop is not None
+            self.loop.run_until_complete(self.c.commit())
+        else:
+            self.c.commit(asynchronous=False)
+
+    def offset_for_time(self, topic: str, partition: int, ts: int) -> int:
+        if self.client == "kafka-python":
+            tp = kp.TopicPartition(topic, partition)
+            return int(self.c.offsets_for_times({tp: ts})[tp].offset)
+        if self.client == "aiokafka":
+            assert self.loop is not None
+            tp = aiokafka.TopicPartition(topic, partition)
+            got = self.loop.run_until_complete(self.c.offsets_for_times({tp: ts}))
+            return int(got[tp].offset)
+        got = self.c.offsets_for_times([ck.TopicPartition(topic, partition, ts)], 10)
+        return int(got[0].offset)
+
+    def close(self) -> None:
+        if self.client == "aiokafka":
+            assert self.loop is not None
+            self.loop.run_until_complete(self.c.stop())
+            self.loop.close()
+        else:
+            self.c.close()
+
+
+def _poll_until(members: list[GroupMember], done: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + 90
+    while not done():
+        assert time.monotonic() < deadline, what
+        for mb in members:
+            mb.poll()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("client", CLIENTS)
+def test_group_of_two_rebalances_commits_resumes_and_seeks_by_timestamp(
+    cluster: Cluster, client: str
+) -> None:
+    topic = _topic(cluster, f"group-{client}")
+    bootstrap = cluster.kafka_bootstrap
+    group = f"g-{client}"
+    first = _records(200, "first")
+    produce_confluent(bootstrap, topic, first, acks="all")
+
+    a = GroupMember(client, bootstrap, group, topic)
+    _poll_until([a], lambda: len(a.assignment()) == PARTITIONS and bool(a.seen), "a alone")
+    b = GroupMember(client, bootstrap, group, topic)
+    # the second member's join rebalances the group: the partitions are split between them
+    _poll_until(
+        [a, b],
+        lambda: bool(a.assignment())
+        and bool(b.assignment())
+        and a.assignment() | b.assignment() == set(range(PARTITIONS))
+        and not a.assignment() & b.assignment(),
+        "rebalance to two members",
+    )
+    _poll_until(
+        [a, b],
+        lambda: {(p, o) for p, o, _ in a.seen + b.seen} >= _all_offsets(cluster, topic),
+        "everything consumed by the group",
+    )
+    a.commit()
+    b.commit()
+    a.close()
+    b.close()
+
+    second = _records(50, "second")
+    produce_confluent(bootstrap, topic, second, acks="all")
+    ends = _all_offsets(cluster, topic)
+    c = GroupMember(client, bootstrap, group, topic)
+    try:
+        _poll_until(
+            [c], lambda: {(p, o) for p, o, _ in c.seen} >= ends - _before(first, ends), "resume"
+        )
+        # resumed from the committed offsets: nothing of the first 200 again
+        assert len({(p, o) for p, o, _ in c.seen}) == len(second)
+        # seek by timestamp: the first record at or after a time, per partition
+        mid = first[120][3]
+        for p in range(PARTITIONS):
+            found = c.offset_for_time(topic, p, mid)
+            want = min(
+                (o for q, o, ts in a.seen + b.seen + c.seen if q == p and ts >= mid),
+                default=-1,
+            )
+            assert found == want, (p, found, want)
+    finally:
+        c.close()
+
+
+def _all_offsets(cluster: Cluster, topic: str) -> set[tuple[int, int]]:
+    async def ends() -> dict[TopicPartition, int]:
+        async with Consumer({"bootstrap.servers": cluster.bootstrap}) as consumer:
+            return await consumer.end_offsets(
+                [TopicPartition(topic, p) for p in range(PARTITIONS)]
+            )
+
+    return {(tp.partition, o) for tp, end in asyncio.run(ends()).items() for o in range(end)}
+
+
+def _before(first: list[Any], ends: set[tuple[int, int]]) -> set[tuple[int, int]]:
+    """The (partition, offset) pairs of the first run: the lowest ``len(first)`` offsets."""
+    per: dict[int, list[int]] = {}
+    for p, o in ends:
+        per.setdefault(p, []).append(o)
+    counts = {p: 0 for p in per}
+    for k, *_ in first:
+        counts[to_positive(murmur2(k)) % PARTITIONS] += 1
+    return {(p, o) for p, offsets in per.items() for o in sorted(offsets)[: counts[p]]}
+
+
+# ---- kcat ------------------------------------------------------------------------------------
+def test_kcat_lists_metadata_produces_and_consumes(cluster: Cluster) -> None:
+    assert shutil.which("kcat"), "kcat is needed: apt-get install kcat (.ci/run does)"
+    topic = _topic(cluster, "kcat")
+    bootstrap = cluster.kafka_bootstrap
+    listing = subprocess.run(
+        ["kcat", "-b", bootstrap, "-L", "-t", topic], capture_output=True, text=True, timeout=30
+    )
+    assert listing.returncode == 0, listing.stderr
+    assert "3 brokers:" in listing.stdout
+    assert f'topic "{topic}" with {PARTITIONS} partitions' in listing.stdout
+    lines = "".join(f"k{i}:v{i}\n" for i in range(100))
+    produced = subprocess.run(
+        ["kcat", "-b", bootstrap, "-P", "-t", topic, "-K", ":"],
+        input=lines,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert produced.returncode == 0, produced.stderr
+    consumed = subprocess.run(
+        ["kcat", "-b", bootstrap, "-C", "-t", topic, "-o", "beginning", "-e", "-f", "%k=%s\n"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert consumed.returncode == 0, consumed.stderr
+    assert sorted(consumed.stdout.split()) == sorted(f"k{i}=v{i}" for i in range(100))
+    got = read_sdk(cluster.bootstrap, topic, 100)
+    assert sorted((k, v) for _, _, k, v, _, _ in got) == sorted(
+        (f"k{i}".encode(), f"v{i}".encode()) for i in range(100)
+    )
+
+
+# ---- a leader killed under acks=all ----------------------------------------------------------
+@pytest.mark.slow
+def test_confluent_acks_all_survives_a_leader_kill_9(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    for i in (1, 2, 3):
+        cluster.start_agent(i, *KAFKA_CONFIGS)
+    topic = "ledger"
+    cluster.create_topic(topic, 2, 3, {"min.insync.replicas": 2})
+    cluster.wait_for_leaders(topic)
+    acked: dict[bytes, tuple[int, int]] = {}
+    producer = ck.Producer(
+        {
+            "bootstrap.servers": cluster.kafka_bootstrap,
+            "acks": "all",
+            "enable.idempotence": True,
+            "linger.ms": 1,
+            "retry.backoff.ms": 50,
+            "message.timeout.ms": 120_000,
+            "partitioner": "murmur2_random",
+        }
+    )
+
+    def delivered(err: Any, msg: Any) -> None:
+        assert err is None, err
+        acked[msg.value()] = (msg.partition(), msg.offset())
+
+    seq = 0
+
+    def produce_for(seconds: float) -> None:
+        nonlocal seq
+        until = time.monotonic() + seconds
+        while time.monotonic() < until:
+            producer.produce(topic, value=b"%08d" % seq, key=b"k%d" % (seq % 8), on_delivery=delivered)
+            seq += 1
+            producer.poll(0.002)
+
+    produce_for(1.5)
+    victim = next(p for p in cluster.metadata([topic]).topics[0].partitions).leader_id
+    cluster.kill(victim)
+    produce_for(3.0)
+    cluster.wait_for_leaders(topic, exclude={victim})
+    produce_for(1.5)
+    assert producer.flush(120) == 0
+    assert len(acked) == seq and seq > 500
+
+    async def everything() -> dict[int, pa.Table]:
+        tables: dict[int, list[pa.Table]] = {0: [], 1: []}
+        async with Consumer({"bootstrap.servers": cluster.bootstrap}) as consumer:
+            tps = [TopicPartition(topic, p) for p in (0, 1)]
+            ends = await consumer.end_offsets(tps)
+            consumer.assign(tps)
+            consumer.seek_to_beginning(*tps)
+            got = 0
+            async with asyncio.timeout(60):
+                while got < sum(ends.values()):
+                    for tp, table in (await consumer.getmany_arrow(timeout_ms=500)).items():
+                        tables[tp.partition].append(table)
+                        got += table.num_rows
+        return {p: pa.concat_tables(ts) for p, ts in tables.items() if ts}
+
+    duplicates = check_acknowledged(asyncio.run(everything()), acked)
+    print(f"{len(acked)} acknowledged through a kill -9 of agent {victim}, {duplicates} duplicates")
+    assert duplicates == 0
