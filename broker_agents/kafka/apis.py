@@ -243,7 +243,7 @@ class KafkaApis:
             parts = []
             for p in t.partitions:
                 code = kafka_code(p.error_code)
-                records: Any = None
+                records: Any = b""  # librdkafka refuses a null record set
                 if p.records is not None and len(p.records):
                     try:
                         records = kr.strata_batches_to_kafka(p.records)

@@ -408,9 +408,13 @@ class Schema:
         if got is not None:
             return got
         parts: list[tuple[str, Decoder, Encoder, Any]] = []
+        absent: dict[str, Any] = {}  # fields not in this version decode to their default
         min_size = 0
         for f in self.fields:
             if not f.in_version(version):
+                absent[f.name] = (
+                    {} if isinstance(f.type, Schema) and f.default is None else f.default
+                )
                 continue
             nullable = f.nullable_in(version)
             if isinstance(f.type, Schema):
@@ -438,7 +442,9 @@ class Schema:
                 values.append(v)
             if flexible:
                 pos = skip_tagged_fields(buf, pos)
-            return dict(zip(names, values, strict=True)), pos
+            out = dict(absent)
+            out.update(zip(names, values, strict=True))
+            return out, pos
 
         def encode(value: Any, out: list[Any]) -> None:
             get = value.get
