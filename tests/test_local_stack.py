@@ -273,13 +273,14 @@ def test_every_agent_has_a_kafka_listener_that_kafka_clients_use(
     """`up` turns the Kafka listener on for each agent and prints it; a Kafka client lists
     the three agents as brokers, produces and reads back."""
     import confluent_kafka as ck
+    from confluent_kafka.admin import AdminClient, NewTopic
 
     state_dir, up = stack
     addresses = [a["kafka"] for a in up["agents"]]
     assert all(addresses), up["agents"]
     bootstrap = ",".join(addresses)
-    admin = ck.admin.AdminClient({"bootstrap.servers": bootstrap})
-    created = admin.create_topics([ck.admin.NewTopic("via-kafka", 2, 1)])
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    created = admin.create_topics([NewTopic("via-kafka", 2, 1)])
     created["via-kafka"].result(30)
     assert {b.port for b in admin.list_topics(timeout=30).brokers.values()} == {
         int(a.rsplit(":", 1)[1]) for a in addresses
