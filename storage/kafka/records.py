@@ -217,33 +217,36 @@ _U8 = np.uint8
 
 
 def _record_bounds(data: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(start of each record's body, end of it); the records must fill ``data`` exactly."""
-    starts = np.empty(n, dtype=np.int64)
-    ends = np.empty(n, dtype=np.int64)
+    """(start of each record's body, end of it); the records must fill ``data`` exactly.
+
+    The one loop per record: each record's length prefix says where the next one starts.
+    Kept to plain ints and lists (a numpy item assignment costs more than the rest)."""
+    buf = data if isinstance(data, bytes) else bytes(data)
+    starts = []
+    ends = []
     pos = 0
-    end = len(data)
+    end = len(buf)
     for i in range(n):
         if pos >= end:
             raise CorruptBatchError(f"Kafka batch holds {i} records, its header says {n}")
-        b = data[pos]
+        b = buf[pos]
         if b < 0x80:
-            length = b
+            raw = b
             pos += 1
-        elif pos + 1 < end and data[pos + 1] < 0x80:
-            length = (b & 0x7F) | (data[pos + 1] << 7)
+        elif pos + 1 < end and buf[pos + 1] < 0x80:
+            raw = (b & 0x7F) | (buf[pos + 1] << 7)
             pos += 2
         else:
-            raw, pos = _read_raw_varint(data, pos)
-            length = raw
-        length = (length >> 1) ^ -(length & 1)
+            raw, pos = _read_raw_varint(buf, pos)
+        length = (raw >> 1) ^ -(raw & 1)
         if length <= 0 or pos + length > end:
             raise CorruptBatchError(f"Kafka record {i} of {length} bytes does not fit its batch")
-        starts[i] = pos
+        starts.append(pos)
         pos += length
-        ends[i] = pos
+        ends.append(pos)
     if pos != end:
         raise CorruptBatchError(f"{end - pos} bytes after the last record of a Kafka batch")
-    return starts, ends
+    return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
 
 
 def _read_raw_varint(data: Any, pos: int) -> tuple[int, int]:
