@@ -33,6 +33,7 @@ from storage.kafka import frames as kf
 from storage.kafka.messages import ApiKey
 from storage.kafka.records import TAG_HEADER, build_kafka_batch
 from tests.cluster import Cluster, check_acknowledged
+from tests.delay_support import wait_until
 from tests.harness import ProcessGroup, ZooKeeperChroot, create_chroot, delete_chroot, kazoo_client
 from tests.harness import close_client as close_kazoo
 
@@ -544,6 +545,87 @@ def _before(first: list[Any], ends: set[tuple[int, int]]) -> set[tuple[int, int]
     for k, *_ in first:
         counts[to_positive(murmur2(k)) % PARTITIONS] += 1
     return {(p, o) for p, offsets in per.items() for o in sorted(offsets)[: counts[p]]}
+
+
+# ---- admin APIs, groups seen by an admin client, long polling --------------------------------
+def test_kafka_admin_client_creates_describes_grows_lists_groups_and_deletes(
+    cluster: Cluster,
+) -> None:
+    """confluent-kafka's AdminClient: CreateTopics (with a config; a bad name refused with
+    INVALID_TOPIC_EXCEPTION), DescribeConfigs, CreatePartitions, ListGroups and
+    DescribeGroups of a group a Kafka consumer joined, DeleteTopics."""
+    from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": cluster.kafka_bootstrap})
+    futures = admin.create_topics(
+        [NewTopic("admin-made", 2, 3, config={"retention.ms": "3600000"}), NewTopic("a/b", 1, 1)]
+    )
+    futures["admin-made"].result(30)
+    with pytest.raises(ck.KafkaException) as refused:
+        futures["a/b"].result(30)
+    assert refused.value.args[0].code() == ck.KafkaError.TOPIC_EXCEPTION
+    cluster.wait_for_leaders("admin-made")
+    resource = ConfigResource("TOPIC", "admin-made")
+    configs = admin.describe_configs([resource])[resource].result(30)
+    assert configs["retention.ms"].value == "3600000"
+    assert configs["min.insync.replicas"].is_default
+
+    admin.create_partitions([NewPartitions("admin-made", 4)])["admin-made"].result(30)
+    cluster.wait_for_leaders("admin-made")
+    assert len(admin.list_topics("admin-made", timeout=30).topics["admin-made"].partitions) == 4
+
+    member = GroupMember("confluent-kafka", cluster.kafka_bootstrap, "admin-seen", "admin-made")
+    try:
+        _poll_until([member], lambda: len(member.assignment()) == 4, "assigned")
+        listed = admin.list_consumer_groups().result(30)
+        assert "admin-seen" in {g.group_id for g in listed.valid}
+        described = admin.describe_consumer_groups(["admin-seen"])["admin-seen"].result(30)
+        assert described.state == ck.ConsumerGroupState.STABLE
+        assert len(described.members) == 1
+        got = {tp.partition for tp in described.members[0].assignment.topic_partitions}
+        assert got == {0, 1, 2, 3}
+    finally:
+        member.close()
+
+    admin.delete_topics(["admin-made"])["admin-made"].result(30)
+    # as in Kafka, the agents' metadata forgets the topic shortly after the delete is answered
+    wait_until(lambda: "admin-made" not in admin.list_topics(timeout=30).topics, 30, "topic gone")
+
+
+def test_a_kafka_fetch_waits_for_data_that_arrives_during_its_max_wait(cluster: Cluster) -> None:
+    """Long polling: a Fetch at the end of an empty partition (max_wait_ms 30 s, min_bytes 1)
+    and, behind it on the same connection, a Produce; the agent starts requests in the order
+    they arrive, so the fetch looks first, finds nothing, waits, and answers with the record
+    (an agent that did not wait would answer it empty)."""
+    import socket
+
+    topic = _topic(cluster, "long-poll", partitions=1)
+    leader = cluster.metadata([topic]).topics[0].partitions[0].leader_id
+    address = cluster.agents[leader].kafka
+    assert address
+    fetch = kf.encode_request(
+        ApiKey.FETCH, 11, 1, "t",
+        {"replica_id": -1, "max_wait_ms": 30_000, "min_bytes": 1, "max_bytes": 1 << 20,
+         "isolation_level": 0,
+         "topics": [{"topic": topic, "partitions": [
+             {"partition": 0, "fetch_offset": 0, "partition_max_bytes": 1 << 20}]}]},
+    )  # fmt: skip
+    batch = build_kafka_batch([(None, b"long-polled", [])], base_timestamp=int(time.time() * 1e3))
+    produce = kf.encode_request(
+        ApiKey.PRODUCE, 7, 2, "t",
+        {"acks": 1, "timeout_ms": 5000,
+         "topic_data": [{"name": topic, "partition_data": [{"index": 0, "records": batch}]}]},
+    )  # fmt: skip
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(fetch + produce)
+        corr, fetched = kf.parse_response(_read_frame(sock), ApiKey.FETCH, 11)
+        part = fetched["responses"][0]["partitions"][0]
+        assert (corr, part["error_code"], part["high_watermark"]) == (1, 0, 1)
+        assert b"long-polled" in bytes(part["records"])
+        corr, produced = kf.parse_response(_read_frame(sock), ApiKey.PRODUCE, 7)
+        assert corr == 2
+        assert produced["responses"][0]["partition_responses"][0]["error_code"] == 0
 
 
 # ---- kcat ------------------------------------------------------------------------------------
