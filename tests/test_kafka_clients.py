@@ -528,6 +528,46 @@ def test_group_of_two_rebalances_commits_resumes_and_seeks_by_timestamp(
         c.close()
 
 
+@pytest.mark.slow
+def test_kafka_clients_and_the_sdk_share_a_groups_committed_offsets(cluster: Cluster) -> None:
+    """One group, one coordinator: offsets a confluent-kafka member committed are the SDK's
+    committed offsets for that group id; what the SDK commits then, kafka-python reads back."""
+    topic = _topic(cluster, "shared-group", partitions=2)
+    produce_confluent(cluster.kafka_bootstrap, topic, _records(100, "shared"), acks="all")
+    kafka_member = GroupMember("confluent-kafka", cluster.kafka_bootstrap, "shared", topic)
+    try:
+        _poll_until(
+            [kafka_member],
+            lambda: len(kafka_member.seen) == 100 and not kafka_member.uncommitted,
+            "the Kafka member consumed and committed everything",
+        )
+    finally:
+        kafka_member.close()
+    ends = {p: 1 + max(o for q, o, _ in kafka_member.seen if q == p) for p in range(2)}
+
+    async def sdk_side() -> dict[int, int | None]:
+        async with Consumer(
+            {"bootstrap.servers": cluster.bootstrap, "group.id": "shared"}
+        ) as consumer:
+            seen = {}
+            for p in range(2):
+                got = await consumer.committed(TopicPartition(topic, p))
+                seen[p] = None if got is None else got.offset
+            await consumer.commit({TopicPartition(topic, p): 7 + p for p in range(2)})
+            return seen
+
+    assert asyncio.run(sdk_side()) == ends
+    reader = kp.KafkaConsumer(
+        bootstrap_servers=cluster.kafka_bootstrap.split(","),
+        group_id="shared",
+        enable_auto_commit=False,
+    )
+    try:
+        assert [reader.committed(kp.TopicPartition(topic, p)) for p in range(2)] == [7, 8]
+    finally:
+        reader.close()
+
+
 def _all_offsets(cluster: Cluster, topic: str) -> set[tuple[int, int]]:
     async def ends() -> dict[TopicPartition, int]:
         async with Consumer({"bootstrap.servers": cluster.bootstrap}) as consumer:
