@@ -611,8 +611,13 @@ def test_kafka_admin_client_creates_describes_grows_lists_groups_and_deletes(
     assert configs["min.insync.replicas"].is_default
 
     admin.create_partitions([NewPartitions("admin-made", 4)])["admin-made"].result(30)
-    cluster.wait_for_leaders("admin-made")
-    assert len(admin.list_topics("admin-made", timeout=30).topics["admin-made"].partitions) == 4
+
+    def grown() -> bool:
+        parts = admin.list_topics("admin-made", timeout=30).topics["admin-made"].partitions
+        return len(parts) == 4 and all(p.leader >= 0 for p in parts.values())
+
+    # the controller creates the new partitions' states after the answer, as Kafka's does
+    wait_until(grown, 30, "four partitions with leaders")
 
     member = GroupMember("confluent-kafka", cluster.kafka_bootstrap, "admin-seen", "admin-made")
     try:
