@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -35,6 +35,9 @@ bench-storage: venv
 
 bench-produce: venv
 	$(PY) -m bench.produce_bench --write-docs
+
+bench-kafka: venv
+	$(PY) -m bench.kafka_bench --write-docs
 
 bench-replication: venv
 	$(PY) -m bench.replication_bench --write-docs
@@ -74,7 +77,7 @@ bench-compare: bench-venv
 bench-latency: bench-venv
 	$(PY) -m bench.latency_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-spark bench-latency bench-compare
+bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-spark bench-latency bench-compare
 
 # `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
 build-AdminFunction:

@@ -25,6 +25,9 @@ from broker_agents.config import AgentConfig
 from broker_agents.controller import Controller
 from broker_agents.disk import DiskGuard
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
+from broker_agents.kafka.admin import KafkaTopicAdmin
+from broker_agents.kafka.apis import KafkaApis
+from broker_agents.kafka.codec import KafkaCodec
 from broker_agents.partitions import PartitionManager
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
@@ -110,6 +113,18 @@ class Agent:
             idle_timeout=config.connections_max_idle_ms / 1000,
             frame_timeout=config.request_frame_timeout_ms / 1000,
         )
+        self.kafka_server: AgentServer | None = None
+        if config.kafka_listener is not None:
+            kafka = KafkaApis(self.apis, self.groups, self.view, KafkaTopicAdmin(self.store))
+            self.kafka_server = AgentServer(
+                self.apis,
+                max_frame_bytes=config.max_frame_bytes,
+                max_in_flight=config.max_in_flight_per_connection,
+                max_queued_bytes=config.queued_max_request_bytes,
+                idle_timeout=config.connections_max_idle_ms / 1000,
+                frame_timeout=config.request_frame_timeout_ms / 1000,
+                codec=KafkaCodec(kafka),
+            )
         self.controller = Controller(self.agent_id, self.zk, self.store, self.view)
         self.fetchers = ReplicaFetchers(self.agent_id, self.partitions, self.view, config)
         self.registration: AgentRegistration | None = None
@@ -189,12 +204,22 @@ class Agent:
             await self.store.init()
             self.zk.add_state_listener(self._on_session)
             host, port = await self.server.start(self.config.listen_host, self.config.listen_port)
+            kafka_host: str | None = None
+            kafka_port: int | None = None
+            if self.kafka_server is not None and self.config.kafka_listener is not None:
+                want_host, _, want_port = self.config.kafka_listener.rpartition(":")
+                kafka_host, kafka_port = await self.kafka_server.start(
+                    want_host or "127.0.0.1", int(want_port)
+                )
+                kafka_host = self.config.kafka_advertised_host or kafka_host
             self.registration = AgentRegistration(
                 agent_id=self.agent_id,
                 host=self.config.advertised_host or host,
                 port=port,
                 started_ms=int(time.time() * 1000),
                 incarnation=self.partitions.incarnation,
+                kafka_host=kafka_host,
+                kafka_port=kafka_port,
             )
             await self._register()
             self.partitions.session_ok = True
@@ -217,6 +242,8 @@ class Agent:
             await self.groups.close()
             await self.fetchers.stop()
             await self.server.stop()
+            if self.kafka_server is not None:
+                await self.kafka_server.stop()
             await self.partitions.close()
             await self.zk.stop()
 

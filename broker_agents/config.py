@@ -16,6 +16,10 @@ class AgentConfig(_Config):
     listen_host: str = Field("127.0.0.1", alias="listen.host")
     listen_port: int = Field(0, alias="listen.port", ge=0, le=65535)
     advertised_host: str | None = Field(None, alias="advertised.host")
+    # the Kafka protocol listener (docs/kafka.md): "host:port" (port 0: any free port), off
+    # when unset; advertised to Kafka clients in Metadata and FindCoordinator
+    kafka_listener: str | None = Field(None, alias="kafka.listener", pattern=r"^.*:\d{1,5}$")
+    kafka_advertised_host: str | None = Field(None, alias="kafka.advertised.host")
     zookeeper: str = Field(alias="zookeeper.connect")
     data_dir: Path = Field(alias="data.dir")
     session_timeout_ms: int = Field(6000, alias="zookeeper.session.timeout.ms", ge=1000)

@@ -113,6 +113,7 @@ async def _main(config: AgentConfig) -> None:
         loop.add_signal_handler(sig, agent.stop)
 
     def ready(host: str, port: int) -> None:
+        reg = agent.registration
         print(
             json.dumps(
                 {
@@ -121,6 +122,9 @@ async def _main(config: AgentConfig) -> None:
                     "host": host,
                     "port": port,
                     "metrics_url": f"http://{config.metrics_host}:{metrics_port}/metrics",
+                    "kafka": None
+                    if reg is None or reg.kafka_port is None
+                    else f"{reg.kafka_host}:{reg.kafka_port}",
                 }
             ),
             flush=True,

@@ -44,12 +44,18 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from storage.errors import MalformedFrameError, StrataError, UnsupportedVersionError
+from storage.errors import (
+    FrameTooLargeError,
+    MalformedFrameError,
+    StrataError,
+    UnsupportedVersionError,
+)
 from storage.protocol import (
     decode_request_body,
     encode_error_response,
     encode_response,
     parse_request,
+    read_size,
 )
 from storage.protocol.messages import ApiKey
 from storage.protocol.sockio import FrameStream
@@ -69,6 +75,62 @@ class _Activity:
         self.frame: float | None = None  # since when the peer has been sending a frame
         self.writing: float | None = None
         self.writable = True  # False once the client was cut off for not reading
+
+
+class WireCodec(Protocol):
+    """One protocol's sans-IO side of a listener: the size prefix, request parsing and
+    dispatch to the request core. The server does the framing, budgets and ordering."""
+
+    #: whether a frame over the size limit is skipped and answered (else: connection closed)
+    answers_oversize: bool
+
+    def read_size(self, prefix: Any, max_frame: int) -> int: ...
+    def parse(self, frame: Any) -> Any: ...  # a request with an ``api_key``
+    async def handle(self, request: Any) -> Any: ...  # response parts, or None: no response
+    def too_large(self, head: bytes, size: int) -> list[Any]: ...
+
+
+class NativeCodec:
+    """Strata's own protocol (``storage.protocol``) in front of ``apis.handlers``."""
+
+    answers_oversize = False
+
+    def __init__(self, apis: Any) -> None:
+        self.apis = apis
+
+    def read_size(self, prefix: Any, max_frame: int) -> int:
+        return read_size(prefix, max_frame)
+
+    def parse(self, frame: Any) -> Any:
+        return parse_request(frame)
+
+    def too_large(self, head: bytes, size: int) -> list[Any]:
+        raise NotImplementedError  # the connection is closed instead
+
+    async def handle(self, request: Any) -> Any:
+        try:
+            body = decode_request_body(request)
+        except StrataError as exc:
+            return encode_error_response(request.correlation_id, exc.code, str(exc))
+        handler = self.apis.handlers.get(request.api_key)
+        if handler is None:
+            return encode_error_response(
+                request.correlation_id,
+                UnsupportedVersionError.code,
+                f"API {request.api_key} is not served here",
+            )
+        try:
+            response = await handler(body)
+        except StrataError as exc:
+            return encode_error_response(request.correlation_id, exc.code, str(exc))
+        except Exception as exc:  # a bug: answer and keep serving the others
+            log.exception("handler for API %s failed", request.api_key)
+            return encode_error_response(
+                request.correlation_id, StrataError.code, f"internal error: {exc!r}"
+            )
+        if request.api_key == ApiKey.PRODUCE and body.acks == 0:  # type: ignore[attr-defined]
+            return _NO_RESPONSE
+        return encode_response(request.correlation_id, response)
 
 
 class ServerObserver(Protocol):
@@ -198,8 +260,10 @@ class AgentServer:
         max_queued_bytes: int = 256 << 20,
         idle_timeout: float = 600.0,
         frame_timeout: float = 30.0,
+        codec: WireCodec | None = None,
     ) -> None:
         self.apis = apis
+        self.codec: WireCodec = codec if codec is not None else NativeCodec(apis)
         self.budget = ByteBudget(max_queued_bytes, reserve=max(max_queued_bytes // 16, 1 << 20))
         self.max_frame_bytes = max_frame_bytes
         self.max_in_flight = max_in_flight
@@ -246,7 +310,9 @@ class AgentServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            stream = FrameStream(sock, max_frame=self.max_frame_bytes)
+            stream = FrameStream(
+                sock, max_frame=self.max_frame_bytes, size_reader=self.codec.read_size
+            )
             try:
                 await loop.connect_accepted_socket(lambda: stream, sock)  # noqa: B023 (called at once)
             except OSError as exc:
@@ -350,7 +416,16 @@ class AgentServer:
 
         while True:
             activity.reading = loop.time()
-            size = await frames.read_size()
+            try:
+                size = await frames.read_size()
+            except FrameTooLargeError as exc:
+                answer = await self._too_large(frames, exc.size, activity)
+                if answer is None:
+                    raise
+                done: asyncio.Future[Any] = loop.create_future()
+                done.set_result(answer)
+                await queue.put(done)
+                continue
             activity.reading = None
             try:
                 if frames.is_small(size):
@@ -360,7 +435,7 @@ class AgentServer:
                 activity.frame = None
                 if self.observer is not None:
                     self.observer.bytes_in(4 + size)
-                request = parse_request(frame)
+                request = self.codec.parse(frame)
             except BaseException:
                 charge.release(charge.take_frame())
                 raise
@@ -369,6 +444,20 @@ class AgentServer:
             # released when the handler is done, even if cancelled before it ever ran
             handler.add_done_callback(functools.partial(self._release, charge, charge.take_frame()))
             await queue.put(handler)
+
+    async def _too_large(
+        self, frames: FrameStream, size: int, activity: _Activity
+    ) -> list[Any] | None:
+        """A frame over the limit: the codec's answer after the frame was skipped (read
+        off the socket without being kept), or None to close the connection."""
+        if not self.codec.answers_oversize:
+            return None
+        activity.reading = None
+        activity.frame = asyncio.get_running_loop().time()
+        head = await frames.skip_frame(size, 64)
+        activity.frame = None
+        log.warning("skipped a frame of %d bytes (over %d)", size, self.max_frame_bytes)
+        return self.codec.too_large(head, size)
 
     @staticmethod
     def _release(charge: _Charge, held: int, _handler: asyncio.Future[Any]) -> None:
@@ -387,29 +476,7 @@ class AgentServer:
             self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
 
     async def _dispatch(self, request: Any) -> Any:
-        try:
-            body = decode_request_body(request)
-        except StrataError as exc:
-            return encode_error_response(request.correlation_id, exc.code, str(exc))
-        handler = self.apis.handlers.get(request.api_key)
-        if handler is None:
-            return encode_error_response(
-                request.correlation_id,
-                UnsupportedVersionError.code,
-                f"API {request.api_key} is not served here",
-            )
-        try:
-            response = await handler(body)
-        except StrataError as exc:
-            return encode_error_response(request.correlation_id, exc.code, str(exc))
-        except Exception as exc:  # a bug: answer and keep serving the others
-            log.exception("handler for API %s failed", request.api_key)
-            return encode_error_response(
-                request.correlation_id, StrataError.code, f"internal error: {exc!r}"
-            )
-        if request.api_key == ApiKey.PRODUCE and body.acks == 0:  # type: ignore[attr-defined]
-            return _NO_RESPONSE
-        return encode_response(request.correlation_id, response)
+        return await self.codec.handle(request)
 
     async def _write_responses(
         self, queue: asyncio.Queue[Any], stream: FrameStream, activity: _Activity
@@ -421,7 +488,7 @@ class AgentServer:
         loop = asyncio.get_running_loop()
         while (fut := await queue.get()) is not None:
             parts = await fut
-            if parts is _NO_RESPONSE or not activity.writable:
+            if parts is None or parts is _NO_RESPONSE or not activity.writable:
                 continue
             activity.writing = loop.time()
             try:

@@ -43,7 +43,6 @@ from sdk.admin import PartitionInfo, PartitionStatus, TopicDescription
 from storage.errors import (
     InvalidConfigError,
     InvalidPartitionsError,
-    InvalidReplicationFactorError,
     InvalidTopicError,
     NodeNotFoundError,
     UnknownTopicOrPartitionError,
@@ -51,10 +50,10 @@ from storage.errors import (
 )
 from storage.metadata import MetadataStore, PartitionState, TopicConfig, TopicSpec
 from storage.metadata.models import MAX_PARTITIONS, validate_topic_name
+from storage.metadata.topic_rules import check_min_insync as check_min_insync
+from storage.metadata.topic_rules import replication_factor_for as replication_factor_for
 
 CAS_ATTEMPTS = 5
-DEFAULT_REPLICATION_FACTOR = 3
-MAX_REPLICATION_FACTOR = 16
 STATE_READS_IN_FLIGHT = 32
 """Partition states read concurrently by a describe."""
 _jitter = random.Random()
@@ -82,35 +81,6 @@ def topic_config(configs: Mapping[str, Any], base: TopicConfig | None = None) ->
         return TopicConfig.model_validate(merged)
     except ValidationError as exc:
         raise InvalidConfigError(describe_errors(exc)) from None
-
-
-def check_min_insync(config: TopicConfig, replication_factor: int) -> None:
-    if config.min_insync_replicas > replication_factor:
-        raise InvalidConfigError(
-            f"min.insync.replicas={config.min_insync_replicas} is more than the replication "
-            f"factor {replication_factor}: no acks=all write could ever succeed"
-        )
-
-
-def replication_factor_for(requested: int | None, live_agents: int) -> int:
-    """The requested factor, checked against the live agents; default min(3, live agents)."""
-    if requested is None:
-        if live_agents == 0:
-            raise InvalidReplicationFactorError(
-                "no live agents: cannot choose a replication factor (start an agent, or pass "
-                "replication_factor)"
-            )
-        return min(DEFAULT_REPLICATION_FACTOR, live_agents)
-    if not 1 <= requested <= MAX_REPLICATION_FACTOR:
-        raise InvalidReplicationFactorError(
-            f"replication factor must be between 1 and {MAX_REPLICATION_FACTOR}, got {requested}"
-        )
-    if requested > live_agents:
-        raise InvalidReplicationFactorError(
-            f"replication factor {requested} is larger than the number of live agents "
-            f"({live_agents})"
-        )
-    return requested
 
 
 def describe(spec: TopicSpec, states: Mapping[int, PartitionState]) -> TopicDescription:

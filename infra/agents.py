@@ -23,6 +23,7 @@ class AgentProcess:
     log_path: Path
     process: subprocess.Popen[bytes] = field(repr=False, compare=False)
     metrics_url: str = ""
+    kafka: str = ""  # the Kafka listener's host:port ("" without one)
 
     @property
     def address(self) -> str:
@@ -94,6 +95,7 @@ class PendingAgent:
                     self.log_path,
                     self.process,
                     metrics_url=str(info.get("metrics_url", "")),
+                    kafka=str(info.get("kafka") or ""),
                 )
             if self.process.poll() is not None:
                 raise LocalStackError(

@@ -1167,7 +1167,11 @@ def _endpoints_table(state: local.StackState) -> Table:
     for z in state.zookeepers:
         table.add_row(z.name, z.address, str(z.pid))
     for a in state.agents:
-        table.add_row(f"agent {a.agent_id}", f"{a.address}  metrics {a.metrics_url}", str(a.pid))
+        table.add_row(
+            f"agent {a.agent_id}",
+            f"{a.address}  kafka {a.kafka or '-'}  metrics {a.metrics_url}",
+            str(a.pid),
+        )
     table.add_row("admin api", state.admin_url, str(state.admin_pid))
     table.caption = f"ZooKeeper connect string: {state.zookeeper_connect}"
     return table

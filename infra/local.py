@@ -132,6 +132,7 @@ class AgentInfo:
     metrics_url: str
     pid: int
     log: str
+    kafka: str = ""  # the Kafka listener (docs/kafka.md)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -310,6 +311,7 @@ class Stack:
                     address=a.address,
                     metrics_url=a.metrics_url,
                     pid=a.pid,
+                    kafka=a.kafka,
                     log=str(a.log_path),
                 )
                 for a in self.agents
@@ -429,17 +431,26 @@ def start_agents(
 ) -> list[AgentProcess]:
     """Start agents 1..n at once, then wait for each (they start in parallel). Agent i
     listens on Kafka's usual port 9091 + i (9092, 9093, 9094, ...) when it is free and no
-    port was configured, else on any free port."""
+    port was configured, else on any free port; its Kafka listener on 19091 + i (19092, ...)
+    likewise, unless ``kafka.listener`` is configured."""
+
+    def kafka_listener(agent_id: int) -> dict[str, object]:
+        if "kafka.listener" in configs:
+            return {}
+        host = str(configs.get("listen.host", "127.0.0.1"))
+        return {"kafka.listener": f"{host}:{_port_if_free(host, 19091 + agent_id)}"}
+
     pending = [
         spawn_agent(
             agent_id,
             zookeeper,
             state_dir / f"agent-{agent_id}",
             log_path=state_dir / f"agent-{agent_id}.log",
-            configs=configs
+            configs={**configs, **kafka_listener(agent_id)}
             if "listen.port" in configs
             else {
                 **configs,
+                **kafka_listener(agent_id),
                 "listen.port": _port_if_free(
                     str(configs.get("listen.host", "127.0.0.1")), 9091 + agent_id
                 ),
@@ -626,7 +637,7 @@ def status(state: StackState) -> list[ComponentStatus]:
         out.append(
             ComponentStatus(
                 f"agent {a.agent_id}",
-                f"{a.address} metrics {a.metrics_url}",
+                f"{a.address} kafka {a.kafka or '-'} metrics {a.metrics_url}",
                 a.pid,
                 *_probe_agent(a),
             )

@@ -12,6 +12,7 @@ at one boundary per adapter and never leak out.
     │   ├── UnsupportedVersionError    unknown batch magic / API key / API version
     │   ├── BatchTooLargeError         batch over max.message.bytes
     │   ├── InvalidConfigError         a config value out of range
+    │   ├── InvalidRequiredAcksError   acks other than 0, 1, -1
     │   ├── InvalidOffsetError         truncate/seek target the log cannot honour
     │   ├── InvalidTopicError          a topic name outside [a-zA-Z0-9._-]{1,249}, "." or ".."
     │   ├── InvalidPartitionsError     a partition count that is not allowed
@@ -119,6 +120,12 @@ class BatchTooLargeError(InvalidRequestError):
 
 class InvalidConfigError(InvalidRequestError):
     code = 40
+
+
+class InvalidRequiredAcksError(InvalidRequestError):
+    """A produce request's acks is not 0, 1 or -1 (all)."""
+
+    code = 21
 
 
 class InvalidOffsetError(InvalidRequestError):

@@ -36,6 +36,7 @@ class AgentHandle:
     host: str
     port: int
     metrics_url: str = ""
+    kafka: str | None = None  # the Kafka listener's host:port, when it has one
 
     @property
     def address(self) -> str:
@@ -87,7 +88,12 @@ class Cluster:
                 if line.startswith('{"event": "listening"'):
                     info = json.loads(line)
                     handle = AgentHandle(
-                        agent_id, proc, info["host"], info["port"], info.get("metrics_url", "")
+                        agent_id,
+                        proc,
+                        info["host"],
+                        info["port"],
+                        info.get("metrics_url", ""),
+                        info.get("kafka"),
                     )
                     self.agents[agent_id] = handle
                     return handle
@@ -119,6 +125,11 @@ class Cluster:
     @property
     def bootstrap(self) -> str:
         return ",".join(a.address for a in self.alive())
+
+    @property
+    def kafka_bootstrap(self) -> str:
+        """The Kafka listeners of the live agents (``kafka.listener`` set at start)."""
+        return ",".join(a.kafka for a in self.alive() if a.kafka)
 
     # ---- metadata ---------------------------------------------------------------------
     def create_topic(
@@ -276,3 +287,31 @@ async def read_records(consumer: Consumer, count: int, deadline_s: float = 30) -
             for records in (await consumer.getmany(timeout_ms=500)).values():
                 got.extend(records)
     return got
+
+
+def check_acknowledged(tables: dict[int, Any], acked: dict[bytes, tuple[int, int]]) -> int:
+    """The no-loss check of a produce run through failures: per partition (``tables``: Arrow
+    tables with ``offset`` and ``value``, read from the beginning) offsets have no gap and
+    values (increasing per producer) never go backwards; every acknowledged value sits at the
+    (partition, offset) its acknowledgement named. Returns the number of duplicates."""
+    consumed: dict[tuple[int, int], bytes] = {}
+    duplicates = 0
+    for p, table in tables.items():
+        offsets = table.column("offset").to_pylist()
+        values = table.column("value").to_pylist()
+        assert offsets == list(range(offsets[0], offsets[0] + len(offsets))), "gap in offsets"
+        seen: set[bytes] = set()
+        last = b""
+        for offset, value in zip(offsets, values, strict=True):
+            consumed[(p, offset)] = value
+            if value in seen:
+                duplicates += 1
+                continue
+            seen.add(value)
+            # per-partition order: a value never comes after a larger one
+            assert value > last, (p, offset, value, last)
+            last = value
+    # every acknowledged message is there, at the offset its acknowledgement named
+    for value, where in acked.items():
+        assert consumed.get(where) == value, (value, where, consumed.get(where))
+    return duplicates

@@ -188,6 +188,34 @@ def test_every_agent_serves_prometheus_metrics(stack: tuple[Path, dict[str, Any]
         assert reply.status == 200
 
 
+def test_every_agent_has_a_kafka_listener_that_kafka_clients_use(
+    stack: tuple[Path, dict[str, Any]],
+) -> None:
+    """`up` turns the Kafka listener on for each agent and prints it; a Kafka client lists
+    the three agents as brokers, produces and reads back."""
+    import confluent_kafka as ck
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    state_dir, up = stack
+    addresses = [a["kafka"] for a in up["agents"]]
+    assert all(addresses), up["agents"]
+    bootstrap = ",".join(addresses)
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    created = admin.create_topics([NewTopic("via-kafka", 2, 1)])
+    created["via-kafka"].result(30)
+    assert {b.port for b in admin.list_topics(timeout=30).brokers.values()} == {
+        int(a.rsplit(":", 1)[1]) for a in addresses
+    }
+    producer = ck.Producer({"bootstrap.servers": bootstrap})
+    for i in range(10):
+        producer.produce("via-kafka", f"k{i}".encode(), key=b"k")
+    assert producer.flush(30) == 0
+    consumed = strata(
+        state_dir, "-o", "json", "consume", "via-kafka", "--from-beginning", "-n", "10"
+    )
+    assert "k9" in consumed.stdout
+
+
 def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> None:
     state_dir, _ = stack
     state = local.read_state(state_dir)

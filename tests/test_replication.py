@@ -16,7 +16,7 @@ from sdk import Consumer, Producer, TopicPartition
 from storage.codec import decode_batch, decode_batches, encode_batch, iter_batches
 from storage.errors import NotEnoughReplicasError, RequestTimedOutError, StrataError
 from storage.protocol import messages as m
-from tests.cluster import Cluster, WireClient, produce_request
+from tests.cluster import Cluster, WireClient, check_acknowledged, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
 
 TOPIC = "ledger"
@@ -131,26 +131,7 @@ def test_acks_all_survives_five_leader_kills(cluster: Cluster) -> None:
     assert kills == 5 and len(acked) > 500
 
     tables = asyncio.run(_consume_everything(cluster.bootstrap, partitions))
-    consumed: dict[tuple[int, int], bytes] = {}
-    duplicates = 0
-    for p, table in tables.items():
-        offsets = table.column("offset").to_pylist()
-        values = table.column("value").to_pylist()
-        assert offsets == list(range(offsets[0], offsets[0] + len(offsets))), "gap in offsets"
-        seen: set[bytes] = set()
-        last = b""
-        for offset, value in zip(offsets, values, strict=True):
-            consumed[(p, offset)] = value
-            if value in seen:
-                duplicates += 1
-                continue
-            seen.add(value)
-            # per-partition order: a value never comes after a larger one
-            assert value > last, (p, offset, value, last)
-            last = value
-    # every acknowledged message is there, at the offset its acknowledgement named
-    for value, where in acked.items():
-        assert consumed.get(where) == value, (value, where, consumed.get(where))
+    duplicates = check_acknowledged(tables, acked)
     print(f"{len(acked)} acknowledged, {duplicates} duplicates, {kills} leader kills")
     # the idempotent producer's retries (after lost acknowledgements, onto new leaders) were
     # recognised: the new leader knows the producer's last batches from the replicated headers

@@ -72,6 +72,7 @@ def _start(
     tmp_path: Path,
     topics: dict[str, int],
     segment_bytes: int,
+    *configs: str,
 ) -> Cluster:
     cluster = Cluster(processes, zk_chroot, tmp_path / "data")
     cluster.start_agent(
@@ -79,6 +80,7 @@ def _start(
         f"s3.bucket={s3.bucket}",
         "tier.check.interval.ms=100",
         "s3.request.timeout.ms=5000",
+        *configs,
         env=s3.env(),
     )
     for name, partitions in topics.items():
@@ -388,3 +390,118 @@ def test_replay_a_time_range_into_a_new_topic_keeps_messages_and_order(
         mine = table.filter(pa.compute.equal(table.column("partition"), p))
         assert mine.column("offset").to_pylist() == expected
         assert mine.column("value").to_pylist() == [_value(p, i) for i in expected]
+
+
+def test_a_kafka_clients_records_read_by_spark_and_replay_and_replayed_back_to_kafka(
+    spark: Any,
+    processes: ProcessGroup,
+    zk_chroot: ZooKeeperChroot,
+    s3: S3Target,
+    tmp_path: Path,
+) -> None:
+    """The Kafka listener (issue 24): kafka-python produces gzip batches through it (keys,
+    headers, timestamps, odd records tagged with the header ``strata.tag``); Spark and the
+    SDK's replay read exactly those records from the bucket, the tag as a tag; Spark's replay
+    of them into another topic is read back by the Kafka client unchanged."""
+    import kafka as kp
+
+    from spark.replay import replay as spark_replay
+
+    parts, n = 2, 4000
+    cluster = _start(
+        processes,
+        zk_chroot,
+        s3,
+        tmp_path,
+        {"from-kafka": parts, "kafka-copy": parts},
+        64 * 1024,
+        "kafka.listener=127.0.0.1:0",
+    )
+    bootstrap = cluster.agents[1].kafka
+    assert bootstrap is not None
+
+    def headers(i: int) -> list[tuple[str, bytes]]:
+        return [("i", b"%d" % i)] + ([("strata.tag", b"odd")] if i % 2 else [])
+
+    producer = kp.KafkaProducer(
+        bootstrap_servers=[bootstrap], acks="all", linger_ms=5, compression_type="gzip"
+    )
+    try:
+        futures = [
+            producer.send(
+                "from-kafka",
+                value=_value(i % parts, i),
+                key=_key(i),
+                headers=headers(i),
+                partition=i % parts,
+                timestamp_ms=_ts(i),
+            )
+            for i in range(n)
+        ]
+        producer.flush(60)
+        for f in futures:
+            f.get(timeout=30)
+    finally:
+        producer.close(10)
+    _wait_committed(s3, "from-kafka", dict.fromkeys(range(parts), n // parts))
+
+    def check(p: int, offset: int, key: bytes, value: bytes, hs: list[Any], tags: Any) -> None:
+        i = offset * parts + p  # record i went to partition i % parts, in order
+        assert (key, value) == (_key(i), _value(p, i)), (p, offset)
+        assert hs == [("i", b"%d" % i)] and list(tags) == (["odd"] if i % 2 else []), (p, offset)
+
+    df = spark.read.format("strata").options(**_options(s3)).option("topic", "from-kafka").load()
+    rows = df.collect()
+    assert len(rows) == n
+    for r in rows:
+        check(
+            r["partition"],
+            r["offset"],
+            bytes(r["key"]),
+            bytes(r["value"]),
+            [(h["key"], bytes(h["value"])) for h in r["headers"]],
+            r["tags"],
+        )
+        i = r["offset"] * parts + r["partition"]
+        assert r["timestamp"] == dt.datetime.fromtimestamp(_ts(i) / 1000, dt.UTC).replace(
+            tzinfo=None
+        )
+
+    table = pa.concat_tables(list(replay("from-kafka", archive=_archive(s3))))
+    assert table.num_rows == n
+    for row in table.to_pylist():
+        check(
+            row["partition"],
+            row["offset"],
+            row["key"],
+            row["value"],
+            [(h["key"], h["value"]) for h in row["headers"]],
+            row["tags"],
+        )
+
+    counts = spark_replay(
+        spark,
+        topic="from-kafka",
+        to_topic="kafka-copy",
+        bootstrap=cluster.bootstrap,
+        source_options=_options(s3),
+    )
+    assert counts == dict.fromkeys(range(parts), n // parts)
+    consumer = kp.KafkaConsumer(bootstrap_servers=[bootstrap], enable_auto_commit=False)
+    seen: list[Any] = []
+    try:
+        tps = [kp.TopicPartition("kafka-copy", p) for p in range(parts)]
+        consumer.assign(tps)
+        consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + 60
+        while len(seen) < n:
+            assert time.monotonic() < deadline, len(seen)
+            for batch in consumer.poll(timeout_ms=500).values():
+                seen += batch
+    finally:
+        consumer.close()
+    assert len(seen) == n
+    for r in seen:
+        i = r.offset * parts + r.partition
+        assert (r.key, r.value, r.timestamp) == (_key(i), _value(r.partition, i), _ts(i))
+        assert list(r.headers) == headers(i)

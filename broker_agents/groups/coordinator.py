@@ -170,6 +170,24 @@ class Group:
 
 
 @dataclass(frozen=True, slots=True)
+class MemberSummary:
+    member_id: str
+    group_instance_id: str | None
+    client_id: str
+    metadata: bytes  # the subscription for the group's chosen protocol (opaque)
+    assignment: bytes  # opaque
+
+
+@dataclass(frozen=True, slots=True)
+class GroupSummary:
+    group_id: str
+    phase: Phase
+    protocol_type: str
+    protocol: str
+    members: list[MemberSummary]
+
+
+@dataclass(frozen=True, slots=True)
 class CoordinatorSettings:
     min_session_timeout_ms: int = 1000
     max_session_timeout_ms: int = 300_000
@@ -746,6 +764,43 @@ class GroupCoordinator:
         except Exception as exc:  # pragma: no cover - translated like every handler bug
             log.exception("offset fetch failed")
             return m.OffsetFetchResponse(_code(exc), [])
+
+    # ---- describe and list (protocol-neutral; the Kafka listener's DescribeGroups/ListGroups)
+    async def describe_group(self, group_id: str) -> GroupSummary:
+        """The group as this coordinator holds it (``NotCoordinatorError`` if not its own).
+        A group nobody has used is EMPTY with no members."""
+        group = await self._group(group_id)
+        members = []
+        for mb in group.members.values():
+            meta = dict(mb.protocols).get(group.protocol or "", b"")
+            members.append(
+                MemberSummary(mb.member_id, mb.group_instance_id, mb.client_id, meta, mb.assignment)
+            )
+        return GroupSummary(
+            group.group_id,
+            group.phase,
+            group.protocol_type or "",
+            group.protocol or "",
+            members,
+        )
+
+    async def list_groups(self) -> list[tuple[str, str]]:
+        """(group id, protocol type) of every group this agent coordinates, as Kafka's
+        brokers list theirs (a client asks every agent and merges the answers)."""
+        out = []
+        for group_id in await self.store.list_groups():
+            if not self.owns(group_id):
+                continue
+            loaded = self.groups.get(group_id)
+            if loaded is not None:
+                out.append((group_id, loaded.protocol_type or ""))
+                continue
+            try:
+                record, _ = await self.store.get_state(group_id)
+            except MetadataError:
+                continue
+            out.append((group_id, (record.protocol_type if record else None) or ""))
+        return out
 
     def handlers(self) -> dict[int, Any]:
         return {

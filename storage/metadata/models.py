@@ -133,6 +133,9 @@ class AgentRegistration(BaseModel):
     #: (topic, partition) whose local log this agent cannot open (a quarantined segment, a
     #: disk error): for those the controller counts the agent as dead — Kafka's offline replica
     offline: tuple[tuple[str, int], ...] = ()
+    #: the Kafka listener's address (``kafka.listener``), None when the agent has none
+    kafka_host: str | None = None
+    kafka_port: int | None = Field(None, ge=1, le=65535)
 
 
 class ControllerInfo(BaseModel):

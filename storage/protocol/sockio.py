@@ -60,10 +60,16 @@ class FrameStream(asyncio.BufferedProtocol):
     """
 
     def __init__(
-        self, sock: socket.socket, *, max_frame: int, stage_bytes: int = STAGE_BYTES
+        self,
+        sock: socket.socket,
+        *,
+        max_frame: int,
+        stage_bytes: int = STAGE_BYTES,
+        size_reader: Callable[[Any, int], int] = read_size,
     ) -> None:
         self.sock = sock  # the transport's own socket, for sendmsg
         self.max_frame = max_frame
+        self.size_reader = size_reader  # the protocol's prefix (Strata: LE, Kafka: BE)
         self.transport: asyncio.Transport | None = None
         self._stage = mmap.mmap(-1, stage_bytes)
         self._view = memoryview(self._stage)
@@ -212,9 +218,29 @@ class FrameStream(asyncio.BufferedProtocol):
     async def read_size(self) -> int:
         """The next frame's size (its 4-byte prefix read and checked against ``max_frame``)."""
         await self._staged(4)
-        size = read_size(self._view[self._start : self._start + 4], self.max_frame)
+        size = self.size_reader(self._view[self._start : self._start + 4], self.max_frame)
         self._start += 4
         return size
+
+    async def skip_frame(self, size: int, keep: int) -> bytes:
+        """Consume the frame whose size prefix ``read_size`` refused (too large): return its
+        first ``keep`` bytes (a request header) and drop the rest as it arrives, holding
+        none of it beyond the staging buffer."""
+        self._start += 4
+        head_len = min(size, keep, len(self._stage) // 2)
+        await self._staged(head_len)
+        head = bytes(self._view[self._start : self._start + head_len])
+        remaining = size
+        while remaining:
+            if self._end == self._start:
+                await self._wait(b"", remaining)
+                continue
+            take = min(self._end - self._start, remaining)
+            self._start += take
+            remaining -= take
+            if self._start == self._end:
+                self._start = self._end = 0
+        return head
 
     def is_small(self, size: int) -> bool:
         """A frame this size is cut out of the staging buffer (no buffer of its own)."""

@@ -1,0 +1,511 @@
+"""The Kafka listener's request handlers: Kafka's fields in, the request core called, Kafka's
+fields out.
+
+Nothing here stores, replicates or coordinates anything. Each handler translates a decoded
+Kafka request (``storage.kafka.messages``) into the core's own requests — the same
+``Apis.produce`` / ``fetch`` / ``list_offsets`` / ``metadata`` and ``GroupCoordinator``
+calls the native listener makes, in Strata's types (``storage.protocol.messages``) — and
+the answer back. So a Kafka producer's batch goes through the same leader checks, WAL,
+group commit, ISR wait and idempotence check (``storage/wal/producers.py``) as the SDK's,
+and a group joined by a Kafka consumer is the same group, with the same committed offsets,
+as one joined by the SDK.
+
+The one thing done here per batch is the record conversion (``storage.kafka.records``):
+produce converts each Kafka batch to a Strata batch before the core sees it (its CRC checked
+first, its size against the topic's ``max.message.bytes``), fetch converts the Strata batches
+the core returns into Kafka batches (their CRCs checked first).
+
+Error codes: the core's are Strata's, which are Kafka's where Kafka has the same error;
+``storage.kafka.errors.kafka_code`` maps the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from storage.errors import (
+    BatchTooLargeError,
+    CoordinatorNotAvailableError,
+    InvalidRequestError,
+    InvalidRequiredAcksError,
+    StrataError,
+)
+from storage.kafka import records as kr
+from storage.kafka.errors import UNKNOWN_SERVER_ERROR, code_of, kafka_code
+from storage.kafka.frames import served_versions
+from storage.kafka.messages import ApiKey
+from storage.protocol import messages as m
+
+if TYPE_CHECKING:
+    from broker_agents.groups.coordinator import GroupCoordinator
+    from broker_agents.kafka.admin import KafkaTopicAdmin
+    from broker_agents.view import ClusterView
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[dict[str, Any], int], Awaitable[dict[str, Any] | None]]
+
+#: what DescribeGroups reports for each of the coordinator's phases
+_KAFKA_STATE = {
+    "empty": "Empty",
+    "preparing_rebalance": "PreparingRebalance",
+    "completing_rebalance": "CompletingRebalance",
+    "stable": "Stable",
+    "dead": "Dead",
+}
+CLUSTER_ID = "strata"
+
+
+class RequestCore(Protocol):
+    """What the Kafka handlers need of the request core (``broker_agents.apis.Apis``)."""
+
+    async def produce(self, req: m.ProduceRequest) -> m.ProduceResponse: ...
+    async def fetch(self, req: m.FetchRequest) -> m.FetchResponse: ...
+    async def list_offsets(self, req: m.ListOffsetsRequest) -> m.ListOffsetsResponse: ...
+    async def metadata(self, req: m.MetadataRequest) -> m.MetadataResponse: ...
+
+
+class KafkaApis:
+    def __init__(
+        self,
+        core: RequestCore,
+        groups: GroupCoordinator,
+        view: ClusterView,
+        admin: KafkaTopicAdmin,
+    ) -> None:
+        self.core = core
+        self.groups = groups
+        self.view = view
+        self.admin = admin
+        self.handlers: dict[int, Handler] = {
+            ApiKey.API_VERSIONS: self.api_versions,
+            ApiKey.METADATA: self.metadata,
+            ApiKey.PRODUCE: self.produce,
+            ApiKey.FETCH: self.fetch,
+            ApiKey.LIST_OFFSETS: self.list_offsets,
+            ApiKey.FIND_COORDINATOR: self.find_coordinator,
+            ApiKey.JOIN_GROUP: self.join_group,
+            ApiKey.SYNC_GROUP: self.sync_group,
+            ApiKey.HEARTBEAT: self.heartbeat,
+            ApiKey.LEAVE_GROUP: self.leave_group,
+            ApiKey.OFFSET_COMMIT: self.offset_commit,
+            ApiKey.OFFSET_FETCH: self.offset_fetch,
+            ApiKey.DESCRIBE_GROUPS: self.describe_groups,
+            ApiKey.LIST_GROUPS: self.list_groups,
+            ApiKey.INIT_PRODUCER_ID: self.init_producer_id,
+            ApiKey.CREATE_TOPICS: self.admin.create_topics,
+            ApiKey.DELETE_TOPICS: self.admin.delete_topics,
+            ApiKey.CREATE_PARTITIONS: self.admin.create_partitions,
+            ApiKey.DESCRIBE_CONFIGS: self.admin.describe_configs,
+        }
+
+    def _address(self, agent_id: int) -> tuple[str, int] | None:
+        reg = self.view.agents.get(agent_id)
+        if reg is None or reg.kafka_port is None:
+            return None
+        return reg.kafka_host or reg.host, reg.kafka_port
+
+    # ---- ApiVersions, Metadata ------------------------------------------------------------
+    async def api_versions(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        return {"error_code": 0, "api_keys": served_versions()}
+
+    async def metadata(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        topics = req["topics"]
+        names = None if topics is None or (version == 0 and not topics) else [
+            t["name"] for t in topics
+        ]  # fmt: skip
+        resp = await self.core.metadata(m.MetadataRequest(names))
+        brokers = []
+        for a in resp.agents:
+            addr = self._address(a.agent_id)
+            if addr is not None:
+                brokers.append({"node_id": a.agent_id, "host": addr[0], "port": addr[1]})
+        return {
+            "brokers": brokers,
+            "cluster_id": CLUSTER_ID,
+            "controller_id": resp.controller_id,
+            "topics": [
+                {
+                    "error_code": kafka_code(t.error_code),
+                    "name": t.name,
+                    "is_internal": t.name.startswith("__"),
+                    "partitions": [
+                        {
+                            "error_code": kafka_code(p.error_code),
+                            "partition_index": p.partition,
+                            "leader_id": p.leader_id,
+                            "leader_epoch": p.leader_epoch,
+                            "replica_nodes": p.replicas,
+                            "isr_nodes": p.isr,
+                            "offline_replicas": [],
+                        }
+                        for p in t.partitions
+                    ],
+                }
+                for t in resp.topics
+            ],
+        }
+
+    # ---- Produce --------------------------------------------------------------------------
+    async def produce(self, req: dict[str, Any], version: int) -> dict[str, Any] | None:
+        acks = req["acks"]
+        if acks not in (0, 1, -1):
+            raise InvalidRequiredAcksError(f"acks must be 0, 1 or -1 (all), got {acks}")
+        if req["transactional_id"] is not None:
+            raise InvalidRequestError("transactional produce is not supported yet")
+        failed: dict[tuple[str, int], StrataError] = {}
+        topics = []
+        for t in req["topic_data"]:
+            name = t["name"]
+            spec = self.view.topics.get(name)
+            limit = spec.config.max_message_bytes if spec is not None else None
+            parts = []
+            for p in t["partition_data"]:
+                records = p["records"]
+                try:
+                    if records is None or not len(records):
+                        raise InvalidRequestError("a produce request without a record batch")
+                    if limit is not None and len(records) > limit:
+                        raise BatchTooLargeError(len(records), limit)
+                    parts.append(m.ProducePartition(p["index"], kr.kafka_to_strata(records)))
+                except StrataError as exc:
+                    failed[(name, p["index"])] = exc
+            if parts:
+                topics.append(m.ProduceTopic(name, parts))
+        results: dict[tuple[str, int], m.ProducePartitionResult] = {}
+        if topics:
+            resp = await self.core.produce(m.ProduceRequest(acks, req["timeout_ms"], topics))
+            for tr in resp.topics:
+                for pr in tr.partitions:
+                    results[(tr.name, pr.partition)] = pr
+        if acks == 0:
+            return None
+        responses = []
+        for t in req["topic_data"]:
+            out = []
+            for p in t["partition_data"]:
+                key = (t["name"], p["index"])
+                err = failed.get(key)
+                if err is not None:
+                    out.append(
+                        {
+                            "index": p["index"],
+                            "error_code": code_of(err),
+                            "base_offset": -1,
+                            "error_message": str(err)[:500],
+                        }
+                    )
+                    continue
+                r = results.get(key)
+                if r is None:
+                    out.append({"index": p["index"], "error_code": UNKNOWN_SERVER_ERROR})
+                    continue
+                out.append(
+                    {
+                        "index": r.partition,
+                        "error_code": kafka_code(r.error_code),
+                        "base_offset": r.base_offset,
+                        "log_start_offset": r.log_start_offset,
+                        "error_message": r.error_message,
+                    }
+                )
+            responses.append({"name": t["name"], "partition_responses": out})
+        return {"responses": responses}
+
+    # ---- Fetch ----------------------------------------------------------------------------
+    async def fetch(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        # no fetch sessions (KIP-227): session id 0 tells the client to send full requests
+        core_req = m.FetchRequest(
+            m.CONSUMER_REPLICA_ID,
+            req["max_wait_ms"],
+            req["min_bytes"],
+            req["max_bytes"],
+            req["isolation_level"],  # read_committed is read_uncommitted until transactions
+            [
+                m.FetchTopic(
+                    t["topic"],
+                    [
+                        m.FetchPartition(
+                            p["partition"], p["fetch_offset"], p["partition_max_bytes"]
+                        )
+                        for p in t["partitions"]
+                    ],
+                )
+                for t in req["topics"]
+            ],
+        )
+        resp = await self.core.fetch(core_req)
+        responses = []
+        for t in resp.topics:
+            parts = []
+            for p in t.partitions:
+                code = kafka_code(p.error_code)
+                records: Any = b""  # librdkafka refuses a null record set
+                if p.records is not None and len(p.records):
+                    try:
+                        records = kr.strata_batches_to_kafka(p.records)
+                    except StrataError as exc:
+                        log.error(
+                            "%s-%d: stored batch does not convert: %s", t.name, p.partition, exc
+                        )
+                        code = code_of(exc)
+                parts.append(
+                    {
+                        "partition_index": p.partition,
+                        "error_code": code,
+                        "high_watermark": p.high_watermark,
+                        "last_stable_offset": p.high_watermark,
+                        "log_start_offset": p.log_start_offset,
+                        "aborted_transactions": None,
+                        "records": records,
+                    }
+                )
+            responses.append({"topic": t.name, "partitions": parts})
+        return {"error_code": 0, "session_id": 0, "responses": responses}
+
+    # ---- ListOffsets ----------------------------------------------------------------------
+    async def list_offsets(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        core_req = m.ListOffsetsRequest(
+            [
+                m.ListOffsetsTopic(
+                    t["name"],
+                    [
+                        m.ListOffsetsPartition(p["partition_index"], p["timestamp"])
+                        for p in t["partitions"]
+                    ],
+                )
+                for t in req["topics"]
+            ]
+        )
+        resp = await self.core.list_offsets(core_req)
+        return {
+            "topics": [
+                {
+                    "name": t.name,
+                    "partitions": [
+                        {
+                            "partition_index": p.partition,
+                            "error_code": kafka_code(p.error_code),
+                            "timestamp": p.timestamp,
+                            "offset": p.offset,
+                            "leader_epoch": p.leader_epoch,
+                        }
+                        for p in t.partitions
+                    ],
+                }
+                for t in resp.topics
+            ]
+        }
+
+    # ---- groups ---------------------------------------------------------------------------
+    async def find_coordinator(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        if req["key_type"] != 0:
+            return {
+                "error_code": InvalidRequestError.code,
+                "error_message": "transaction coordinators: transactions are not supported yet",
+            }
+        found = await self.groups.find_coordinator(m.FindCoordinatorRequest(req["key"]))
+        if found.error_code:
+            return {"error_code": kafka_code(found.error_code)}
+        addr = self._address(found.agent_id)
+        if addr is None:
+            return {
+                "error_code": CoordinatorNotAvailableError.code,
+                "error_message": f"agent {found.agent_id} has no Kafka listener",
+            }
+        return {"error_code": 0, "node_id": found.agent_id, "host": addr[0], "port": addr[1]}
+
+    async def join_group(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        rebalance = req["rebalance_timeout_ms"]
+        resp = await self.groups.join_group(
+            m.JoinGroupRequest(
+                req["group_id"],
+                req["session_timeout_ms"],
+                rebalance if rebalance >= 0 else req["session_timeout_ms"],
+                req["member_id"],
+                req["group_instance_id"],
+                req["protocol_type"],
+                [m.JoinGroupProtocol(p["name"], bytes(p["metadata"])) for p in req["protocols"]],
+            )
+        )
+        return {
+            "error_code": kafka_code(resp.error_code),
+            "generation_id": resp.generation_id,
+            "protocol_name": resp.protocol_name or "",
+            "leader": resp.leader,
+            "member_id": resp.member_id,
+            "members": [
+                {
+                    "member_id": mb.member_id,
+                    "group_instance_id": mb.group_instance_id,
+                    "metadata": mb.metadata,
+                }
+                for mb in resp.members
+            ],
+        }
+
+    async def sync_group(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        resp = await self.groups.sync_group(
+            m.SyncGroupRequest(
+                req["group_id"],
+                req["generation_id"],
+                req["member_id"],
+                req["group_instance_id"],
+                [
+                    m.SyncGroupAssignment(a["member_id"], bytes(a["assignment"]))
+                    for a in req["assignments"]
+                ],
+            )
+        )
+        return {"error_code": kafka_code(resp.error_code), "assignment": resp.assignment or b""}
+
+    async def heartbeat(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        resp = await self.groups.heartbeat(
+            m.HeartbeatRequest(
+                req["group_id"], req["generation_id"], req["member_id"], req["group_instance_id"]
+            )
+        )
+        return {"error_code": kafka_code(resp.error_code)}
+
+    async def leave_group(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        if version < 3:
+            resp = await self.groups.leave_group(
+                m.LeaveGroupRequest(req["group_id"], req["member_id"], None)
+            )
+            return {"error_code": kafka_code(resp.error_code)}
+        members = []
+        for mb in req["members"]:
+            resp = await self.groups.leave_group(
+                m.LeaveGroupRequest(req["group_id"], mb["member_id"], mb["group_instance_id"])
+            )
+            members.append({**mb, "error_code": kafka_code(resp.error_code)})
+        return {"error_code": 0, "members": members}
+
+    async def offset_commit(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        resp = await self.groups.offset_commit(
+            m.OffsetCommitRequest(
+                req["group_id"],
+                req["generation_id"],
+                req["member_id"],
+                req["group_instance_id"],
+                [
+                    m.OffsetCommitTopic(
+                        t["name"],
+                        [
+                            m.OffsetCommitPartition(
+                                p["partition_index"], p["committed_offset"], p["committed_metadata"]
+                            )
+                            for p in t["partitions"]
+                        ],
+                    )
+                    for t in req["topics"]
+                ],
+            )
+        )
+        return {
+            "topics": [
+                {
+                    "name": t.name,
+                    "partitions": [
+                        {"partition_index": p.partition, "error_code": kafka_code(p.error_code)}
+                        for p in t.partitions
+                    ],
+                }
+                for t in resp.topics
+            ]
+        }
+
+    async def offset_fetch(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        topics = req["topics"]
+        resp = await self.groups.offset_fetch(
+            m.OffsetFetchRequest(
+                req["group_id"],
+                None
+                if topics is None
+                else [m.OffsetFetchTopic(t["name"], t["partition_indexes"]) for t in topics],
+            )
+        )
+        code = kafka_code(resp.error_code)
+        if code and version < 2:  # no top-level error field: every partition carries it
+            return {
+                "topics": [
+                    {
+                        "name": t["name"],
+                        "partitions": [
+                            {"partition_index": p, "committed_offset": -1, "error_code": code}
+                            for p in t["partition_indexes"]
+                        ],
+                    }
+                    for t in topics or []
+                ]
+            }
+        return {
+            "error_code": code,
+            "topics": [
+                {
+                    "name": t.name,
+                    "partitions": [
+                        {
+                            "partition_index": p.partition,
+                            "committed_offset": p.offset,
+                            "metadata": p.metadata if p.metadata is not None else "",
+                            "error_code": kafka_code(p.error_code),
+                        }
+                        for p in t.partitions
+                    ],
+                }
+                for t in resp.topics
+            ],
+        }
+
+    async def describe_groups(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        groups = []
+        for group_id in req["groups"]:
+            try:
+                g = await self.groups.describe_group(group_id)
+            except StrataError as exc:
+                groups.append({"error_code": code_of(exc), "group_id": group_id})
+                continue
+            groups.append(
+                {
+                    "error_code": 0,
+                    "group_id": g.group_id,
+                    "group_state": _KAFKA_STATE.get(g.phase.value, "Unknown"),
+                    "protocol_type": g.protocol_type,
+                    "protocol_data": g.protocol,
+                    "members": [
+                        {
+                            "member_id": mb.member_id,
+                            "group_instance_id": mb.group_instance_id,
+                            "client_id": mb.client_id,
+                            "client_host": "",
+                            "member_metadata": mb.metadata,
+                            "member_assignment": mb.assignment,
+                        }
+                        for mb in g.members
+                    ],
+                }
+            )
+        return {"groups": groups}
+
+    async def list_groups(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        try:
+            listed = await self.groups.list_groups()
+        except StrataError as exc:
+            return {"error_code": code_of(exc)}
+        return {
+            "error_code": 0,
+            "groups": [{"group_id": g, "protocol_type": pt} for g, pt in listed],
+        }
+
+    # ---- InitProducerId -------------------------------------------------------------------
+    async def init_producer_id(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        """An idempotent producer's id: random 63 bits with epoch 0, as the SDK draws its
+        own (``sdk/idempotence.py``). Partition leaders keep per-id sequence state, so no
+        agent needs to remember ids it handed out."""
+        if req["transactional_id"] is not None:
+            return {"error_code": InvalidRequestError.code}
+        return {"error_code": 0, "producer_id": secrets.randbits(63), "producer_epoch": 0}

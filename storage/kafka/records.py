@@ -1,0 +1,633 @@
+"""Kafka's record batch (magic v2) to Strata's columnar batch and back, once per batch.
+
+A Kafka batch (big-endian; KIP-98)::
+
+    offset size field
+    0      8    base_offset
+    8      4    batch_length           bytes after this field
+    12     4    partition_leader_epoch
+    16     1    magic                  2
+    17     4    crc                    CRC32C of bytes [21, end)
+    21     2    attributes             bits 0-2 codec (none/gzip/snappy/lz4/zstd), bit 3
+                                       timestamp type (log append time), bit 4 transactional,
+                                       bit 5 control, bit 6 delete horizon
+    23     4    last_offset_delta
+    27     8    base_timestamp
+    35     8    max_timestamp
+    43     8    producer_id
+    51     2    producer_epoch
+    53     4    base_sequence
+    57     4    records_count
+    61     -    records (compressed as one block when the codec says so)
+
+and each record::
+
+    varint length | int8 attributes | varlong timestamp_delta | varint offset_delta
+    | varint key_length (-1 null) | key | varint value_length (-1 null) | value
+    | varint header_count | header_count x (varint key_length | key (UTF-8)
+                                             | varint value_length (-1 null) | value)
+
+(zigzag varints). What survives the conversion, both ways: offsets (a batch's records are
+consecutive; offset deltas must be 0..n-1, as every producer writes them), timestamps, keys
+and values (null or not), headers in order, producer id, epoch and base sequence, the leader
+epoch. Strata's **tags** travel as headers named ``strata.tag`` (one per tag, in order):
+Kafka to Strata, those headers become the record's tags; Strata to Kafka, a record's tags are
+appended to its headers under that name. A header whose value is null is stored with an
+empty value (Strata's header values are never null).
+
+The conversion is columnar: finding where each record starts is the one loop that runs per
+record in Python (a record's length prefix says where the next one is); every field after
+that is read for all records at once with numpy, keys and values are gathered by Arrow
+(``take`` over an array whose offsets alternate between field starts and ends), and encoding
+builds the per-record prefixes with numpy and joins prefixes, keys and values with Arrow's
+``binary_join_element_wise`` — no Python code per record unless records carry headers or
+tags. Both directions check CRCs: the Kafka batch's CRC32C before decoding, the Strata
+batch's (``check_batch``) before encoding.
+
+Strata stores a batch that arrived compressed with lz4 (or gzip or snappy) as lz4, with zstd
+as zstd; fetches answer uncompressed Kafka batches.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from storage.codec import Compression, check_batch, decode_batch, encode_batch
+from storage.crc import crc32c
+from storage.errors import CorruptBatchError, StrataError, UnsupportedVersionError
+from storage.kafka.compression import Codec, compress, decompress
+from storage.kafka.wire import read_varint, write_varint
+
+MAGIC = 2
+HEADER_SIZE = 61
+#: base_offset, batch_length, leader_epoch, magic, crc, attributes, last_offset_delta,
+#: base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records_count
+HEADER = struct.Struct(">qiibIhiqqqhii")
+assert HEADER.size == HEADER_SIZE
+CRC_START = 21
+_CRC_FIELD = struct.Struct(">I")
+_CRC_OFFSET = 17
+
+ATTR_CODEC = 0x07
+ATTR_LOG_APPEND_TIME = 0x08
+ATTR_TRANSACTIONAL = 0x10
+ATTR_CONTROL = 0x20
+ATTR_DELETE_HORIZON = 0x40
+
+#: the header that carries a Strata tag
+TAG_HEADER = "strata.tag"
+#: a compressed Kafka batch may inflate to at most this much (as Strata's own bodies)
+MAX_RAW_RECORDS = 256 << 20
+
+_STORE_AS = {
+    Codec.NONE: Compression.NONE,
+    Codec.GZIP: Compression.LZ4,
+    Codec.SNAPPY: Compression.LZ4,
+    Codec.LZ4: Compression.LZ4,
+    Codec.ZSTD: Compression.ZSTD,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class KafkaBatchHeader:
+    base_offset: int
+    batch_length: int
+    leader_epoch: int
+    magic: int
+    crc: int
+    attributes: int
+    last_offset_delta: int
+    base_timestamp: int
+    max_timestamp: int
+    producer_id: int
+    producer_epoch: int
+    base_sequence: int
+    records_count: int
+
+    @property
+    def size(self) -> int:
+        return self.batch_length + 12
+
+    @property
+    def codec(self) -> int:
+        return self.attributes & ATTR_CODEC
+
+
+def read_header(buf: Any, pos: int = 0) -> KafkaBatchHeader:
+    """The header of the Kafka batch at ``buf[pos:]`` (no CRC check)."""
+    if len(buf) - pos < HEADER_SIZE:
+        if len(buf) - pos >= 17 and buf[pos + 16] != MAGIC:
+            raise UnsupportedVersionError(
+                f"record batch magic {buf[pos + 16]}: only magic 2 (Kafka 0.11+) is accepted"
+            )
+        raise CorruptBatchError(
+            f"truncated Kafka batch header: {len(buf) - pos} of {HEADER_SIZE} bytes",
+            position=pos,
+        )
+    h = KafkaBatchHeader(*HEADER.unpack_from(buf, pos))
+    if h.magic != MAGIC:
+        raise UnsupportedVersionError(
+            f"record batch magic {h.magic}: only magic 2 (Kafka 0.11+) is accepted"
+        )
+    if h.batch_length + 12 < HEADER_SIZE:
+        raise CorruptBatchError(f"Kafka batch length field says {h.size} bytes", position=pos)
+    return h
+
+
+def check_kafka_batch(buf: Any) -> KafkaBatchHeader:
+    """Header, exact length and CRC32C of one whole Kafka batch."""
+    h = read_header(buf)
+    if h.size != len(buf):
+        raise CorruptBatchError(
+            f"a produce request's records must be one batch: its length field says {h.size}"
+            f" bytes, {len(buf)} were sent"
+        )
+    if crc32c(memoryview(buf)[CRC_START:]) != h.crc:
+        raise CorruptBatchError("Kafka record batch CRC32C mismatch")
+    return h
+
+
+# ---- Kafka -> Strata ------------------------------------------------------------------------
+def kafka_to_strata(buf: Any, *, now_ms: int | None = None) -> bytes:
+    """One Kafka batch (a produce request's records) as one Strata batch, ready to append.
+
+    Raises ``CorruptBatchError`` (bad CRC, length, varint, offsets, a compressed body that
+    does not inflate) or ``UnsupportedVersionError`` (magic other than 2), and
+    ``InvalidRequestError`` for control or transactional batches (transactions are not
+    built yet)."""
+    view = memoryview(buf).cast("B")
+    h = check_kafka_batch(view)
+    if h.attributes & (ATTR_CONTROL | ATTR_TRANSACTIONAL):
+        raise UnsupportedVersionError(
+            "transactional and control batches are not accepted: transactions are not built yet"
+        )
+    n = h.records_count
+    if n <= 0 or h.last_offset_delta != n - 1:
+        raise CorruptBatchError(
+            f"a produced batch needs consecutive records: count {n}, last offset delta"
+            f" {h.last_offset_delta}"
+        )
+    codec = h.codec
+    if codec > Codec.ZSTD:
+        raise CorruptBatchError(f"unknown compression codec {codec}")
+    body: Any = view[HEADER_SIZE:]
+    if codec != Codec.NONE:
+        body = decompress(codec, body, MAX_RAW_RECORDS)
+    cols = _parse_records(body, n)
+    if h.attributes & ATTR_LOG_APPEND_TIME:
+        ts = np.full(n, now_ms if now_ms is not None else time.time_ns() // 1_000_000)
+    else:
+        ts = cols.timestamp_delta + np.int64(h.base_timestamp)
+    try:
+        return encode_batch(
+            cols.values,
+            keys=cols.keys,
+            timestamps=ts,
+            headers=cols.headers,
+            tags=cols.tags,
+            compression=_STORE_AS[Codec(codec)],
+            producer_id=h.producer_id,
+            producer_epoch=h.producer_epoch,
+            base_sequence=h.base_sequence,
+        )
+    except StrataError:
+        raise
+    except (ValueError, pa.ArrowException) as exc:
+        raise CorruptBatchError(f"Kafka batch does not convert: {exc}") from None
+
+
+@dataclass(slots=True)
+class _Columns:
+    timestamp_delta: np.ndarray
+    keys: pa.Array | None
+    values: pa.Array
+    headers: list[list[tuple[str, bytes]]] | None
+    tags: list[list[str]] | None
+
+
+_U8 = np.uint8
+
+
+def _record_bounds(data: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(start of each record's body, end of it); the records must fill ``data`` exactly.
+
+    The one loop per record: each record's length prefix says where the next one starts.
+    Kept to plain ints and lists (a numpy item assignment costs more than the rest)."""
+    buf = data if isinstance(data, bytes) else bytes(data)
+    starts = []
+    ends = []
+    pos = 0
+    end = len(buf)
+    for i in range(n):
+        if pos >= end:
+            raise CorruptBatchError(f"Kafka batch holds {i} records, its header says {n}")
+        b = buf[pos]
+        if b < 0x80:
+            raw = b
+            pos += 1
+        elif pos + 1 < end and buf[pos + 1] < 0x80:
+            raw = (b & 0x7F) | (buf[pos + 1] << 7)
+            pos += 2
+        else:
+            raw, pos = _read_raw_varint(buf, pos)
+        length = (raw >> 1) ^ -(raw & 1)
+        if length <= 0 or pos + length > end:
+            raise CorruptBatchError(f"Kafka record {i} of {length} bytes does not fit its batch")
+        starts.append(pos)
+        pos += length
+        ends.append(pos)
+    if pos != end:
+        raise CorruptBatchError(f"{end - pos} bytes after the last record of a Kafka batch")
+    return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+
+
+def _read_raw_varint(data: Any, pos: int) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    while True:
+        if pos >= len(data):
+            raise CorruptBatchError("a Kafka record ends inside a varint")
+        b = data[pos]
+        pos += 1
+        result |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return result, pos
+        shift += 7
+        if shift > 28:
+            raise CorruptBatchError("a Kafka record length varint is too long")
+
+
+def _vread(arr: np.ndarray, pos: np.ndarray, ends: np.ndarray, *, long: bool = False) -> Any:
+    """Zigzag varints at ``pos`` (one per record), each before its record's end: (values,
+    positions after them)."""
+    if (pos >= ends).any():
+        raise CorruptBatchError("a Kafka record ends before its fields do")
+    b = arr[pos].astype(np.uint64)
+    value = b & np.uint64(0x7F)
+    nxt = pos + 1
+    more = b >= 0x80
+    shift = 7
+    limit = 63 if long else 28
+    while more.any():
+        if shift > limit:
+            raise CorruptBatchError("a Kafka record varint is too long")
+        idx = np.flatnonzero(more)
+        p = nxt[idx]
+        if (p >= ends[idx]).any():
+            raise CorruptBatchError("a Kafka record ends inside a varint")
+        b = arr[p].astype(np.uint64)
+        value[idx] |= (b & np.uint64(0x7F)) << np.uint64(shift)
+        nxt[idx] = p + 1
+        more[idx] = b >= 0x80
+        shift += 7
+    signed = (value >> np.uint64(1)).astype(np.int64) ^ -(value & np.uint64(1)).astype(np.int64)
+    return signed, nxt
+
+
+def _gather(buf: pa.Buffer, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
+    """A binary array of ``buf[starts[i] : starts[i] + lengths[i]]`` (length -1: null); the
+    slices must be in order and disjoint (fields of consecutive records)."""
+    n = len(starts)
+    sizes = np.maximum(lengths, 0)
+    bounds = np.empty(2 * n, dtype=np.int64)
+    bounds[0::2] = starts
+    bounds[1::2] = starts + sizes
+    if n and bounds[-1] > (1 << 31) - 1:
+        raise CorruptBatchError("a Kafka batch too large to convert")
+    spans = pa.Array.from_buffers(
+        pa.binary(), 2 * n - 1, [None, pa.py_buffer(bounds.astype(np.int32)), buf]
+    )
+    picked = spans.take(pa.array(np.arange(0, 2 * n, 2, dtype=np.int64)))
+    if (lengths >= 0).all():
+        return picked
+    valid = np.packbits(lengths >= 0, bitorder="little")
+    return pa.Array.from_buffers(
+        pa.binary(), n, [pa.py_buffer(valid), *picked.buffers()[1:]], null_count=-1
+    )
+
+
+def _parse_records(data: Any, n: int) -> _Columns:
+    starts, ends = _record_bounds(data, n)
+    arr = np.frombuffer(data, dtype=_U8)
+    pos = starts
+    if (arr[pos] != 0).any():  # record attributes: unused, zero
+        raise CorruptBatchError("a Kafka record has non-zero attributes")
+    pos = pos + 1
+    ts_delta, pos = _vread(arr, pos, ends, long=True)
+    offset_delta, pos = _vread(arr, pos, ends)
+    if (offset_delta != np.arange(n)).any():
+        raise CorruptBatchError("a produced batch's offset deltas must be 0, 1, 2, ...")
+    key_len, pos = _vread(arr, pos, ends)
+    key_start = pos
+    pos = pos + np.maximum(key_len, 0)
+    value_len, pos = _vread(arr, pos, ends)
+    value_start = pos
+    pos = pos + np.maximum(value_len, 0)
+    if (key_len < -1).any() or (value_len < -1).any():
+        raise CorruptBatchError("a Kafka record has a negative key or value length")
+    header_count, pos = _vread(arr, pos, ends)
+    if (header_count < 0).any():
+        raise CorruptBatchError("a Kafka record has a negative header count")
+    headers: list[list[tuple[str, bytes]]] | None = None
+    tags: list[list[str]] | None = None
+    if header_count.any():
+        headers, tags, pos = _parse_headers(data, header_count, pos, ends)
+    if (pos != ends).any():
+        raise CorruptBatchError("a Kafka record's fields do not fill its length")
+    buf = pa.py_buffer(data)
+    keys = None if (key_len == -1).all() else _gather(buf, key_start, key_len)
+    values = _gather(buf, value_start, value_len)
+    return _Columns(ts_delta, keys, values, headers, tags)
+
+
+def _parse_headers(
+    data: Any, counts: np.ndarray, pos: np.ndarray, ends: np.ndarray
+) -> tuple[list[list[tuple[str, bytes]]], list[list[str]] | None, np.ndarray]:
+    """Headers, per record, in Python (records with headers are the slow path)."""
+    out_headers: list[list[tuple[str, bytes]]] = []
+    out_tags: list[list[str]] = []
+    any_tag = False
+    new_pos = pos.copy()
+    view = memoryview(data)
+    for i in range(len(counts)):
+        p = int(pos[i])
+        end = int(ends[i])
+        hs: list[tuple[str, bytes]] = []
+        ts: list[str] = []
+        for _ in range(int(counts[i])):
+            klen, p = _varint(view, p, end)
+            if klen < 0 or p + klen > end:
+                raise CorruptBatchError("a Kafka header key does not fit its record")
+            try:
+                key = str(view[p : p + klen], "utf-8")
+            except UnicodeDecodeError:
+                raise CorruptBatchError("a Kafka header key is not UTF-8") from None
+            p += klen
+            vlen, p = _varint(view, p, end)
+            if vlen < -1 or p + max(vlen, 0) > end:
+                raise CorruptBatchError("a Kafka header value does not fit its record")
+            value = bytes(view[p : p + max(vlen, 0)])
+            p += max(vlen, 0)
+            if key == TAG_HEADER:
+                try:
+                    ts.append(value.decode())
+                except UnicodeDecodeError:
+                    raise CorruptBatchError(f"a {TAG_HEADER} header is not UTF-8") from None
+                any_tag = True
+            else:
+                hs.append((key, value))
+        out_headers.append(hs)
+        out_tags.append(ts)
+        new_pos[i] = p
+    return out_headers, out_tags if any_tag else None, new_pos
+
+
+def _varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
+    try:
+        value, p = read_varint(view[:end], pos)
+    except StrataError as exc:
+        raise CorruptBatchError(f"a Kafka header field: {exc}") from None
+    return value, p
+
+
+# ---- Strata -> Kafka ------------------------------------------------------------------------
+def _sizes(z: np.ndarray) -> np.ndarray:
+    """Bytes of each unsigned varint in ``z`` (uint64)."""
+    s = np.ones(len(z), dtype=np.int64)
+    if len(z) == 0:
+        return s
+    top = int(z.max())
+    k = 1
+    while k < 10 and top >= 1 << (7 * k):
+        s += z >= np.uint64(1 << (7 * k))
+        k += 1
+    return s
+
+
+def _zigzag(v: np.ndarray) -> np.ndarray:
+    v = v.astype(np.int64)
+    return ((v << 1) ^ (v >> 63)).astype(np.uint64)
+
+
+def _put(out: np.ndarray, at: np.ndarray, z: np.ndarray, sizes: np.ndarray) -> None:
+    """Write the unsigned varints ``z`` at positions ``at`` of ``out``."""
+    k = 0
+    top = int(sizes.max()) if len(sizes) else 0
+    while k < top:
+        idx = np.flatnonzero(sizes > k) if k else slice(None)
+        zz = z[idx] >> np.uint64(7 * k)
+        byte = (zz & np.uint64(0x7F)).astype(_U8)
+        byte |= np.where(sizes[idx] > k + 1, _U8(0x80), _U8(0)).astype(_U8)
+        out[at[idx] + k] = byte
+        k += 1
+
+
+def _prefixes(fields: Sequence[np.ndarray], n: int) -> pa.Array:
+    """A binary array whose i-th value is the varints ``fields[j][i]`` back to back (each
+    ``fields[j]`` already zigzag-encoded where the format says so)."""
+    sizes = [_sizes(f) for f in fields]
+    lengths = np.zeros(n, dtype=np.int64)
+    for s in sizes:
+        lengths += s
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    out = np.zeros(int(offsets[-1]), dtype=_U8)
+    at = offsets[:-1].copy()
+    for f, s in zip(fields, sizes, strict=True):
+        _put(out, at, f, s)
+        at += s
+    return pa.Array.from_buffers(
+        pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(out)]
+    )
+
+
+_EMPTY_SEP = pa.scalar(b"", pa.binary())
+
+
+def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
+    """The Strata batch at ``buf[pos:]`` as one uncompressed Kafka batch: (its parts, to be
+    sent back to back; the Strata batch's size). The Strata CRC is checked first."""
+    h = check_batch(buf, pos, exact=False)
+    rb = decode_batch(buf, pos, verify=False)
+    n = h.record_count
+    ts = rb.column(1).cast(pa.int64()).to_numpy(zero_copy_only=False)
+    keys = rb.column(2)
+    values = rb.column(3)
+    key_len = _lengths(keys)
+    value_len = _lengths(values)
+    suffix = _header_suffixes(rb, n)
+    ts_delta = ts - np.int64(h.first_timestamp)
+    first = _prefixes(
+        [
+            np.zeros(n, dtype=np.uint64),  # attributes (int8 0 = one zero byte)
+            _zigzag(ts_delta),
+            _zigzag(np.arange(n, dtype=np.int64)),
+            _zigzag(key_len),
+        ],
+        n,
+    )
+    second = _prefixes([_zigzag(value_len)], n)
+    if suffix is None:
+        tail_len = np.ones(n, dtype=np.int64)  # header count 0
+        tail = pa.Array.from_buffers(
+            pa.binary(),
+            n,
+            [None, pa.py_buffer(np.arange(n + 1, dtype=np.int32)), pa.py_buffer(bytes(n))],
+        )
+    else:
+        tail = suffix
+        tail_len = _lengths(suffix)
+    body_len = (
+        _lengths(first)
+        + np.maximum(key_len, 0)
+        + _lengths(second)
+        + np.maximum(value_len, 0)
+        + tail_len
+    )
+    lead = _prefixes([_zigzag(body_len)], n)
+    joined = pc.binary_join_element_wise(
+        lead, first, keys, second, values, tail, _EMPTY_SEP,
+        null_handling="replace", null_replacement="",
+    )  # fmt: skip
+    offsets = np.frombuffer(
+        joined.buffers()[1], dtype=np.int32, count=n + 1, offset=joined.offset * 4
+    )
+    start, end = int(offsets[0]), int(offsets[n])
+    records = joined.buffers()[2].slice(start, end - start)
+    attributes = 0
+    header = bytearray(
+        HEADER.pack(
+            h.base_offset,
+            HEADER_SIZE - 12 + (end - start),
+            h.leader_epoch,
+            MAGIC,
+            0,
+            attributes,
+            n - 1,
+            h.first_timestamp,
+            h.max_timestamp,
+            h.producer_id,
+            h.producer_epoch,
+            h.base_sequence,
+            n,
+        )
+    )
+    crc = crc32c(bytes(header[CRC_START:]))
+    crc = crc32c(memoryview(records), crc)
+    _CRC_FIELD.pack_into(header, _CRC_OFFSET, crc)
+    return [bytes(header), records], h.size
+
+
+def _lengths(arr: pa.Array) -> np.ndarray:
+    """Byte length of each value (-1 for null) of a binary array."""
+    offsets = np.frombuffer(
+        arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4
+    )
+    out = np.diff(offsets).astype(np.int64)
+    if arr.null_count:
+        out[~arr.is_valid().to_numpy(zero_copy_only=False)] = -1
+    return out
+
+
+def _header_suffixes(rb: pa.RecordBatch, n: int) -> pa.Array | None:
+    """Per record: header count and headers (Strata's headers, then its tags as
+    ``strata.tag`` headers), or None when no record has either."""
+    headers = rb.column(4)
+    tags = rb.column(5)
+    if not pc.sum(pc.list_value_length(headers)).as_py() and not (
+        pc.sum(pc.list_value_length(tags)).as_py()
+    ):
+        return None
+    out = []
+    tag_key = TAG_HEADER.encode()
+    for hs, tg in zip(headers.to_pylist(), tags.to_pylist(), strict=True):
+        parts = [write_varint(len(hs) + len(tg))]
+        for pair in hs:
+            k = pair["key"].encode()
+            v = pair["value"]
+            parts += [write_varint(len(k)), k, write_varint(len(v)), v]
+        for t in tg:
+            tb = t.encode()
+            parts += [write_varint(len(tag_key)), tag_key, write_varint(len(tb)), tb]
+        out.append(b"".join(parts))
+    return pa.array(out, pa.binary())
+
+
+def strata_batches_to_kafka(buf: Any) -> list[Any]:
+    """Every whole Strata batch in ``buf`` (a fetch's records), as Kafka batches' parts."""
+    view = memoryview(buf).cast("B") if not isinstance(buf, pa.Buffer) else buf
+    parts: list[Any] = []
+    pos = 0
+    end = len(view)
+    while pos < end:
+        got, size = strata_to_kafka(view, pos)
+        parts.extend(got)
+        pos += size
+    return parts
+
+
+# ---- building Kafka batches (tests, tools) ---------------------------------------------------
+def build_kafka_batch(
+    records: Sequence[tuple[bytes | None, bytes | None, Sequence[tuple[str, bytes | None]]]],
+    *,
+    base_timestamp: int,
+    timestamps: Sequence[int] | None = None,
+    codec: int = Codec.NONE,
+    producer_id: int = -1,
+    producer_epoch: int = -1,
+    base_sequence: int = -1,
+    base_offset: int = 0,
+    leader_epoch: int = -1,
+) -> bytes:
+    """A Kafka batch of ``(key, value, headers)`` records, record by record (the format's
+    reference encoder here; the agents convert with :func:`strata_to_kafka`)."""
+    n = len(records)
+    stamps = list(timestamps) if timestamps is not None else [base_timestamp] * n
+    body = []
+    for i, (key, value, headers) in enumerate(records):
+        parts = [
+            b"\x00",
+            write_varint(stamps[i] - base_timestamp),
+            write_varint(i),
+            write_varint(-1 if key is None else len(key)),
+            key or b"",
+            write_varint(-1 if value is None else len(value)),
+            value or b"",
+            write_varint(len(headers)),
+        ]
+        for hk, hv in headers:
+            kb = hk.encode()
+            parts += [write_varint(len(kb)), kb, write_varint(-1 if hv is None else len(hv))]
+            parts.append(hv or b"")
+        rec = b"".join(parts)
+        body.append(write_varint(len(rec)) + rec)
+    raw = b"".join(body)
+    data = raw if codec == Codec.NONE else compress(codec, raw)
+    header = bytearray(
+        HEADER.pack(
+            base_offset,
+            HEADER_SIZE - 12 + len(data),
+            leader_epoch,
+            MAGIC,
+            0,
+            codec,
+            n - 1,
+            base_timestamp,
+            max(stamps) if stamps else base_timestamp,
+            producer_id,
+            producer_epoch,
+            base_sequence,
+            n,
+        )
+    )
+    crc = crc32c(bytes(header[CRC_START:]) + data)
+    _CRC_FIELD.pack_into(header, _CRC_OFFSET, crc)
+    return bytes(header) + data
