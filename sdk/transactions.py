@@ -340,13 +340,17 @@ class TransactionManager:
             raise
 
     async def commit(self) -> None:
+        if self.state == TxnState.ABORTABLE_ERROR and self.error is not None:
+            raise self.error  # what made the transaction fail; abort_transaction() next
         self._check_usable()
         self._to(TxnEvent.COMMIT)
         assert self.accumulator is not None
         self._wake.set()
         await self.accumulator.flush()
-        if self.error is not None:
-            self._check_usable()  # raises: the transaction must be aborted
+        if self.error is not None:  # the transaction must be aborted (or the producer is fenced)
+            if self.state == TxnState.COMMITTING:
+                self._to(TxnEvent.ERROR)
+            raise self.error
         try:
             if self.added or self._groups or self._attempted:
                 await self._coordinator_call(

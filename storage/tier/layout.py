@@ -195,7 +195,7 @@ def build_footer(
         size,
         first_ts,
         max_ts,
-        len(index) // ENTRY.size,
+        len(entries) // ENTRY.size,
         interval,
         crc32c(data) if data_crc is None else data_crc,
         crc32c(index),

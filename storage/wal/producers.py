@@ -73,9 +73,9 @@ class _Producer:
         default_factory=lambda: deque(maxlen=DEDUP_WINDOW)
     )
     last_seen: float = 0.0
-    #: offset of the producer's last transaction marker here (-1: none); keeps an entry that
-    #: has no batches (it fences older epochs) through truncations below the marker
-    marker_offset: int = -1
+    #: offset of the first batch or marker of this epoch here: the entry (which fences older
+    #: epochs even without batches) stays through truncations that keep it
+    epoch_start: int = -1
 
     @property
     def last_seq(self) -> int:
@@ -144,6 +144,12 @@ class ProducerStateTable:
             raise InvalidProducerEpochError(
                 f"producer {h.producer_id} sent epoch {h.producer_epoch}; this partition has "
                 f"seen epoch {entry.epoch}"
+                + (
+                    ": a newer producer with its transactional.id fenced it, or the coordinator"
+                    " aborted its transaction after transaction.timeout.ms"
+                    if h.is_transactional
+                    else ""
+                )
             )
         if h.producer_epoch > entry.epoch:
             if h.base_sequence != 0:
@@ -176,11 +182,10 @@ class ProducerStateTable:
         entry = self._producers.pop(pid, None)
         if h.is_control:  # a transaction marker: the epoch, no sequences
             if entry is None or h.producer_epoch > entry.epoch:
-                entry = _Producer(h.producer_epoch)
-            entry.marker_offset = h.base_offset
+                entry = _Producer(h.producer_epoch, epoch_start=h.base_offset)
         else:
             if entry is None or h.producer_epoch != entry.epoch:
-                entry = _Producer(h.producer_epoch)
+                entry = _Producer(h.producer_epoch, epoch_start=h.base_offset)
             entry.batches.append((h.base_sequence, last_sequence(h), h.base_offset, h.last_offset))
         self._producers[pid] = entry  # now the most recently used
         entry.last_seen = now
@@ -203,7 +208,5 @@ class ProducerStateTable:
             batches = entry.batches
             while batches and batches[-1][2] >= end_offset:
                 batches.pop()
-            if entry.marker_offset >= end_offset:
-                entry.marker_offset = -1
-            if not batches and entry.marker_offset < 0:
+            if entry.epoch_start >= end_offset or (not batches and entry.epoch_start < 0):
                 del self._producers[pid]
