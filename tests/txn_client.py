@@ -76,7 +76,9 @@ async def main(args: argparse.Namespace) -> None:
     await resume.wait()
     error: BaseException | None = None
     try:
-        fut = await producer.send(args.topic, f"{args.txn_id}-late".encode(), partition=args.partition)
+        fut = await producer.send(
+            args.topic, f"{args.txn_id}-late".encode(), partition=args.partition
+        )
         await fut
     except StrataError as exc:
         error = exc
