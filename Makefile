@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-txn bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,9 @@ bench-filters: venv
 bench-delays: venv
 	$(PY) -m bench.delay_bench --write-docs
 
+bench-txn: venv
+	$(PY) -m bench.txn_bench --write-docs
+
 # `make bench` also installs the `bench` extra (peers' Python clients, matplotlib, py-spy);
 # bench-compare apt-installs nats-server, redis-server and rabbitmq-server if they are missing.
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -71,7 +74,7 @@ bench-compare: bench-venv
 bench-latency: bench-venv
 	$(PY) -m bench.latency_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-spark bench-latency bench-compare
+bench: bench-venv bench-storage bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-txn bench-spark bench-latency bench-compare
 
 # `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
 build-AdminFunction:
