@@ -191,6 +191,23 @@ def test_aborted_index_goes_with_deleted_segments(tmp_path: Path) -> None:
     log.close()
 
 
+def test_a_restarted_log_forgets_the_transactions_it_dropped(tmp_path: Path) -> None:
+    """A follower that restarts its log past its end (its leader's log start moved on) keeps
+    no aborted entries or open transactions of the segments it dropped."""
+    log = PartitionLog.open(tmp_path / "p")
+    log.append(txn_batch(1, 0), leader_epoch=0)  # 0-1
+    log.append(marker(1, commit=False, token=1), leader_epoch=0)  # 2
+    log.append(txn_batch(2, 0), leader_epoch=0)  # 3-4, still open
+    assert log.last_stable_offset(5) == 3 and log.aborted(0, 5)
+    log.restart_at(100)
+    assert log.aborted(0, 200) == []
+    assert log.last_stable_offset(100) == 100
+    log.append(txn_batch(3, 0, base=100), leader_epoch=0)  # 100-101
+    log.append(marker(3, commit=False, token=1, base=102), leader_epoch=0)  # 102
+    assert [(a.producer_id, a.first_offset) for a in log.aborted(100, 103)] == [(3, 100)]
+    log.close()
+
+
 ops = st.lists(
     st.one_of(
         st.tuples(st.just("txn"), st.integers(1, 4), st.integers(1, 3)),

@@ -543,6 +543,8 @@ class PartitionLog:
         self._bases.append(offset)
         self.epochs.clear()
         self.producers = ProducerStateTable()
+        self.transactions = TransactionIndex()  # nothing of the old segments is left
+        self.transactions.segment_started(offset)
         self.flushed_offset = offset
 
     # ---- closing -----------------------------------------------------------------------
