@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -60,6 +60,9 @@ bench-delays: venv
 bench-retries: venv
 	$(PY) -m bench.retry_bench --write-docs
 
+bench-txn: venv
+	$(PY) -m bench.txn_bench --write-docs
+
 # `make bench` also installs the `bench` extra (peers' Python clients, matplotlib, py-spy);
 # bench-compare apt-installs nats-server, redis-server and rabbitmq-server if they are missing.
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -77,7 +80,7 @@ bench-compare: bench-venv
 bench-latency: bench-venv
 	$(PY) -m bench.latency_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-spark bench-latency bench-compare
+bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-compare
 
 # `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
 build-AdminFunction:

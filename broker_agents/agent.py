@@ -33,6 +33,14 @@ from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
 from broker_agents.server import AgentServer
 from broker_agents.tiering import Tiering
+from broker_agents.transactions import (
+    ClusterRoutes,
+    MarkerChannel,
+    MarkerWriter,
+    TransactionCoordinator,
+    TxnSettings,
+    find_coordinator_router,
+)
 from broker_agents.view import ClusterView
 from storage.errors import MetadataError, NodeExistsError, StorageError
 from storage.metadata import (
@@ -53,6 +61,7 @@ from storage.metadata.store import (
     state_path,
     topic_path,
 )
+from storage.protocol import messages as m
 from storage.wal import fileio
 
 log = logging.getLogger(__name__)
@@ -105,6 +114,31 @@ class Agent:
             self.disk.check,
         )
         self.apis.handlers.update(self.groups.handlers())
+        # transactions (docs/transactions.md): markers in and out, the coordinator
+        self.markers = MarkerWriter(self.partitions, self.groups.txn_marker)
+        self.txn_channel = MarkerChannel(
+            self.agent_id,
+            ClusterRoutes(self.partitions.latest, self.view, self.groups.coordinator_id),
+            self.markers.write_txn_markers,
+        )
+        self.transactions = TransactionCoordinator(
+            self.agent_id,
+            self.zk,
+            self.view,
+            lambda: self.partitions.session_ok,
+            self.txn_channel,
+            TxnSettings(
+                max_timeout_ms=config.transaction_max_timeout_ms,
+                abort_check_interval_ms=config.transaction_abort_check_interval_ms,
+                complete_write_delay_ms=config.transaction_complete_write_delay_ms,
+                id_expiration_ms=config.transactional_id_expiration_ms,
+            ),
+        )
+        self.apis.handlers.update(self.transactions.handlers())
+        self.apis.handlers[m.ApiKey.WRITE_TXN_MARKERS] = self.markers.write_txn_markers
+        self.apis.handlers[m.ApiKey.FIND_COORDINATOR] = find_coordinator_router(
+            self.groups.find_coordinator, self.transactions.find_coordinator
+        )
         self.server = AgentServer(
             self.apis,
             max_frame_bytes=config.max_frame_bytes,
@@ -234,11 +268,14 @@ class Agent:
                 tg.create_task(self.retention.run(), name="local-retention")
                 tg.create_task(self.isr.run(), name="isr-maintenance")
                 tg.create_task(self.groups.run(), name="group-coordinator")
+                tg.create_task(self.txn_channel.run(), name="txn-marker-channel")
+                tg.create_task(self.transactions.run(), name="txn-coordinator")
                 await self._stop.wait()
                 raise _Stop
         except* _Stop:
             pass
         finally:
+            await self.transactions.close()
             await self.groups.close()
             await self.fetchers.stop()
             await self.server.stop()

@@ -5,6 +5,11 @@ error code, so one bad partition cannot fail the others. Anything a client sent 
 wrong (a corrupt batch, an oversized batch, an unknown topic) is answered with the typed
 error's code and leaves every log unchanged.
 
+Transactions: a producer's control batch is refused (markers come from the transaction
+coordinator only, ``broker_agents.transactions``); a ``read_committed`` fetch reads below
+the partition's last stable offset and gets the aborted transactions of what it returns
+(from the local log's per-segment index, or from the footers of tiered segments).
+
 Ordering: a produce handler appends to the log *before* its first ``await``. The server starts
 handlers in request order, so pipelined produce requests on one connection append in order,
 while their fsync waits overlap (group commit).
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -24,6 +30,7 @@ from storage.errors import (
     CorruptBatchError,
     FencedLeaderEpochError,
     InvalidFilterError,
+    InvalidRecordError,
     InvalidRequestError,
     InvalidTopicError,
     NotEnoughReplicasAfterAppendError,
@@ -46,6 +53,7 @@ if TYPE_CHECKING:
     from broker_agents.view import ClusterView
 
 Handler = Callable[[Any], Awaitable[Message]]
+log = logging.getLogger(__name__)
 
 
 Tiered = memoryview | FilterScan | StrataError
@@ -61,10 +69,29 @@ class TierAccess(Protocol):
     ) -> dict[tuple[str, int], Tiered] | None: ...
     def log_start(self, p: Partition) -> int: ...
     async def offset_for_timestamp(self, p: Partition, ts: int) -> int | None: ...
+    async def aborted(self, p: Partition, start: int, end: int) -> list[m.AbortedTransaction]: ...
 
 
 def _code(exc: BaseException) -> int:
     return exc.code if isinstance(exc, StrataError) else StrataError.code
+
+
+def _aborted(p: Partition, start: int, end: int) -> list[m.AbortedTransaction] | None:
+    """The aborted transactions with batches in ``[start, end)`` of the local log."""
+    found = p.log.aborted(start, end)
+    return [
+        m.AbortedTransaction(a.producer_id, a.first_offset, a.last_offset) for a in found
+    ] or None
+
+
+def _offset_range(chunk: memoryview) -> tuple[int, int] | None:
+    """(first base offset, next offset) of the whole batches in ``chunk`` (headers only)."""
+    first = end = -1
+    for h, _ in iter_batches(chunk):
+        if first < 0:
+            first = h.base_offset
+        end = h.next_offset
+    return None if first < 0 else (first, end)
 
 
 @functools.lru_cache(maxsize=256)
@@ -195,6 +222,13 @@ class Apis:
         limit = p.config.max_message_bytes
         batches = []
         for h, pos in iter_batches(records):
+            if h.is_control:
+                raise InvalidRecordError(
+                    "control batches (transaction markers) are written by the transaction"
+                    " coordinator only"
+                )
+            if h.is_transactional and h.producer_id < 0:
+                raise InvalidRecordError("a transactional batch needs a producer id")
             view = records[pos : pos + h.size]
             batches.append((view, check_batch(view, max_size=limit, deep=True)))
         # idempotent producers: a retry of a stored batch gets its first offsets back
@@ -272,11 +306,12 @@ class Apis:
         filters = self._filters(req)
         usable = {k: f for k, f in filters.items() if isinstance(f, Filter)}
         tiered = await self.tier.prefetch(req, usable)  # offsets below the local log, from S3
+        tier_aborted = await self._tier_aborted(req, tiered) if tiered else {}
         progress: dict[tuple[str, int], _Progress] = {}
         while True:
             waits: list[asyncio.Future[None]] = []
             response, total, answer_now, scans = self._collect(
-                req, waits, tiered, filters, progress
+                req, waits, tiered, filters, progress, tier_aborted
             )
             remaining = deadline - time.monotonic()
             if total >= req.min_bytes or answer_now or remaining <= 0 or not waits:
@@ -285,6 +320,37 @@ class Apis:
                         self.on_filter_scan(scan)
                 return response
             await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
+
+    async def _tier_aborted(
+        self, req: m.FetchRequest, tiered: dict[tuple[str, int], Tiered]
+    ) -> dict[tuple[str, int], list[m.AbortedTransaction]]:
+        """read_committed: the aborted transactions of what the tier read returned (tiered
+        segments hold ended transactions only, so the tier's part is all stable). A partition
+        whose list cannot be read gets the error instead of its records."""
+        if req.isolation_level != m.READ_COMMITTED or req.replica_id >= 0:
+            return {}
+        out = {}
+        starts = {
+            (t.name, fp.partition): fp.fetch_offset for t in req.topics for fp in t.partitions
+        }
+        for key, pre in list(tiered.items()):
+            p = self.pm.hosted(*key)
+            if p is None or isinstance(pre, StrataError):
+                continue
+            if isinstance(pre, FilterScan):
+                start, end = starts[key], pre.next_offset
+            else:
+                bounds = _offset_range(pre)
+                if bounds is None:
+                    continue
+                start, end = bounds
+            if end > start:
+                try:
+                    out[key] = await self.tier.aborted(p, start, end)
+                except StrataError as exc:
+                    log.warning("aborted transactions of %s-%d from the tier: %s", *key, exc)
+                    tiered[key] = exc
+        return out
 
     def _filters(self, req: m.FetchRequest) -> dict[tuple[str, int], Filter | StrataError]:
         """The parsed filter of every partition that has one (or why it is refused)."""
@@ -310,10 +376,12 @@ class Apis:
         tiered: Mapping[tuple[str, int], Tiered] | None,
         filters: Mapping[tuple[str, int], Filter | StrataError],
         progress: dict[tuple[str, int], _Progress],
+        tier_aborted: Mapping[tuple[str, int], list[m.AbortedTransaction]],
     ) -> tuple[m.FetchResponse, int, bool, list[FilterScan]]:
         """One round: (response, bytes of records in it, whether to answer at once, the
         filtered partitions' scans)."""
         budget = max(req.max_bytes, 0)
+        committed = req.isolation_level == m.READ_COMMITTED and req.replica_id < 0
         total = 0
         answer_now = False
         scans: list[FilterScan] = []
@@ -339,6 +407,9 @@ class Apis:
                             self.wake_isr()
                     r.high_watermark = p.high_watermark
                     r.log_start_offset = self.tier.log_start(p)
+                    bound = p.high_watermark
+                    if committed:
+                        bound = r.last_stable_offset = p.last_stable_offset
                     r.leader_id, r.leader_epoch = p.state.leader, p.state.leader_epoch
                     filt = filters.get(key)
                     if isinstance(filt, StrataError):
@@ -349,7 +420,9 @@ class Apis:
                         if isinstance(pre, StrataError):
                             raise pre
                         if filt is not None:
-                            scan, now_ = self._filtered(p, fp, filt, pre, max(limit, 1), progress)
+                            scan, now_ = self._filtered(
+                                p, fp, filt, pre, max(limit, 1), progress, bound
+                            )
                             scans.append(scan)
                             answer_now = answer_now or now_
                             r.next_offset = scan.next_offset
@@ -361,17 +434,29 @@ class Apis:
                                 ] or None
                                 total += scan.bytes
                                 budget -= scan.bytes
+                                if committed:
+                                    r.aborted_transactions = tier_aborted.get(key) or (
+                                        None
+                                        if pre is not None
+                                        else _aborted(p, fp.fetch_offset, scan.next_offset)
+                                    )
                         else:
                             assert not isinstance(pre, FilterScan)
-                            chunk = (
-                                pre
-                                if pre is not None
-                                else p.log.read(
+                            if pre is not None:
+                                chunk = pre
+                                if committed:
+                                    r.aborted_transactions = tier_aborted.get(key) or None
+                            else:
+                                sliced = p.log.read(
                                     fp.fetch_offset,
                                     max(limit, 1),
-                                    max_offset=None if replica else p.high_watermark,
-                                ).data
-                            )
+                                    max_offset=None if replica else bound,
+                                )
+                                chunk = sliced.data
+                                if committed and len(chunk):
+                                    r.aborted_transactions = _aborted(
+                                        p, sliced.first_offset, sliced.next_offset
+                                    )
                             if len(chunk):
                                 r.records = chunk
                                 total += len(chunk)
@@ -401,6 +486,7 @@ class Apis:
         pre: memoryview | FilterScan | None,
         limit: int,
         progress: dict[tuple[str, int], _Progress],
+        bound: int,
     ) -> tuple[FilterScan, bool]:
         """A filtered partition of one round: its scan, and whether to answer at once with it.
 
@@ -409,8 +495,9 @@ class Apis:
         request's first round caught up with the high watermark without a match: the
         consumer was behind, and its position (and lag) should move now rather than after
         ``max_wait_ms``; its next fetch starts at the high watermark and waits there. Later
-        rounds (new data arrived during the wait) keep waiting as long as nothing matches."""
-        hw = p.high_watermark
+        rounds (new data arrived during the wait) keep waiting as long as nothing matches.
+        ``bound`` is the high watermark, or the last stable offset for read_committed."""
+        hw = bound
         if isinstance(pre, FilterScan):  # below the local log: the tier scanned it already
             return pre, pre.done or pre.next_offset < hw or not pre.parts
         key = (p.topic, p.index)
@@ -477,7 +564,11 @@ class Apis:
                     if lp.timestamp == m.EARLIEST_TIMESTAMP:
                         r.offset = self.tier.log_start(p)
                     elif lp.timestamp == m.LATEST_TIMESTAMP:
-                        r.offset = p.high_watermark
+                        r.offset = (
+                            p.last_stable_offset
+                            if req.isolation_level == m.READ_COMMITTED
+                            else p.high_watermark
+                        )
                     else:
                         found = await self.tier.offset_for_timestamp(p, lp.timestamp)
                         if found is None:

@@ -83,6 +83,21 @@ class AgentConfig(_Config):
         3000, alias="group.initial.rebalance.delay.ms", ge=0
     )
     offsets_commit_linger_ms: int = Field(5, alias="offsets.commit.linger.ms", ge=0)
+    # transactions (docs/transactions.md)
+    transaction_max_timeout_ms: int = Field(900_000, alias="transaction.max.timeout.ms", ge=1)
+    # how often the coordinator looks for transactions past their transaction.timeout.ms
+    transaction_abort_check_interval_ms: int = Field(
+        1000, alias="transaction.abort.timed.out.transaction.cleanup.interval.ms", ge=10
+    )
+    # a completed transaction's final state is written this late (usually the next
+    # transaction's first write carries it, and the write is saved)
+    transaction_complete_write_delay_ms: int = Field(
+        1000, alias="transaction.complete.write.delay.ms", ge=0
+    )
+    # a transactional.id idle this long is forgotten (Kafka's default: 7 days)
+    transactional_id_expiration_ms: int = Field(
+        7 * 24 * 3600 * 1000, alias="transactional.id.expiration.ms", ge=1000
+    )
 
     @classmethod
     def from_env(cls, prefix: str = "STRATA_AGENT_") -> AgentConfig:

@@ -66,6 +66,12 @@ class Partition:
     def high_watermark(self) -> int:
         return min(self.hw, self.log.log_end_offset)
 
+    @property
+    def last_stable_offset(self) -> int:
+        """Where ``read_committed`` reads stop (``storage.wal.txn``): the first offset of the
+        oldest transaction not yet ended with a marker below the high watermark."""
+        return self.log.last_stable_offset(self.high_watermark)
+
     def notify(self) -> None:
         """Wake every fetch (and acks=all producer) waiting for news on this partition."""
         if not self.data_arrived.done():

@@ -298,6 +298,7 @@ class ReplicaFetchers:
                     if not appended or appended[-1] is not p:
                         appended.append(p)
                 p.hw = max(p.hw, min(r.high_watermark, p.log.log_end_offset))
+                p.log.transactions.forget_stable(p.hw)
         return appended
 
 

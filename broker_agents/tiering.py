@@ -5,8 +5,11 @@ For every partition this agent leads, one pass of the uploader (every
 
 1. **Seal.** Segments roll by ``segment.bytes`` on append; an idle active segment older than
    ``segment.ms`` is rolled here, and a sealed segment is flushed (fsync + index) first.
-2. **Upload.** Each sealed, flushed segment at the manifest's end becomes one object
-   (``storage.tier.layout``: batches + footer) under its deterministic key, create-only
+2. **Upload.** Each sealed, flushed segment at the manifest's end whose every transaction has
+   ended (the partition's last stable offset is past its end; at most
+   ``transaction.max.timeout.ms`` after a transaction starts, the coordinator aborts it)
+   becomes one object (``storage.tier.layout``: batches + footer, the footer listing the
+   aborted transactions with batches in it) under its deterministic key, create-only
    (``If-None-Match: *``); above ``tier.multipart.part.bytes`` it goes up in parts, one part in
    memory at a time. A 412 whose trailer equals ours (same bytes) counts as done — that is how
    an agent restart, or a new leader, resumes an upload that had finished.
@@ -35,7 +38,8 @@ latency, never unbounded disk; memory is bounded by the upload concurrency times
 
 **Reads.** Fetch and ListOffsets for offsets below the local log start and at or above the
 manifest's start are served from the tier by ``TierReader`` (range reads, block cache,
-read-ahead) — the same batch bytes the local log would have returned.
+read-ahead) — the same batch bytes the local log would have returned; a read_committed fetch
+gets the aborted transactions from the footers of the segments it read (``aborted``).
 
 **Recovery.** A new leader opens its log at the manifest's end when its disk is empty or
 behind (the ``tier_start_offset`` hook of ``PartitionManager``), so it serves all committed
@@ -232,6 +236,27 @@ class Tiering:
             nxt = (self._key(p, following), following)
         return await self.reader.read(self._key(p, entry), entry, offset, max_bytes, nxt)
 
+    async def aborted(self, p: Partition, start: int, end: int) -> list[m.AbortedTransaction]:
+        """Aborted transactions with batches in ``[start, end)`` of the tiered segments, from
+        the footers of the segments whose manifest entry counts some."""
+        if not self.enabled:
+            return []
+        assert self.reader is not None
+        manifest, _ = await self._manifest(p)
+        out = []
+        for entry in manifest.segments:
+            if entry.next_offset <= start or not entry.aborted:
+                continue
+            if entry.base_offset >= end:
+                break
+            footer = await self.reader.footer(self._key(p, entry), entry)
+            out += [
+                m.AbortedTransaction(pid, first, stop)
+                for pid, first, stop in footer.aborted
+                if first < end and stop > start
+            ]
+        return out
+
     async def offset_for_timestamp(self, p: Partition, ts: int) -> int | None:
         """The first offset with timestamp >= ``ts`` among tiered segments below the local log."""
         if not self.enabled:
@@ -309,8 +334,9 @@ class Tiering:
         if plog.has_unflushed_sealed_segment:
             await p.committer.flush()
         manifest, _ = await self._manifest(p)
+        stable = p.last_stable_offset  # <= the high watermark
         for seg in plog.segments:
-            if not seg.sealed or seg.dirty or seg.deleted or seg.next_offset > p.high_watermark:
+            if not seg.sealed or seg.dirty or seg.deleted or seg.next_offset > stable:
                 break
             if manifest.segments and seg.next_offset <= manifest.end:
                 continue
@@ -358,17 +384,22 @@ class Tiering:
         path = seg.path
         part = self.config.tier_multipart_part_bytes
         small = size + 64 * 1024 <= part
+        # every transaction with batches here has ended (uploads wait for the LSO)
+        aborted = [
+            (a.producer_id, a.first_offset, a.last_offset)
+            for a in p.log.aborted(seg.base_offset, seg.next_offset)
+        ]
 
         def prepare() -> tuple[bytes | None, bytes]:
             with open(path, "rb") as f:
                 if small:
                     data = f.read(size)
-                    return data, build_footer(data[:size])
+                    return data, build_footer(data[:size], aborted=aborted)
                 with (
                     mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ) as mm,
                     memoryview(mm) as view,  # read-only bytes-like: what crc32c accepts
                 ):
-                    return None, build_footer(view)
+                    return None, build_footer(view, aborted=aborted)
 
         data, footer = await asyncio.to_thread(prepare)
         entry = SegmentEntry.of(decode_footer(footer))

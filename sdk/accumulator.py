@@ -33,6 +33,13 @@ record is not starved) up to ``max.block.ms`` and then raises :class:`BufferExha
 backpressure, never unbounded memory. Batches not acknowledged within ``delivery.timeout.ms``
 of their creation fail with :class:`DeliveryTimeoutError`.
 
+A transactional producer (``sdk.transactions``) adds two rules: a partition is not ready
+until the transaction coordinator has it in the open transaction (``admit``), and a gap in
+a partition's sequences (``_needs_reset``) holds the partition until the transaction is
+aborted and every partition restarts under the epoch the abort gave
+(``restart_sequences``); every batch that fails for good is reported (``on_failure``),
+since the transaction can no longer commit.
+
 Everything here is synchronous except waiting for memory; time comes from an injected clock,
 so linger, backoff and expiry are tested without sleeping.
 """
@@ -347,6 +354,8 @@ class RecordAccumulator:
         encoder: Encoder = encode_batch,
         on_batch_closed: Callable[[TopicPartition], None] | None = None,
         sequencer: Sequencer | None = None,
+        admit: Callable[[TopicPartition], bool] | None = None,
+        on_failure: Callable[[ProducerBatch, BaseException], None] | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.linger = linger_ms / 1000
@@ -360,6 +369,10 @@ class RecordAccumulator:
         self._queues: dict[TopicPartition, deque[ProducerBatch]] = {}
         #: idempotent producers: sequences (None: batches carry none, one request at a time)
         self.sequencer = sequencer
+        #: transactional producers: whether a partition may be sent (it is in the
+        #: transaction), and who hears of every batch that fails for good
+        self.admit = admit
+        self.on_failure = on_failure
         #: batches in flight per partition
         self._in_flight: dict[TopicPartition, int] = {}
         #: partitions that had a batch retried: one batch at a time until the retries are done
@@ -518,8 +531,9 @@ class RecordAccumulator:
         wait: float | None = None
         hurry = self._flushing > 0 or self._closing
         cutoff = now + _EPSILON
+        admit = self.admit
         for tp, queue in self._queues.items():
-            if not queue or not self._can_send(tp):
+            if not queue or not self._can_send(tp) or (admit is not None and not admit(tp)):
                 continue
             head = queue[0]
             if head.retry_at > cutoff:
@@ -534,6 +548,8 @@ class RecordAccumulator:
 
     def _can_send(self, tp: TopicPartition) -> bool:
         n = self._in_flight.get(tp, 0)
+        if tp in self._needs_reset and self.admit is not None:
+            return False  # transactional: held until the abort restarts the sequences
         if self.sequencer is None or tp in self._needs_reset:
             return n == 0
         return n < (1 if tp in self._recovering else DEDUP_WINDOW)
@@ -559,6 +575,8 @@ class RecordAccumulator:
         for tp in tps:
             queue = self._queues.get(tp)
             if not queue or not self._can_send(tp) or queue[0].retry_at > cutoff:
+                continue
+            if self.admit is not None and not self.admit(tp):
                 continue
             if tp in self._needs_reset:
                 self._reset(tp, queue)
@@ -606,6 +624,14 @@ class RecordAccumulator:
                 batch.restamp(pid, epoch, seq)
         self._needs_reset.discard(tp)
         self._recovering.discard(tp)
+
+    def restart_sequences(self, producer_id: int, epoch: int) -> None:
+        """Every partition starts over at sequence 0 under ``producer_id``/``epoch`` (a
+        transactional producer after an abort; nothing may be queued or in flight)."""
+        assert self.sequencer is not None
+        self.sequencer.set_producer(producer_id, epoch)
+        self._needs_reset.clear()
+        self._recovering.clear()
 
     def _landed(self, batch: ProducerBatch) -> None:
         """The batch is no longer in flight."""
@@ -679,6 +705,8 @@ class RecordAccumulator:
         self._lost_sequence(batch)
         self._finish(batch)
         self._fail_futures(batch, exc)
+        if self.on_failure is not None:
+            self.on_failure(batch, exc)
 
     def expire(self, now: float) -> list[ProducerBatch]:
         """Fail queued (not in-flight) batches older than delivery.timeout.ms."""
@@ -696,6 +724,8 @@ class RecordAccumulator:
             self._lost_sequence(batch)
             self._finish(batch)
             self._fail_futures(batch, exc)
+            if self.on_failure is not None:
+                self.on_failure(batch, exc)
         return expired
 
     def _lost_sequence(self, batch: ProducerBatch) -> None:
@@ -745,7 +775,7 @@ class RecordAccumulator:
         self.wakeup.set()
 
     def abort(self, exc: BaseException) -> None:
-        """Fail every batch that is not in flight (a forced close)."""
+        """Fail every batch that is not in flight (a forced close, an aborted transaction)."""
         for queue in self._queues.values():
             while queue:
                 batch = queue.popleft()

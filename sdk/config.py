@@ -132,6 +132,27 @@ class ProducerConfig(ClientConfig):
     queue_buffering_max_messages: int = Field(100_000, alias="queue.buffering.max.messages", ge=1)
     #: None: on unless acks=0 (Kafka 3's default); see ``sdk.idempotence``
     enable_idempotence: bool | None = Field(None, alias="enable.idempotence")
+    #: makes the producer transactional (``sdk.transactions``); needs acks=all (the default
+    #: then) and idempotence
+    transactional_id: str | None = Field(
+        None, alias="transactional.id", min_length=1, max_length=249
+    )
+    #: the coordinator aborts a transaction open longer than this
+    transaction_timeout_ms: int = Field(60_000, alias="transaction.timeout.ms", ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _transactional_acks(cls, data: Any) -> Any:
+        """A transactional producer defaults to acks=all (Kafka's rule)."""
+        if (
+            isinstance(data, Mapping)
+            and (
+                data.get("transactional.id") is not None or data.get("transactional_id") is not None
+            )
+            and "acks" not in data
+        ):
+            data = {**data, "acks": -1}
+        return data
 
     @field_validator("acks", mode="before")
     @classmethod
@@ -175,6 +196,18 @@ class ProducerConfig(ClientConfig):
             )
         return self
 
+    @model_validator(mode="after")
+    def _transactions_need_acks_all(self) -> Self:
+        if self.transactional_id is not None and (
+            self.acks != -1 or self.enable_idempotence is False
+        ):
+            raise InvalidConfigError(
+                f"invalid {type(self).__name__}: transactional.id needs acks=all and"
+                f" idempotence (acks is {self.acks}, enable.idempotence"
+                f" {self.enable_idempotence})"
+            )
+        return self
+
     @property
     def idempotent(self) -> bool:
         if self.enable_idempotence is None:
@@ -207,7 +240,9 @@ class ConsumerConfig(ClientConfig):
         "latest", alias="auto.offset.reset"
     )
     max_poll_records: int = Field(500, alias="max.poll.records", ge=1)
-    isolation_level: Literal["read_uncommitted"] = Field(
+    #: read_committed: records of open transactions are not returned until they end, and
+    #: never those of aborted ones (``docs/transactions.md``)
+    isolation_level: Literal["read_uncommitted", "read_committed"] = Field(
         "read_uncommitted", alias="isolation.level"
     )
     check_crcs: bool = Field(True, alias="check.crcs")
@@ -223,12 +258,9 @@ class ConsumerConfig(ClientConfig):
             return [s.strip() for s in v.split(",") if s.strip()]
         return v
 
-    @field_validator("isolation_level", mode="before")
-    @classmethod
-    def _isolation(cls, v: Any) -> Any:
-        if v == "read_committed":
-            raise ValueError("isolation.level 'read_committed' is not supported yet")
-        return v
+    @property
+    def read_committed(self) -> bool:
+        return self.isolation_level == "read_committed"
 
     @field_validator("auto_offset_reset", mode="before")
     @classmethod

@@ -33,6 +33,14 @@ stopped looking (``next_offset``); once the records before it are handed out, th
 moves there, so records the filter skipped count as consumed (commits and lag include them)
 and a sparse filter never fetches the same range twice.
 
+Transactions: with ``isolation.level=read_committed`` fetches read below the partition's last
+stable offset (records of open transactions wait until their transaction ends) and come with
+the aborted transactions of the range; the batches of those transactions are skipped whole,
+by their header (producer id and offset range), as transaction markers always are — no
+Python code runs per record for it. The position moves past what was skipped, and
+``end_offsets`` / ``seek_to_end`` mean the last stable offset. ``group_metadata()`` is what
+a transactional producer's ``send_offsets_to_transaction`` takes.
+
 Errors: OFFSET_OUT_OF_RANGE resets the position by ``auto.offset.reset`` (``none``: raises
 ``OffsetOutOfRangeError`` from ``getmany``); NOT_LEADER, UNKNOWN_TOPIC_OR_PARTITION, network
 errors and the like refresh metadata and retry the partition after ``retry.backoff.ms``; any
@@ -68,7 +76,9 @@ from sdk.errors import IllegalStateError, NoOffsetForPartitionError
 from sdk.group import GroupClient, OffsetAndMetadata, RebalanceListener
 from sdk.records import ConsumerRecord, OffsetAndTimestamp, TopicPartition
 from sdk.retry import HAND_OUT, PARK, KeyOrder, Retrier, new_retrier_producer, retry_topic
+from sdk.transactions import ConsumerGroupMetadata
 from storage.codec import SCHEMA, decode_batch, read_header
+from storage.codec.control import AbortedRanges, aborted_ranges, is_aborted
 from storage.errors import (
     CorruptBatchError,
     InvalidFilterError,
@@ -84,6 +94,9 @@ from storage.protocol.messages import (
     CONSUMER_REPLICA_ID,
     EARLIEST_TIMESTAMP,
     LATEST_TIMESTAMP,
+    NO_GENERATION,
+    READ_COMMITTED,
+    READ_UNCOMMITTED,
     FetchPartition,
     FetchPartitionResult,
     FetchRequest,
@@ -114,6 +127,7 @@ class _Buffered:
     (``end``, -1 unfiltered)."""
 
     __slots__ = (
+        "aborted",
         "current",
         "current_base",
         "current_next",
@@ -126,12 +140,17 @@ class _Buffered:
     )
 
     def __init__(
-        self, data: memoryview, end: int = -1, selections: dict[int, Any] | None = None
+        self,
+        data: memoryview,
+        end: int = -1,
+        selections: dict[int, Any] | None = None,
+        aborted: AbortedRanges | None = None,
     ) -> None:
         self.data = data
         self.pos = 0
         self.end = end
         self.selections = selections
+        self.aborted = aborted  # read_committed: the aborted transactions' ranges
         self.current: pa.RecordBatch | None = None
         self.current_base = 0
         self.current_next = 0
@@ -149,6 +168,7 @@ class _PartitionState:
     retry_at: float = 0.0
     generation: int = 0  # bumped by every seek: answers to older requests are dropped
     high_watermark: int = -1
+    last_stable_offset: int = -1
     log_start_offset: int = -1
     attempts: int = field(default=0)
     paused: bool = False  # neither fetched nor returned until resumed
@@ -482,6 +502,22 @@ class Consumer:
     def member_id(self) -> str:
         return "" if self._group is None else self._group.member_id
 
+    def group_metadata(self) -> ConsumerGroupMetadata:
+        """The group, generation and member id, for a transactional producer's
+        ``send_offsets_to_transaction`` (which refuses them once this member's generation
+        is over)."""
+        group_id = self.config.group_id
+        if group_id is None:
+            raise IllegalStateError("group_metadata() needs group.id in the consumer's config")
+        if self._group is None:
+            return ConsumerGroupMetadata(group_id)
+        return ConsumerGroupMetadata(
+            group_id,
+            self._group.generation if self._group.topics else NO_GENERATION,
+            self._group.member_id if self._group.topics else "",
+            self.config.group_instance_id if self._group.topics else None,
+        )
+
     def positions_to_commit(self) -> dict[TopicPartition, int]:
         """Every partition's position; with retries, never past a record whose failure
         record is not stored yet or that waits behind its key (``docs/retries.md``)."""
@@ -668,6 +704,11 @@ class Consumer:
         """The partition's high watermark as of the last fetch (-1 before one)."""
         return self._state(tp).high_watermark
 
+    def last_stable_offset(self, tp: TopicPartition | tuple[str, int]) -> int:
+        """read_committed: the partition's last stable offset as of the last fetch (-1 before
+        one, and for read_uncommitted)."""
+        return self._state(tp).last_stable_offset
+
     # ---- offsets lookups -----------------------------------------------------------------
     async def beginning_offsets(
         self, partitions: Iterable[TopicPartition | tuple[str, int]]
@@ -716,8 +757,12 @@ class Consumer:
                     cluster.request_update()
                 else:
                     by_leader[leader][tp] = ts
+            isolation = READ_COMMITTED if self.config.read_committed else READ_UNCOMMITTED
             answers = await asyncio.gather(
-                *(cluster.send(agent, _list_offsets_request(q)) for agent, q in by_leader.items()),
+                *(
+                    cluster.send(agent, _list_offsets_request(q, isolation))
+                    for agent, q in by_leader.items()
+                ),
                 return_exceptions=True,
             )
             for answer in answers:
@@ -816,8 +861,11 @@ class Consumer:
         cluster = self._cluster
         assert cluster is not None
         asked = {tp: self._states[tp].generation for tp in query}
+        isolation = READ_COMMITTED if self.config.read_committed else READ_UNCOMMITTED
         try:
-            response: ListOffsetsResponse = await cluster.send(leader, _list_offsets_request(query))
+            response: ListOffsetsResponse = await cluster.send(
+                leader, _list_offsets_request(query, isolation)
+            )
         except StrataError as exc:
             for tp, gen in asked.items():
                 st = self._states.get(tp)
@@ -870,7 +918,7 @@ class Consumer:
             max_wait_ms=cfg.fetch_max_wait_ms,
             min_bytes=cfg.fetch_min_bytes,
             max_bytes=cfg.fetch_max_bytes,
-            isolation_level=0,
+            isolation_level=READ_COMMITTED if cfg.read_committed else READ_UNCOMMITTED,
             topics=[FetchTopic(name, parts) for name, parts in topics.items()],
         )
         try:
@@ -904,6 +952,7 @@ class Consumer:
     def _fetched(self, tp: TopicPartition, st: _PartitionState, r: FetchPartitionResult) -> None:
         if r.error_code == 0:
             st.high_watermark = r.high_watermark
+            st.last_stable_offset = r.last_stable_offset
             st.log_start_offset = r.log_start_offset
             st.attempts = 0
             if r.records is not None and len(r.records):
@@ -911,7 +960,15 @@ class Consumer:
                 selections = (
                     {s.base_offset: s.bitmap for s in r.selections} if r.selections else None
                 )
-                st.buffered = _Buffered(data, r.next_offset, selections)
+                aborted = (
+                    aborted_ranges(
+                        (a.producer_id, a.first_offset, a.last_offset)
+                        for a in r.aborted_transactions
+                    )
+                    if r.aborted_transactions
+                    else None
+                )
+                st.buffered = _Buffered(data, r.next_offset, selections, aborted)
                 self._buffered_bytes += len(data)
             elif st.position is not None and r.next_offset > st.position:
                 st.position = r.next_offset  # a filtered fetch that matched nothing: skipped
@@ -1094,8 +1151,8 @@ class Consumer:
                 buf.seen_whole = True
                 if h.next_offset <= st.position:
                     continue
-                if h.is_control:
-                    st.position = h.next_offset
+                if h.is_control or (buf.aborted is not None and is_aborted(buf.aborted, h)):
+                    st.position = h.next_offset  # a marker, or an aborted transaction's batch
                     continue
                 rb = decode_batch(buf.data, start, verify=self.config.check_crcs)
                 buf.current_offsets = None
@@ -1137,10 +1194,13 @@ def log_commit_failure(error: BaseException) -> None:
     logging.getLogger(__name__).warning("async commit failed: %s", error)
 
 
-def _list_offsets_request(query: Mapping[TopicPartition, int]) -> ListOffsetsRequest:
+def _list_offsets_request(
+    query: Mapping[TopicPartition, int], isolation: int = READ_UNCOMMITTED
+) -> ListOffsetsRequest:
     topics: dict[str, list[ListOffsetsPartition]] = defaultdict(list)
     for tp, ts in query.items():
         topics[tp.topic].append(ListOffsetsPartition(tp.partition, ts))
     return ListOffsetsRequest(
-        topics=[ListOffsetsTopic(name, parts) for name, parts in topics.items()]
+        topics=[ListOffsetsTopic(name, parts) for name, parts in topics.items()],
+        isolation_level=isolation,
     )

@@ -58,6 +58,7 @@ from storage.errors import (
     RequestTimedOutError,
     StrataError,
     UnknownMemberIdError,
+    UnstableOffsetCommitError,
     from_wire,
 )
 from storage.filters import Filter
@@ -266,16 +267,34 @@ class GroupClient:
     async def committed(
         self, partitions: Iterable[TopicPartition]
     ) -> dict[TopicPartition, OffsetAndMetadata | None]:
+        """The committed offsets. A read_committed consumer asks for stable ones: while a
+        transaction's offsets for a partition are not settled, the coordinator answers
+        UNSTABLE_OFFSET_COMMIT and the fetch is retried (up to ``request.timeout.ms``)."""
         wanted: dict[str, list[int]] = {}
         for tp in partitions:
             wanted.setdefault(tp.topic, []).append(tp.partition)
         if not wanted:
             return {}
-        resp: m.OffsetFetchResponse = await self._send(
-            m.OffsetFetchRequest(
-                self.group_id, [m.OffsetFetchTopic(t, ps) for t, ps in wanted.items()]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.request_timeout_ms / 1000
+        delay = 0.02
+        while True:
+            resp: m.OffsetFetchResponse = await self._send(
+                m.OffsetFetchRequest(
+                    self.group_id,
+                    [m.OffsetFetchTopic(t, ps) for t, ps in wanted.items()],
+                    1 if self.config.read_committed else 0,
+                )
             )
-        )
+            unstable = any(
+                p.error_code == UnstableOffsetCommitError.code
+                for t in resp.topics
+                for p in t.partitions
+            )
+            if not unstable or loop.time() + delay > deadline:
+                break
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 0.5)
         self._check(resp.error_code, "offset fetch")
         out: dict[TopicPartition, OffsetAndMetadata | None] = {}
         for t in resp.topics:

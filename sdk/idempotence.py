@@ -22,6 +22,11 @@ restart at 0, and the batches already sequenced are restamped in queue order
 (``storage.codec.with_producer``). Epochs are per partition because the agents check them per
 partition; when one would pass 32767 the partition gets a fresh producer id.
 
+A transactional producer (``sdk.transactions``) gets its id and epoch from its transaction
+coordinator instead, one epoch for every partition: ``set_producer`` restarts every
+partition's sequences under it (after ``init_transactions`` and after an abort that bumped
+the epoch); its partitions never move to an epoch of their own.
+
 Producer ids are random 63-bit numbers drawn by the client, not handed out by the agents:
 no round trip and no coordination, and two producers collide with odds of about 2**-63 per
 pair. An id is kept only for the producer object's lifetime: like Kafka's idempotent producer
@@ -60,13 +65,20 @@ class Sequencer:
     def __init__(self, new_id: Callable[[], int] = new_producer_id) -> None:
         self._new_id = new_id
         self.producer_id = new_id()
+        self.epoch = 0
         self._partitions: dict[TopicPartition, PartitionSequence] = {}
 
     def state(self, tp: TopicPartition) -> PartitionSequence:
         st = self._partitions.get(tp)
         if st is None:
-            st = self._partitions[tp] = PartitionSequence(self.producer_id)
+            st = self._partitions[tp] = PartitionSequence(self.producer_id, self.epoch)
         return st
+
+    def set_producer(self, producer_id: int, epoch: int) -> None:
+        """Every partition starts over at sequence 0 under ``producer_id`` and ``epoch`` (a
+        transactional producer's id and epoch, from its coordinator)."""
+        self.producer_id, self.epoch = producer_id, epoch
+        self._partitions.clear()
 
     def assign(self, tp: TopicPartition, count: int) -> tuple[int, int, int]:
         """(producer id, epoch, base sequence) for a new batch of ``count`` records."""

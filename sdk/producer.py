@@ -32,6 +32,12 @@ stale leadership also refresh metadata. A batch fails for good on a non-retriabl
 ``retries`` retries, or when its ``delivery.timeout.ms`` would pass. With ``acks=0`` the
 futures resolve once the request is written, with offset -1.
 
+With ``transactional.id`` the producer is transactional (``sdk.transactions``):
+``init_transactions()`` once, then ``begin_transaction()``, sends (and
+``send_offsets_to_transaction``), and ``commit_transaction()`` or ``abort_transaction()``;
+its batches carry the transactional bit and a partition's batches wait until the
+coordinator has the partition in the transaction.
+
 The sender, the metadata refresh loop and the connections' reader loops are named tasks under
 one ``asyncio.TaskGroup`` owned by a supervisor task; if any of them fails unexpectedly the
 others are cancelled and every outstanding future fails with that error.
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
 from collections import defaultdict
@@ -64,9 +71,12 @@ from sdk.backoff import ExponentialBackoff
 from sdk.cluster import STALE_METADATA_ERRORS, Cluster
 from sdk.config import ProducerConfig
 from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedError
+from sdk.group import OffsetAndMetadata
 from sdk.idempotence import Sequencer
 from sdk.partitioner import DefaultPartitioner, partition_for_key, partitions_for_keys
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
+from sdk.transactions import ConsumerGroupMetadata, TransactionManager
+from storage.codec import encode_batch
 from storage.errors import InvalidDelayError, StrataError, UnknownTopicOrPartitionError, from_wire
 from storage.protocol.messages import (
     ProducePartition,
@@ -332,6 +342,8 @@ class Producer:
         self._tps: dict[tuple[str, int], TopicPartition] = {}
         self._schedule_nonce = f"{secrets.randbits(40):010x}"
         self._scheduled = 0
+        #: transactional producers (``transactional.id``): the transaction's state
+        self._txn: TransactionManager | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -347,6 +359,11 @@ class Producer:
         self._started = True
         cfg = self.config
         self._cluster = Cluster(cfg, spawn=self._spawn, clock=self._clock, backoff=self._backoff)
+        txn = None
+        if cfg.transactional_id is not None:
+            txn = self._txn = TransactionManager(
+                cfg, self._cluster, clock=self._clock, backoff=self._backoff
+            )
         self._acc = RecordAccumulator(
             batch_size=cfg.batch_size,
             linger_ms=cfg.linger_ms,
@@ -357,7 +374,14 @@ class Producer:
             clock=self._clock,
             on_batch_closed=self._batch_closed,
             sequencer=Sequencer() if cfg.idempotent else None,
+            encoder=encode_batch
+            if txn is None
+            else functools.partial(encode_batch, transactional=True),
+            admit=None if txn is None else txn.admit,
+            on_failure=None if txn is None else txn.batch_failed,
         )
+        if txn is not None:
+            txn.accumulator = self._acc
         self._sender = Sender(
             cfg, self._acc, self._cluster, self._spawn, clock=self._clock, backoff=self._backoff
         )
@@ -379,8 +403,13 @@ class Producer:
                 running.set_result(None)
                 refresher = tg.create_task(self._cluster.run(), name="strata-producer-metadata")
                 sender = tg.create_task(self._sender.run(), name="strata-producer-sender")
+                adder = None
+                if self._txn is not None:
+                    adder = tg.create_task(self._txn.run(), name="strata-producer-txn")
                 await asyncio.wait([sender, refresher], return_when=asyncio.FIRST_COMPLETED)
                 refresher.cancel()
+                if adder is not None:
+                    adder.cancel()
                 await self._cluster.close()
         except asyncio.CancelledError:
             raise
@@ -441,6 +470,56 @@ class Producer:
         tb: TracebackType | None,
     ) -> None:
         await self.close()
+
+    # ---- transactions (sdk.transactions) --------------------------------------------------
+    def _transactions(self) -> TransactionManager:
+        self._running_acc()
+        if self._txn is None:
+            raise IllegalStateError("transactions need transactional.id in the producer's config")
+        return self._txn
+
+    async def init_transactions(self) -> None:
+        """Get the producer id and epoch for ``transactional.id`` (fencing older producers with
+        the same id, and aborting their open transaction). Call once, before the first
+        ``begin_transaction()``."""
+        await self._transactions().init()
+
+    def begin_transaction(self) -> None:
+        """Start a transaction: records sent until commit or abort belong to it."""
+        self._transactions().begin()
+
+    async def send_offsets_to_transaction(
+        self,
+        offsets: Mapping[TopicPartition | tuple[str, int], int | OffsetAndMetadata],
+        group_metadata: ConsumerGroupMetadata | str,
+    ) -> None:
+        """Commit a consumer's offsets (the next offset to read, per partition) as part of the
+        transaction: they count only if it commits. ``group_metadata`` is
+        ``consumer.group_metadata()`` (or a group id, for a consumer outside the group
+        protocol)."""
+        txn = self._transactions()
+        group = (
+            ConsumerGroupMetadata(group_metadata)
+            if isinstance(group_metadata, str)
+            else group_metadata
+        )
+        values = {}
+        for tp, o in offsets.items():
+            topic, partition = tp
+            om = o if isinstance(o, OffsetAndMetadata) else OffsetAndMetadata(int(o))
+            values[TopicPartition(topic, partition)] = (om.offset, om.metadata)
+        await txn.send_offsets(values, group)
+
+    async def commit_transaction(self) -> None:
+        """Flush the transaction's records and commit it: readers with
+        ``isolation.level=read_committed`` see all of it. If a record of it failed, this
+        raises that error; then call ``abort_transaction()``."""
+        await self._transactions().commit()
+
+    async def abort_transaction(self) -> None:
+        """Abort the transaction: its records never reach read_committed readers, its
+        offsets are not committed. Records not yet sent fail with ``TransactionAbortedError``."""
+        await self._transactions().abort()
 
     # ---- sending -------------------------------------------------------------------------
     def _running_acc(self) -> RecordAccumulator:
@@ -521,6 +600,8 @@ class Producer:
         tp = self._tps.get((topic, partition))
         if tp is None:
             tp = self._tps[(topic, partition)] = TopicPartition(topic, partition)
+        if self._txn is not None:
+            self._txn.maybe_add(tp)
         fut = acc.append_nowait(tp, value, key, hdrs, tag_list, ts)
         if fut is not None:
             return fut
@@ -636,6 +717,8 @@ class Producer:
             tp = self._tps.get((topic, p))
             if tp is None:
                 tp = self._tps[(topic, p)] = TopicPartition(topic, p)
+            if self._txn is not None:
+                self._txn.maybe_add(tp)
 
             def pick(col: list[Any] | None, idx: list[int] | None = idx) -> list[Any] | None:
                 if col is None or idx is None:
@@ -1124,4 +1207,9 @@ class Producer:
             stats["in_flight_requests"] = self._sender.in_flight
         if self._acc is not None and self._acc.sequencer is not None:
             stats["producer_id"] = self._acc.sequencer.producer_id
+        if self._txn is not None:
+            stats["transaction_state"] = self._txn.state.value
+            stats["producer_epoch"] = self._txn.epoch
+            stats["transactions_committed"] = self._txn.commits
+            stats["transactions_aborted"] = self._txn.aborts
         return stats

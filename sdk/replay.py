@@ -14,8 +14,16 @@ Theory of operation:
   ranged GET of index + trailer) narrows the bytes to read. Timestamps are set by producers
   and are not monotonic, so only the *start* of a time range can skip bytes; the end of a time
   range filters rows.
+* **Transactions.** Replay reads committed data by default (``isolation_level``
+  ``read_committed``): control batches (transaction markers) are never returned, and the
+  batches of aborted transactions are dropped. A tiered segment's footer lists the aborted
+  transactions with batches in it (``storage.tier.layout``; a segment is tiered only once
+  all its transactions have ended), and its manifest entry says how many, so planning reads
+  the footer of exactly those segments and each task carries its list. ``read_uncommitted``
+  keeps the aborted transactions' records (markers are still dropped).
 * **Reading** (:func:`read_segment`) range-reads the task's bytes, walks the batch headers,
-  skips batches wholly outside the wanted offsets or times, decodes the rest with the shared
+  skips control batches, aborted transactions' batches and batches wholly outside the wanted
+  offsets or times, decodes the rest with the shared
   codec (CRC32C checked per batch) and filters rows with Arrow compute kernels: no Python code
   runs per record. A filter over tags and headers (``storage.filters``, the same expressions
   a consumer subscribes with) is pushed down the way the agent applies it: a batch whose
@@ -44,6 +52,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from storage.codec import SCHEMA, decode_batch, iter_batches
+from storage.codec.control import aborted_ranges, is_aborted
 from storage.errors import CorruptSegmentError, ObjectNotFoundError, ObjectStoreError
 from storage.filters import Filter, Verdict, as_filter, classify, parse
 from storage.filters.expr import Tag, conjunction
@@ -226,6 +235,8 @@ class SegmentRead:
     min_ts: int | None = None
     max_ts: int | None = None
     filter: str | None = None  # a storage.filters expression (canonical text); None: all rows
+    #: aborted transactions to drop: (producer id, first offset, end offset), from the footer
+    aborted: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def nbytes(self) -> int:
@@ -320,11 +331,14 @@ def plan(
     split_bytes: int = DEFAULT_SPLIT_BYTES,
     manifests: Mapping[int, tuple[str, Manifest]] | None = None,
     filter: Filter | None = None,
+    read_committed: bool = True,
 ) -> tuple[list[SegmentRead], PlanReport]:
     """The read tasks for ``topic`` within ``bounds``, in (partition, offset) order.
 
     ``manifests`` (partition -> (topic_id, manifest)) overrides the bucket's snapshots (the
-    Spark driver passes ZooKeeper's when told to). ``filter`` goes with every task.
+    Spark driver passes ZooKeeper's when told to). ``filter`` goes with every task. With
+    ``read_committed`` every task of a segment with aborted transactions carries their list
+    (its footer is read for it).
     """
     if manifests is None:
         manifests = {p: (s.topic_id, s.manifest) for p, s in archive.snapshots(topic).items()}
@@ -351,7 +365,14 @@ def plan(
             cut_start = start is not None and start > entry.base_offset
             cut_end = end is not None and end < entry.next_offset
             footer: Footer | None = None
-            if cut_start or cut_end or bounds.min_ts is not None or hi > split_bytes:
+            wants_aborted = read_committed and entry.aborted > 0
+            if (
+                cut_start
+                or cut_end
+                or bounds.min_ts is not None
+                or hi > split_bytes
+                or wants_aborted
+            ):
                 footer = archive.footer(key, entry)
                 report.footers_read += 1
                 if cut_start and start is not None:
@@ -379,6 +400,7 @@ def plan(
                         bounds.min_ts,
                         bounds.max_ts,
                         None if filter is None else filter.text,
+                        footer.aborted if wants_aborted and footer is not None else (),
                     )
                 )
     report.tasks = len(tasks)
@@ -409,7 +431,12 @@ def read_segment(archive: Archive, task: SegmentRead) -> Iterator[pa.RecordBatch
     buf = archive.get_range(task.key, task.byte_start, task.byte_end)
     start, end, min_ts, max_ts = task.start_offset, task.end_offset, task.min_ts, task.max_ts
     filt = None if task.filter is None else _parsed(task.filter)
+    aborted = aborted_ranges(task.aborted)
     for h, pos in iter_batches(buf):
+        if h.is_control:
+            continue  # a transaction marker: never a record for the application
+        if aborted and is_aborted(aborted, h):
+            continue
         if start is not None and h.next_offset <= start:
             continue
         if end is not None and h.base_offset >= end:
@@ -480,6 +507,7 @@ def replay(
     partitions: Iterable[int] | None = None,
     archive: Archive | ArchiveConfig | None = None,
     split_bytes: int = DEFAULT_SPLIT_BYTES,
+    isolation_level: str = "read_committed",
 ) -> Iterator[pa.Table]:
     """Tables of ``topic``'s committed history (``REPLAY_SCHEMA``), read from the object tier.
 
@@ -489,8 +517,14 @@ def replay(
     not parse), only rows that match it. Tags and filter are pushed down to the batches'
     summaries. One table per segment (or byte range of a large one), partition by partition,
     each in offset order; empty tables are not yielded. ``archive`` defaults to
-    ``ArchiveConfig.from_env()``.
+    ``ArchiveConfig.from_env()``. ``isolation_level`` ``read_committed`` (the default) drops
+    the records of aborted transactions; ``read_uncommitted`` keeps them. Transaction
+    markers are never returned.
     """
+    if isolation_level not in ("read_committed", "read_uncommitted"):
+        raise ValueError(
+            f"isolation_level must be read_committed or read_uncommitted, not {isolation_level!r}"
+        )
     if archive is None:
         archive = ArchiveConfig.from_env()
     if isinstance(archive, ArchiveConfig):
@@ -504,7 +538,14 @@ def replay(
     if tags is not None:
         by_tag = Filter(Tag(frozenset(tags)))
         chosen = by_tag if chosen is None else Filter(conjunction([by_tag.expr, chosen.expr]))
-    tasks, _ = plan(archive, topic, bounds, split_bytes=split_bytes, filter=chosen)
+    tasks, _ = plan(
+        archive,
+        topic,
+        bounds,
+        split_bytes=split_bytes,
+        filter=chosen,
+        read_committed=isolation_level == "read_committed",
+    )
     key_set = None if keys is None else pa.array(list(keys), pa.binary())
     for task in tasks:
         table = segment_table(archive, task)

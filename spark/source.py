@@ -20,6 +20,10 @@ Theory of operation (user-facing details in ``docs/spark.md``):
   the driver (a mistake fails the query with ``InvalidFilterError`` and its position) and
   applied by every read task as the agents apply a consumer's filter: batches whose summary
   rules it out are not decoded, the rest filtered with Arrow kernels.
+* **Transactions**: reads are ``read_committed`` by default (option ``isolation.level``,
+  ``read_committed`` or ``read_uncommitted``): transaction markers are never rows, and the
+  records of aborted transactions are dropped, using the aborted list each segment's footer
+  carries (read on the driver, only for segments whose manifest entry counts aborted ones).
 * **Pushdown** (Spark 4.1+, ``spark.sql.python.filterPushdown.enabled=true``, which
   :func:`register` sets): comparisons and ``IN`` on ``partition`` and ``offset`` are applied
   exactly by the source; comparisons on ``timestamp`` prune segments and ranges and are also
@@ -116,6 +120,7 @@ class Options:
     starting: str  # streaming: "earliest" | "latest" | JSON
     pushdown: bool
     filter: str | None = None  # canonical text of option filter / tags (None: every record)
+    read_committed: bool = True  # option isolation.level
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -149,6 +154,9 @@ class Options:
             raise ValueError("manifest=zookeeper needs option zookeeper (host:port/chroot)")
         if o.get("filter") is not None and o.get("tags") is not None:
             raise ValueError("options filter and tags cannot be used together")
+        isolation = o.get("isolation.level", "read_committed").lower()
+        if isolation not in ("read_committed", "read_uncommitted"):
+            raise ValueError("option isolation.level must be read_committed or read_uncommitted")
         chosen = (
             record_filters.parse_tags(o["tags"])
             if o.get("tags") is not None
@@ -167,6 +175,7 @@ class Options:
             o.get("startingoffsets", "earliest"),
             o.get("pushdown", "true").lower() != "false",
             None if chosen is None else chosen.text,
+            isolation == "read_committed",
         )
 
     @property
@@ -347,6 +356,7 @@ class StrataReader(DataSourceReader):
             split_bytes=self.opts.split_bytes,
             manifests=manifests_for(self.opts, archive),
             filter=self.opts.parsed_filter,
+            read_committed=self.opts.read_committed,
         )
         _write_report(self.opts.plan_report, report)
         if not tasks:
@@ -483,6 +493,7 @@ class StrataStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             split_bytes=self.opts.split_bytes,
             manifests=manifests_for(self.opts, archive),
             filter=self.opts.parsed_filter,
+            read_committed=self.opts.read_committed,
         )
         _write_report(self.opts.plan_report, report)
         return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)

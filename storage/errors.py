@@ -21,6 +21,8 @@ at one boundary per adapter and never leak out.
     │   ├── InvalidFilterError         a filter expression that does not parse (``position``)
     │   ├── InvalidDelayError          a bad delay: negative, over delay.max.ms, or ambiguous
     │   ├── InvalidRetryPolicyError    a retry policy that cannot work (``storage.retry_policy``)
+    │   ├── InvalidRecordError         a batch no producer may send (a control batch)
+    │   ├── InvalidTransactionTimeoutError  transaction.timeout.ms above the agents' maximum
     │   └── MalformedFrameError        a protocol frame that does not parse
     │       └── FrameTooLargeError     a frame over the connection's maximum size
     ├── OffsetOutOfRangeError          offset below the log start or above the log end
@@ -36,6 +38,13 @@ at one boundary per adapter and never leak out.
     ├── OutOfOrderSequenceError        retriable: an idempotent batch skipped a sequence number
     ├── DuplicateSequenceError         an idempotent batch repeated outside a one-batch run
     ├── InvalidProducerEpochError      an idempotent batch of an older producer epoch
+    │   └── ProducerFencedError        a newer producer took this transactional.id (fatal)
+    ├── TransactionError               transactions (Kafka's transaction error codes)
+    │   ├── InvalidTxnStateError       a request the transaction's state does not allow
+    │   ├── InvalidProducerIdMappingError  the producer id is not the transactional.id's
+    │   ├── ConcurrentTransactionsError  retriable: the previous transaction is completing
+    │   ├── TransactionCoordinatorFencedError  a marker from a coordinator that lost the id
+    │   └── UnstableOffsetCommitError  retriable: a transaction's offsets are not settled yet
     ├── GroupError                     consumer groups (Kafka's group error codes)
     │   ├── CoordinatorNotAvailableError  retriable: no live coordinator / loading
     │   ├── NotCoordinatorError        retriable: ask FindCoordinator again
@@ -175,6 +184,20 @@ class InvalidRetryPolicyError(InvalidConfigError):
     code = 1041
 
 
+class InvalidRecordError(InvalidRequestError):
+    """A batch that no producer may send: control batches (transaction markers) are written by
+    the transaction coordinator only."""
+
+    code = 87
+
+
+class InvalidTransactionTimeoutError(InvalidRequestError):
+    """``transaction.timeout.ms`` is not positive or above the agents'
+    ``transaction.max.timeout.ms``."""
+
+    code = 50
+
+
 class MalformedFrameError(InvalidRequestError):
     """A protocol frame (or a field in it) that does not parse."""
 
@@ -258,9 +281,61 @@ class DuplicateSequenceError(StrataError):
 
 
 class InvalidProducerEpochError(StrataError):
-    """The batch carries an older epoch of its producer id than the partition has seen."""
+    """The batch carries an older epoch of its producer id than the partition has seen.
+
+    For a transactional producer: its transaction was aborted by the coordinator (it passed
+    ``transaction.timeout.ms``), or a newer instance fenced it; ``abort_transaction()`` tells
+    which (``ProducerFencedError`` from the coordinator is the second case)."""
 
     code = 47
+
+
+class ProducerFencedError(InvalidProducerEpochError):
+    """Another producer initialized the same ``transactional.id`` (a higher epoch): this one is
+    a zombie and may neither write nor commit. Fatal: close the producer."""
+
+    code = 90
+
+
+class TransactionError(StrataError):
+    """Root of the transaction coordinator's errors; ``code`` is Kafka's."""
+
+    code = 1050
+
+
+class InvalidTxnStateError(TransactionError):
+    """The request does not fit the transaction's state (e.g. a commit after the coordinator
+    aborted it, or an EndTxn with no transaction open)."""
+
+    code = 48
+
+
+class InvalidProducerIdMappingError(TransactionError):
+    """The producer id in the request is not the one the ``transactional.id`` has."""
+
+    code = 49
+
+
+class ConcurrentTransactionsError(TransactionError):
+    """The previous transaction of this ``transactional.id`` is still writing its markers."""
+
+    code = 51
+    retriable = True
+
+
+class TransactionCoordinatorFencedError(TransactionError):
+    """A transaction marker from a coordinator that no longer decides for the producer (its
+    token is older than one the partition has applied)."""
+
+    code = 52
+
+
+class UnstableOffsetCommitError(TransactionError):
+    """An offset fetch asked for a stable offset while a transaction's offsets for the partition
+    are not settled (committed or aborted) yet: ask again shortly (KIP-447)."""
+
+    code = 88
+    retriable = True
 
 
 class GroupError(StrataError):

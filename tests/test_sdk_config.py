@@ -205,9 +205,30 @@ def test_consumer_defaults_and_names() -> None:
     assert ConsumerConfig.parse({**BOOT, "auto.offset.reset": "none"}).auto_offset_reset == "none"
 
 
-def test_consumer_rejects_what_is_not_built_yet() -> None:
-    with pytest.raises(InvalidConfigError, match=r"read_committed.*not supported"):
-        ConsumerConfig.parse({**BOOT, "isolation.level": "read_committed"})
+def test_consumer_isolation_levels() -> None:
+    assert ConsumerConfig.parse({**BOOT, "isolation.level": "read_committed"}).read_committed
+    assert not ConsumerConfig.parse(BOOT).read_committed
+    with pytest.raises(InvalidConfigError, match=r"isolation\.level"):
+        ConsumerConfig.parse({**BOOT, "isolation.level": "serializable"})
+
+
+def test_transactional_producer_config() -> None:
+    c = ProducerConfig.parse({**BOOT, "transactional.id": "tx-1"})
+    assert (c.transactional_id, c.acks, c.idempotent, c.transaction_timeout_ms) == (
+        "tx-1",
+        -1,
+        True,
+        60_000,
+    )
+    assert ProducerConfig.parse({**BOOT, "transactional.id": "t", "acks": "all"}).acks == -1
+    for bad in ({"acks": 1}, {"enable.idempotence": False}):
+        with pytest.raises(InvalidConfigError, match=r"transactional\.id needs acks=all"):
+            ProducerConfig.parse({**BOOT, "transactional.id": "t", **bad})
+    with pytest.raises(InvalidConfigError, match=r"transaction\.timeout\.ms"):
+        ProducerConfig.parse({**BOOT, "transactional.id": "t", "transaction.timeout.ms": 0})
+
+
+def test_consumer_rejects_bad_values() -> None:
     with pytest.raises(InvalidConfigError, match=r"auto\.offset\.reset"):
         ConsumerConfig.parse({**BOOT, "auto.offset.reset": "middle"})
     with pytest.raises(InvalidConfigError, match=r"linger\.ms: Extra inputs"):

@@ -505,3 +505,83 @@ def test_a_kafka_clients_records_read_by_spark_and_replay_and_replayed_back_to_k
         i = r.offset * parts + r.partition
         assert (r.key, r.value, r.timestamp) == (_key(i), _value(r.partition, i), _ts(i))
         assert list(r.headers) == headers(i)
+
+
+async def _transactions(bootstrap: str, topic: str, rounds: int) -> tuple[set[bytes], set[bytes]]:
+    """Two transactional producers interleave transactions on both partitions of ``topic``;
+    every third transaction of each is aborted after its records are stored. Returns the
+    committed and the aborted values."""
+    committed: set[bytes] = set()
+    aborted: set[bytes] = set()
+    configs = [
+        {"bootstrap.servers": bootstrap, "transactional.id": f"tiered-{n}", "linger.ms": 1}
+        for n in range(2)
+    ]
+    async with Producer(configs[0]) as a, Producer(configs[1]) as b:
+        await a.init_transactions()
+        await b.init_transactions()
+        for r in range(rounds):
+            a.begin_transaction()
+            b.begin_transaction()
+            sent: dict[str, list[bytes]] = {"a": [], "b": []}
+            for i in range(40):  # a's and b's batches alternate in both partitions
+                for name, producer in (("a", a), ("b", b)):
+                    value = b"%s-%04d-%02d|" % (name.encode(), r, i) + b"x" * 200
+                    await producer.send(topic, value, partition=i % 2)
+                    sent[name].append(value)
+                if i % 10 == 9:
+                    await asyncio.gather(a.flush(), b.flush())
+            for name, producer, abort in (("a", a, r % 3 == 1), ("b", b, r % 3 == 2)):
+                if abort:
+                    await producer.abort_transaction()
+                    aborted.update(sent[name])
+                else:
+                    await producer.commit_transaction()
+                    committed.update(sent[name])
+    return committed, aborted
+
+
+def test_spark_and_replay_over_tiered_aborted_transactions_return_committed_records(
+    spark: Any,
+    processes: ProcessGroup,
+    zk_chroot: ZooKeeperChroot,
+    s3: S3Target,
+    tmp_path: Path,
+) -> None:
+    """Tiered segments with aborted transactions (their footers list them): Spark and
+    ``sdk.replay`` return exactly the committed records by default, everything with
+    ``read_uncommitted``, and never a transaction marker."""
+    topic, parts = "txns", 2
+    cluster = _start(processes, zk_chroot, s3, tmp_path, {topic: parts}, 16 * 1024)
+    committed, aborted = asyncio.run(_transactions(cluster.bootstrap, topic, 9))
+    assert len(committed) == 12 * 40 and len(aborted) == 6 * 40
+
+    async def log_ends() -> dict[int, int]:
+        async with Consumer({"bootstrap.servers": cluster.bootstrap}) as c:
+            tps = [TopicPartition(topic, p) for p in range(parts)]
+            return {tp.partition: e for tp, e in (await c.end_offsets(tps)).items()}
+
+    # the last markers are the logs' last batches: everything is tiered once the ends are
+    _wait_committed(s3, topic, asyncio.run(log_ends()))
+    snaps = Archive(_archive(s3)).snapshots(topic)
+    entries = [e for s in snaps.values() for e in s.manifest.segments]
+    assert sum(e.aborted for e in entries) > 0  # aborted transactions in the tier's footers
+    assert len(entries) > 4
+
+    def values(**extra: str) -> list[bytes]:
+        reader = spark.read.format("strata").options(**_options(s3, **extra))
+        rows = reader.option("topic", topic).load().select("value").collect()
+        return [bytes(r["value"]) for r in rows]
+
+    spark_committed = values()
+    assert len(spark_committed) == len(committed) and set(spark_committed) == committed
+    spark_all = values(**{"isolation.level": "read_uncommitted"})
+    assert sorted(spark_all) == sorted(committed | aborted)
+
+    def replayed(**kwargs: Any) -> list[bytes]:
+        tables = list(replay(topic, archive=_archive(s3), **kwargs))
+        return [v for t in tables for v in t.column("value").to_pylist()]
+
+    replay_committed = replayed()
+    assert len(replay_committed) == len(committed) and set(replay_committed) == committed
+    assert sorted(replayed(isolation_level="read_uncommitted")) == sorted(committed | aborted)

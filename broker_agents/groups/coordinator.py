@@ -36,6 +36,14 @@ Theory of operation (``docs/groups.md`` has the full text):
   in one ZooKeeper transaction per group (state version checked, one znode per topic) and only
   then answers them. Commits that arrive while a write is in flight wait for the next one, so
   the ZooKeeper write rate is bounded by the flush rate, not by the commit rate.
+* **Transactional offsets** (``TxnOffsetCommit``, ``docs/transactions.md``) are checked like
+  commits, then parked per producer id in ``/groups/<g>/txn`` (written before answering) until
+  the transaction coordinator's marker comes: commit moves them into the committed offsets
+  and clears them in one ``multi``, abort clears them. Markers carry a token; one not newer
+  than the last applied for the producer is a retry (answered, nothing done). While a
+  partition has parked offsets, an offset fetch with ``require_stable`` answers
+  ``UNSTABLE_OFFSET_COMMIT`` (retriable) for it (KIP-447): a new owner of the partition never
+  starts from an offset a transaction in flight is about to move.
 """
 
 from __future__ import annotations
@@ -57,19 +65,25 @@ from storage.errors import (
     IllegalGenerationError,
     InconsistentFilterError,
     InconsistentGroupProtocolError,
+    InvalidProducerEpochError,
     InvalidRequestError,
     InvalidSessionTimeoutError,
     MetadataError,
     NotCoordinatorError,
+    ProducerFencedError,
     RebalanceInProgressError,
     StrataError,
+    TransactionCoordinatorFencedError,
     UnknownMemberIdError,
+    UnstableOffsetCommitError,
 )
 from storage.metadata.groups import (
     CommittedOffset,
     GroupRecord,
     GroupStore,
+    GroupTxnState,
     MemberRecord,
+    PendingTxnOffsets,
     TopicOffsets,
     b64,
     unb64,
@@ -82,6 +96,10 @@ if TYPE_CHECKING:
     from storage.metadata import AsyncZooKeeper
 
 log = logging.getLogger(__name__)
+
+
+#: a producer's last marker token is kept this long after it was applied
+TOKEN_RETENTION_MS = 7 * 24 * 3600 * 1000
 
 
 def coordinator_for(group_id: str, live_agents: Iterable[int]) -> int | None:
@@ -147,6 +165,13 @@ class Group:
     join_deadline: float = 0.0  # PREPARING_REBALANCE: when laggards are dropped
     join_ready_at: float = 0.0  # PREPARING_REBALANCE: initial rebalance delay
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one ZooKeeper write at a time
+    #: transactional offsets not yet settled, marker tokens (``/groups/<g>/txn``) and version
+    txn: GroupTxnState = field(default_factory=lambda: GroupTxnState({}, {}))
+    txn_version: int = -1
+
+    def unstable(self) -> set[tuple[str, int]]:
+        """Partitions with transactional offsets waiting for their transaction's marker."""
+        return {tp for p in self.txn.pending.values() for tp in p.offsets}
 
     def static(self, instance_id: str | None) -> Member | None:
         if instance_id is None:
@@ -248,9 +273,10 @@ class GroupCoordinator:
     async def _load(self, group_id: str) -> Group:
         try:
             record, version = await self.store.get_state(group_id)
+            txn, txn_version = await self.store.get_txn(group_id)
         except MetadataError as exc:
             raise CoordinatorNotAvailableError(f"cannot load group {group_id!r}: {exc}") from exc
-        group = Group(group_id, version=version)
+        group = Group(group_id, version=version, txn=txn, txn_version=txn_version)
         now = self.clock()
         if record is not None:
             group.generation = record.generation
@@ -745,6 +771,7 @@ class GroupCoordinator:
                 wanted = {t: None for t in await self.store.topics(group.group_id)}
             else:
                 wanted = {t.name: t.partitions for t in req.topics}
+            unstable = group.unstable() if req.require_stable else set()
             topics = []
             for topic, partitions in wanted.items():
                 offsets, _ = await self.store.get_offsets(group.group_id, topic)
@@ -752,6 +779,10 @@ class GroupCoordinator:
                 results = []
                 for p in parts:
                     c = offsets.get(p)
+                    if (topic, p) in unstable:
+                        code = UnstableOffsetCommitError.code
+                        results.append(m.OffsetFetchPartitionResult(p, -1, None, code))
+                        continue
                     results.append(
                         m.OffsetFetchPartitionResult(p, -1, None, 0)
                         if c is None
@@ -802,6 +833,120 @@ class GroupCoordinator:
             out.append((group_id, (record.protocol_type if record else None) or ""))
         return out
 
+    # ---- transactional offsets --------------------------------------------------------------
+    async def txn_offset_commit(self, req: m.TxnOffsetCommitRequest) -> m.TxnOffsetCommitResponse:
+        """Park a transaction's offsets until its marker (checked like a commit: generation,
+        member; a producer epoch older than the one parked is fenced)."""
+        error = 0
+        try:
+            group = await self._group(req.group_id)
+            if req.generation_id < 0 and not req.member_id:
+                if group.members:
+                    raise IllegalGenerationError(
+                        f"group {group.group_id!r} has members: commit with the consumer's"
+                        " group metadata"
+                    )
+            else:
+                self._member(group, req.member_id, req.group_instance_id, req.generation_id)
+                if group.phase == Phase.COMPLETING_REBALANCE:
+                    raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            now_ms = int(time.time() * 1000)
+            offsets = {
+                (t.name, p.partition): CommittedOffset(p.offset, p.metadata, now_ms)
+                for t in req.topics
+                for p in t.partitions
+            }
+            async with group.lock:
+                before = group.txn.pending.get(req.producer_id)
+                if before is not None and before.producer_epoch > req.producer_epoch:
+                    raise ProducerFencedError(
+                        f"producer {req.producer_id} epoch {req.producer_epoch} is fenced in"
+                        f" group {group.group_id!r} (epoch {before.producer_epoch} parked)"
+                    )
+                merged = dict(before.offsets) if before is not None else {}
+                merged.update(offsets)
+                pending = dict(group.txn.pending)
+                pending[req.producer_id] = PendingTxnOffsets(req.producer_epoch, merged)
+                await self._write_txn(group, GroupTxnState(pending, dict(group.txn.tokens)), {})
+            self.commits_received += len(offsets)
+        except StrataError as exc:
+            error = exc.code
+        return m.TxnOffsetCommitResponse(
+            [
+                m.OffsetCommitTopicResult(
+                    t.name,
+                    [m.OffsetCommitPartitionResult(p.partition, error) for p in t.partitions],
+                )
+                for t in req.topics
+            ]
+        )
+
+    async def txn_marker(self, group_id: str, marker: m.TxnMarker) -> int:
+        """A transaction's marker for this group: commit or drop its parked offsets. Returns
+        the wire code (0 when applied now or before)."""
+        try:
+            group = await self._group(group_id)
+            pid = marker.producer_id
+            async with group.lock:
+                token = group.txn.tokens.get(pid, (-1, 0))[0]
+                if token > marker.coordinator_epoch:
+                    raise TransactionCoordinatorFencedError(
+                        f"group {group_id!r} applied a newer decision of producer {pid}"
+                    )
+                if token == marker.coordinator_epoch:
+                    return 0
+                parked = group.txn.pending.get(pid)
+                if parked is not None and parked.producer_epoch > marker.producer_epoch:
+                    raise InvalidProducerEpochError(
+                        f"group {group_id!r} has offsets of a newer epoch of producer {pid}"
+                    )
+                pending = {k: v for k, v in group.txn.pending.items() if k != pid}
+                now_ms = int(time.time() * 1000)
+                tokens = {
+                    k: v for k, v in group.txn.tokens.items() if now_ms - v[1] < TOKEN_RETENTION_MS
+                }
+                tokens[pid] = (marker.coordinator_epoch, now_ms)
+                changes: dict[str, dict[int, CommittedOffset]] = {}
+                if marker.committed and parked is not None:
+                    for (topic, p), c in parked.offsets.items():
+                        changes.setdefault(topic, {})[p] = c
+                await self._write_txn(group, GroupTxnState(pending, tokens), changes)
+            return 0
+        except StrataError as exc:
+            return exc.code
+
+    async def _write_txn(
+        self,
+        group: Group,
+        state: GroupTxnState,
+        changes: dict[str, dict[int, CommittedOffset]],
+    ) -> None:
+        """Write the group's transactional state, and with it ``changes`` to the committed
+        offsets, in one ZooKeeper transaction (``group.lock`` held)."""
+        try:
+            writes: dict[str, tuple[TopicOffsets, int]] = {}
+            for topic, more in changes.items():
+                cached = group.offsets.get(topic)
+                if cached is None:
+                    cached = await self.store.get_offsets(group.group_id, topic)
+                writes[topic] = ({**cached[0], **more}, cached[1])
+            versions = await self.store.write_offsets(
+                group.group_id,
+                writes,
+                state_version=group.version,
+                txn=(state, group.txn_version),
+            )
+        except MetadataError as exc:
+            group.offsets.clear()
+            self._unload(group, NotCoordinatorError(f"group {group.group_id!r}: {exc}"))
+            raise NotCoordinatorError(
+                f"group {group.group_id!r}: transactional offsets not written ({exc})"
+            ) from exc
+        self.zk_offset_writes += 1
+        group.txn, group.txn_version = state, versions[""]
+        for topic, (offsets, _) in writes.items():
+            group.offsets[topic] = (offsets, versions[topic])
+
     def handlers(self) -> dict[int, Any]:
         return {
             m.ApiKey.FIND_COORDINATOR: self.find_coordinator,
@@ -811,6 +956,7 @@ class GroupCoordinator:
             m.ApiKey.LEAVE_GROUP: self.leave_group,
             m.ApiKey.OFFSET_COMMIT: self.offset_commit,
             m.ApiKey.OFFSET_FETCH: self.offset_fetch,
+            m.ApiKey.TXN_OFFSET_COMMIT: self.txn_offset_commit,
         }
 
     async def close(self) -> None:

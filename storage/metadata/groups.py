@@ -5,6 +5,8 @@ Layout (under the cluster's chroot; see ``docs/groups.md``)::
     /groups/<group>/state             GroupRecord (JSON): generation, phase, protocol, leader,
                                       members with their subscription and assignment
     /groups/<group>/offsets/<topic>   {"<partition>": [offset, metadata, commit_ms], ...}
+    /groups/<group>/txn               transactional offsets not yet settled, and the last
+                                      marker token applied per producer (GroupTxnState)
 
 Only the group's coordinator writes ``state`` (compare-and-set on the znode version, so a
 coordinator that lost the group to another agent cannot overwrite it) and ``offsets``: one
@@ -12,6 +14,10 @@ coordinator that lost the group to another agent cannot overwrite it) and ``offs
 znode that has new commits. Coalescing many commits into one transaction is what keeps the
 write rate ZooKeeper sees far below the commit rate (``docs/benchmarks.md``). The admin API
 writes here only for groups without members (reset offsets, delete).
+
+Transactional offsets (``TxnOffsetCommit``, ``docs/transactions.md``) are parked in ``txn``
+until the transaction's marker arrives: a commit marker moves them into ``offsets`` and
+clears them in one ``multi``; an abort marker clears them.
 
 Offsets are plain JSON arrays rather than pydantic models: a 1,000-partition topic is one
 ~40 KB znode, rewritten on every flush that touches it.
@@ -63,6 +69,10 @@ def offsets_root(group_id: str) -> str:
 
 def offsets_path(group_id: str, topic: str) -> str:
     return f"{GROUPS}/{group_id}/offsets/{topic}"
+
+
+def txn_path(group_id: str) -> str:
+    return f"{GROUPS}/{group_id}/txn"
 
 
 class MemberRecord(BaseModel):
@@ -127,6 +137,60 @@ def decode_offsets(data: bytes) -> TopicOffsets:
         return {int(p): CommittedOffset(int(v[0]), v[1], int(v[2])) for p, v in raw.items()}
     except (ValueError, TypeError, IndexError, AttributeError) as exc:
         raise InvalidRequestError(f"stored offsets do not parse: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class PendingTxnOffsets:
+    """A producer's transactional offsets in a group, waiting for its transaction's marker."""
+
+    producer_epoch: int
+    offsets: dict[tuple[str, int], CommittedOffset]
+
+
+@dataclass(slots=True)
+class GroupTxnState:
+    """``/groups/<group>/txn``: pending transactional offsets per producer id, and per
+    producer id the last marker token applied (with when, to forget old ones)."""
+
+    pending: dict[int, PendingTxnOffsets]
+    tokens: dict[int, tuple[int, int]]  # producer id -> (token, ms)
+
+    def encode(self) -> bytes:
+        return json.dumps(
+            {
+                "pending": {
+                    str(pid): [
+                        p.producer_epoch,
+                        [
+                            [t, part, c.offset, c.metadata, c.commit_ms]
+                            for (t, part), c in p.offsets.items()
+                        ],
+                    ]
+                    for pid, p in self.pending.items()
+                },
+                "tokens": {str(pid): list(v) for pid, v in self.tokens.items()},
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    @classmethod
+    def decode(cls, data: bytes) -> GroupTxnState:
+        try:
+            raw = json.loads(data) if data else {}
+            pending = {
+                int(pid): PendingTxnOffsets(
+                    int(v[0]),
+                    {
+                        (str(t), int(p)): CommittedOffset(int(o), md, int(ms))
+                        for t, p, o, md, ms in v[1]
+                    },
+                )
+                for pid, v in raw.get("pending", {}).items()
+            }
+            tokens = {int(pid): (int(v[0]), int(v[1])) for pid, v in raw.get("tokens", {}).items()}
+        except (ValueError, TypeError, IndexError, AttributeError) as exc:
+            raise InvalidRequestError(f"stored transactional offsets do not parse: {exc}") from None
+        return cls(pending, tokens)
 
 
 class GroupStore:
@@ -199,9 +263,12 @@ class GroupStore:
         writes: dict[str, tuple[TopicOffsets, int]],
         *,
         state_version: int | None = None,
+        txn: tuple[GroupTxnState, int] | None = None,
     ) -> dict[str, int]:
         """One transaction: check the state version (unless None), then create or
-        compare-and-set every topic's offsets znode. Returns the new versions."""
+        compare-and-set every topic's offsets znode (and with ``txn``, the transactional
+        offsets znode at its version; -1: create). Returns the new versions (the txn
+        znode's under the key ``""``)."""
         if state_version is not None and state_version < 0:
             state_version = None
         if await self.zk.exists(offsets_root(group_id)) is None:
@@ -216,9 +283,25 @@ class GroupStore:
                     tx.create(offsets_path(group_id, topic), data)
                 else:
                     tx.set_data(offsets_path(group_id, topic), data, version)
+            if txn is not None:
+                if txn[1] < 0:
+                    tx.create(txn_path(group_id), txn[0].encode())
+                else:
+                    tx.set_data(txn_path(group_id), txn[0].encode(), txn[1])
 
         await self.zk.transaction(build)
-        return {topic: version + 1 for topic, (_, version) in writes.items()}
+        out = {topic: version + 1 for topic, (_, version) in writes.items()}
+        if txn is not None:
+            out[""] = txn[1] + 1
+        return out
+
+    async def get_txn(self, group_id: str) -> tuple[GroupTxnState, int]:
+        """The group's transactional offsets state and its version (empty, -1: none)."""
+        try:
+            data, stat = await self.zk.get(txn_path(group_id))
+        except NodeNotFoundError:
+            return GroupTxnState({}, {}), -1
+        return GroupTxnState.decode(data), int(stat.version)
 
     async def delete_group(self, group_id: str) -> None:
         if not await self.exists(group_id):

@@ -10,6 +10,7 @@ Everything lives under one chroot per cluster (part of the connect string, e.g.
     /topics/<name>/partitions/<p>/state    persistent PartitionState (controller writes, CAS)
     /topics/<name>/partitions/<p>/segments persistent segment manifest (tiering issue)
     /groups/<group>/...                    consumer groups (groups issue)
+    /transactions/<transactional.id>       transaction coordinators' state (docs/transactions.md)
 
 Writers never blindly overwrite: a partition state or topic spec change reads the znode
 version and writes with it, so two controllers (or two admins) racing cannot both win.
@@ -36,6 +37,7 @@ from storage.metadata.models import (
     load,
     validate_topic_name,
 )
+from storage.metadata.transactions import TRANSACTIONS
 from storage.metadata.zk import AsyncZooKeeper
 
 AGENTS = "/agents"
@@ -71,7 +73,7 @@ class MetadataStore:
 
     async def init(self) -> None:
         """Create the fixed top-level nodes (idempotent)."""
-        for path in (AGENTS, TOPICS, GROUPS):
+        for path in (AGENTS, TOPICS, GROUPS, TRANSACTIONS):
             await self.zk.ensure_path(path)
 
     # ---- agents -------------------------------------------------------------------------

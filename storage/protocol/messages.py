@@ -43,12 +43,22 @@ class ApiKey(enum.IntEnum):
     HEARTBEAT = 12
     LEAVE_GROUP = 13
     SYNC_GROUP = 14
+    # transactions: Kafka's key numbers (docs/transactions.md)
+    INIT_PRODUCER_ID = 22
     OFFSET_FOR_LEADER_EPOCH = 23
+    ADD_PARTITIONS_TO_TXN = 24
+    ADD_OFFSETS_TO_TXN = 25
+    END_TXN = 26
+    WRITE_TXN_MARKERS = 27
+    TXN_OFFSET_COMMIT = 28
 
 
 LATEST_TIMESTAMP = -1
 EARLIEST_TIMESTAMP = -2
 CONSUMER_REPLICA_ID = -1
+#: Fetch / ListOffsets ``isolation_level``
+READ_UNCOMMITTED = 0
+READ_COMMITTED = 1
 
 
 # ---- ApiVersions ------------------------------------------------------------------------------
@@ -240,6 +250,18 @@ class BatchSelection(Message):
 
 
 @dataclass(slots=True)
+class AbortedTransaction(Message):
+    """An aborted transaction with batches in a read_committed fetch's range: the batches of
+    ``producer_id`` with the transactional bit and a base offset in ``[first_offset,
+    last_offset)`` are dropped by the consumer (``last_offset`` is the abort marker's)."""
+
+    producer_id: int
+    first_offset: int
+    last_offset: int
+    SCHEMA = (("producer_id", INT64), ("first_offset", INT64), ("last_offset", INT64))
+
+
+@dataclass(slots=True)
 class FetchPartitionResult(Message):
     partition: int
     error_code: int
@@ -252,6 +274,10 @@ class FetchPartitionResult(Message):
     # records before it are consumed); -1 for an unfiltered fetch
     next_offset: int = -1
     selections: list[BatchSelection] | None = None  # the mixed batches' matching records
+    # read_committed: records are below it (the first offset of the oldest open transaction)
+    last_stable_offset: int = -1
+    # read_committed: the aborted transactions with batches in ``records``
+    aborted_transactions: list[AbortedTransaction] | None = None
     SCHEMA = (
         ("partition", INT32),
         ("error_code", INT16),
@@ -262,6 +288,8 @@ class FetchPartitionResult(Message):
         ("records", BYTES),
         ("next_offset", INT64),
         ("selections", Array(struct_of(BatchSelection))),
+        ("last_stable_offset", INT64),
+        ("aborted_transactions", Array(struct_of(AbortedTransaction))),
     )
 
 
@@ -296,7 +324,8 @@ class ListOffsetsTopic(Message):
 @dataclass(slots=True)
 class ListOffsetsRequest(Message):
     topics: list[ListOffsetsTopic]
-    SCHEMA = (("topics", Array(struct_of(ListOffsetsTopic))),)
+    isolation_level: int = READ_UNCOMMITTED  # READ_COMMITTED: "latest" is the LSO
+    SCHEMA = (("topics", Array(struct_of(ListOffsetsTopic))), ("isolation_level", INT8))
 
 
 @dataclass(slots=True)
@@ -390,10 +419,15 @@ NO_GENERATION = -1
 CONSUMER_PROTOCOL_TYPE = "consumer"
 
 
+COORDINATOR_GROUP = 0
+COORDINATOR_TRANSACTION = 1
+
+
 @dataclass(slots=True)
 class FindCoordinatorRequest(Message):
-    key: str  # the group id
-    SCHEMA = (("key", STRING),)
+    key: str  # the group id, or the transactional.id
+    key_type: int = COORDINATOR_GROUP  # COORDINATOR_GROUP / COORDINATOR_TRANSACTION
+    SCHEMA = (("key", STRING), ("key_type", INT8))
 
 
 @dataclass(slots=True)
@@ -588,7 +622,14 @@ class OffsetFetchTopic(Message):
 class OffsetFetchRequest(Message):
     group_id: str
     topics: list[OffsetFetchTopic] | None  # None = every committed partition
-    SCHEMA = (("group_id", STRING), ("topics", Array(struct_of(OffsetFetchTopic))))
+    # 1: a partition with a transaction's offsets not yet settled answers
+    # UNSTABLE_OFFSET_COMMIT (retriable) instead of the last committed offset (KIP-447)
+    require_stable: int = 0
+    SCHEMA = (
+        ("group_id", STRING),
+        ("topics", Array(struct_of(OffsetFetchTopic))),
+        ("require_stable", INT8),
+    )
 
 
 @dataclass(slots=True)
@@ -617,6 +658,218 @@ class OffsetFetchResponse(Message):
     error_code: int
     topics: list[OffsetFetchTopicResult]
     SCHEMA = (("error_code", INT16), ("topics", Array(struct_of(OffsetFetchTopicResult))))
+
+
+# ---- Transactions (docs/transactions.md) -------------------------------------------------------
+# Producer side: InitProducerId, AddPartitionsToTxn, AddOffsetsToTxn and EndTxn go to the
+# transaction coordinator (FindCoordinator with key_type 1), TxnOffsetCommit to the group's
+# coordinator. WriteTxnMarkers is sent by a transaction coordinator to partition leaders and
+# group coordinators.
+NO_PRODUCER_ID = -1
+NO_PRODUCER_EPOCH = -1
+
+
+@dataclass(slots=True)
+class InitProducerIdRequest(Message):
+    transactional_id: str | None
+    transaction_timeout_ms: int
+    # the producer's current id and epoch after an abortable error (-1: a new session)
+    producer_id: int = NO_PRODUCER_ID
+    producer_epoch: int = NO_PRODUCER_EPOCH
+    SCHEMA = (
+        ("transactional_id", STRING),
+        ("transaction_timeout_ms", INT32),
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+    )
+
+
+@dataclass(slots=True)
+class InitProducerIdResponse(Message):
+    error_code: int
+    producer_id: int
+    producer_epoch: int
+    error_message: str | None = None
+    SCHEMA = (
+        ("error_code", INT16),
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+        ("error_message", STRING),
+    )
+
+
+@dataclass(slots=True)
+class TxnTopic(Message):
+    name: str
+    partitions: list[int]
+    SCHEMA = (("name", STRING), ("partitions", Array(INT32)))
+
+
+@dataclass(slots=True)
+class AddPartitionsToTxnRequest(Message):
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+    topics: list[TxnTopic]
+    SCHEMA = (
+        ("transactional_id", STRING),
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+        ("topics", Array(struct_of(TxnTopic))),
+    )
+
+
+@dataclass(slots=True)
+class TxnPartitionResult(Message):
+    partition: int
+    error_code: int
+    SCHEMA = (("partition", INT32), ("error_code", INT16))
+
+
+@dataclass(slots=True)
+class TxnTopicResult(Message):
+    name: str
+    partitions: list[TxnPartitionResult]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(TxnPartitionResult))))
+
+
+@dataclass(slots=True)
+class AddPartitionsToTxnResponse(Message):
+    error_code: int  # for the whole request; the partitions' codes say the same
+    topics: list[TxnTopicResult]
+    error_message: str | None = None
+    SCHEMA = (
+        ("error_code", INT16),
+        ("topics", Array(struct_of(TxnTopicResult))),
+        ("error_message", STRING),
+    )
+
+
+@dataclass(slots=True)
+class AddOffsetsToTxnRequest(Message):
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+    group_id: str
+    SCHEMA = (
+        ("transactional_id", STRING),
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+        ("group_id", STRING),
+    )
+
+
+@dataclass(slots=True)
+class AddOffsetsToTxnResponse(Message):
+    error_code: int
+    error_message: str | None = None
+    SCHEMA = (("error_code", INT16), ("error_message", STRING))
+
+
+@dataclass(slots=True)
+class EndTxnRequest(Message):
+    transactional_id: str
+    producer_id: int
+    producer_epoch: int
+    committed: int  # 1 commit, 0 abort
+    SCHEMA = (
+        ("transactional_id", STRING),
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+        ("committed", INT8),
+    )
+
+
+@dataclass(slots=True)
+class EndTxnResponse(Message):
+    error_code: int
+    # the producer's id and epoch for its next transaction (an abort bumps the epoch)
+    producer_id: int
+    producer_epoch: int
+    error_message: str | None = None
+    SCHEMA = (
+        ("error_code", INT16),
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+        ("error_message", STRING),
+    )
+
+
+@dataclass(slots=True)
+class TxnMarker(Message):
+    producer_id: int
+    producer_epoch: int
+    committed: int  # 1 commit, 0 abort
+    coordinator_epoch: int  # the decision's token (docs/transactions.md)
+    topics: list[TxnTopic]
+    groups: list[str]  # groups whose transactional offsets the transaction commits or drops
+    SCHEMA = (
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+        ("committed", INT8),
+        ("coordinator_epoch", INT32),
+        ("topics", Array(struct_of(TxnTopic))),
+        ("groups", Array(STRING)),
+    )
+
+
+@dataclass(slots=True)
+class WriteTxnMarkersRequest(Message):
+    markers: list[TxnMarker]
+    SCHEMA = (("markers", Array(struct_of(TxnMarker))),)
+
+
+@dataclass(slots=True)
+class TxnGroupResult(Message):
+    group_id: str
+    error_code: int
+    SCHEMA = (("group_id", STRING), ("error_code", INT16))
+
+
+@dataclass(slots=True)
+class TxnMarkerResult(Message):
+    producer_id: int
+    topics: list[TxnTopicResult]
+    groups: list[TxnGroupResult]
+    SCHEMA = (
+        ("producer_id", INT64),
+        ("topics", Array(struct_of(TxnTopicResult))),
+        ("groups", Array(struct_of(TxnGroupResult))),
+    )
+
+
+@dataclass(slots=True)
+class WriteTxnMarkersResponse(Message):
+    markers: list[TxnMarkerResult]
+    SCHEMA = (("markers", Array(struct_of(TxnMarkerResult))),)
+
+
+@dataclass(slots=True)
+class TxnOffsetCommitRequest(Message):
+    transactional_id: str
+    group_id: str
+    producer_id: int
+    producer_epoch: int
+    generation_id: int  # the consumer's group metadata (NO_GENERATION: outside the group)
+    member_id: str
+    group_instance_id: str | None
+    topics: list[OffsetCommitTopic]
+    SCHEMA = (
+        ("transactional_id", STRING),
+        ("group_id", STRING),
+        ("producer_id", INT64),
+        ("producer_epoch", INT16),
+        ("generation_id", INT32),
+        ("member_id", STRING),
+        ("group_instance_id", STRING),
+        ("topics", Array(struct_of(OffsetCommitTopic))),
+    )
+
+
+@dataclass(slots=True)
+class TxnOffsetCommitResponse(Message):
+    topics: list[OffsetCommitTopicResult]
+    SCHEMA = (("topics", Array(struct_of(OffsetCommitTopicResult))),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -648,5 +901,11 @@ APIS: dict[int, Api] = {
             OffsetForLeaderEpochRequest,
             OffsetForLeaderEpochResponse,
         ),
+        Api(ApiKey.INIT_PRODUCER_ID, InitProducerIdRequest, InitProducerIdResponse),
+        Api(ApiKey.ADD_PARTITIONS_TO_TXN, AddPartitionsToTxnRequest, AddPartitionsToTxnResponse),
+        Api(ApiKey.ADD_OFFSETS_TO_TXN, AddOffsetsToTxnRequest, AddOffsetsToTxnResponse),
+        Api(ApiKey.END_TXN, EndTxnRequest, EndTxnResponse),
+        Api(ApiKey.WRITE_TXN_MARKERS, WriteTxnMarkersRequest, WriteTxnMarkersResponse),
+        Api(ApiKey.TXN_OFFSET_COMMIT, TxnOffsetCommitRequest, TxnOffsetCommitResponse),
     )
 }

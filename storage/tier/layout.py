@@ -4,6 +4,7 @@ A sealed segment is uploaded as one object::
 
     data      the segment's record batches, byte for byte as in the local ``.log`` file
     index     n x ENTRY (uint32 rel_offset, uint32 position, int64 max_timestamp_before)
+    aborted   version 2 only: m x ABORTED (int64 producer_id, int64 first, int64 end)
     trailer   TRAILER, 88 bytes, always last
 
 ``index`` has the WAL's sparse-index semantics (``storage.wal.index``): one entry for the
@@ -12,13 +13,22 @@ entry's ``max_timestamp_before`` is the largest timestamp of every batch before 
 binary search finds where offset ``o`` starts and another where the first record with
 timestamp >= ``t`` can start; a reader then range-reads ``data`` from that position.
 
+``aborted`` (footer version 2; a segment without aborted transactions is written as version
+1, byte for byte as before transactions existed) lists the aborted transactions with batches
+in the segment: their producer id and the range ``[first, end)`` of their offsets *inside
+this segment* (clipped to it; ``end`` is the abort marker's offset when the marker is here). A segment is uploaded only once every transaction with data in
+it has ended (the partition's last stable offset is past its end), so the list is final and
+a reader of this one object — replay, Spark, the agent serving an old offset — drops the
+aborted batches (transactional batches of a listed producer inside a listed range) without
+looking anywhere else. Control batches (markers) are recognised by their header bit.
+
 A reader that knows ``data_length`` (the manifest says it) fetches index + trailer with one
 ranged GET (``bytes=data_length-``); one that knows nothing fetches the last 88 bytes
 (``bytes=-88``), then the index. The trailer::
 
     offset size field
          0    4 magic b"STSG"
-         4    2 version (1)
+         4    2 version (1; 2 with an aborted list)
          6    2 reserved, zero
          8    8 base_offset       first offset in the segment
         16    8 next_offset       last offset + 1
@@ -31,8 +41,8 @@ ranged GET (``bytes=data_length-``); one that knows nothing fetches the last 88 
         64    4 index_count       entries in the index
         68    4 index_interval    bytes of data between index entries (at least)
         72    4 data_crc          CRC32C of data
-        76    4 index_crc         CRC32C of the index
-        80    4 reserved, zero
+        76    4 index_crc         CRC32C of the index (version 2: of index + aborted list)
+        80    4 aborted_count     version 2: entries in the aborted list; version 1: zero
         84    4 trailer_crc       CRC32C of trailer bytes [0, 84)
 
 All integers little-endian. Every batch keeps its own CRC32C (``docs/format.md``), so a range
@@ -53,7 +63,7 @@ from __future__ import annotations
 import bisect
 import struct
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,10 +72,15 @@ from storage.crc import crc32c
 from storage.errors import CorruptSegmentError, StrataError
 
 ENTRY = struct.Struct("<IIq")
-TRAILER = struct.Struct("<4sHHqqiIqqqqIIII4xI")
+ABORTED = struct.Struct("<qqq")
+TRAILER = struct.Struct("<4sHHqqiIqqqqIIIIII")
 TRAILER_SIZE = TRAILER.size  # 88
 MAGIC = b"STSG"
 VERSION = 1
+#: the footer version with an aborted-transaction list
+VERSION_ABORTED = 2
+#: at most this many aborted transactions are listed per segment object
+MAX_ABORTED = 1 << 20
 DEFAULT_INDEX_INTERVAL = 64 * 1024
 NO_TIMESTAMP = -(1 << 63)
 _CRC_COVERED = TRAILER_SIZE - 4
@@ -88,6 +103,9 @@ class Footer:
     rels: array[int]
     positions: array[int]
     max_ts_before: array[int]
+    #: aborted transactions with batches here: (producer id, first offset, end offset), the
+    #: range half-open and clipped to the segment, sorted
+    aborted: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def last_offset(self) -> int:
@@ -95,7 +113,7 @@ class Footer:
 
     @property
     def footer_length(self) -> int:
-        return len(self.rels) * ENTRY.size + TRAILER_SIZE
+        return len(self.rels) * ENTRY.size + len(self.aborted) * ABORTED.size + TRAILER_SIZE
 
     def position_for_offset(self, offset: int) -> int:
         """Byte position (in data) of an indexed batch at or before ``offset``."""
@@ -114,12 +132,19 @@ class Footer:
 
 
 def build_footer(
-    data: Any, *, interval: int = DEFAULT_INDEX_INTERVAL, data_crc: int | None = None
+    data: Any,
+    *,
+    interval: int = DEFAULT_INDEX_INTERVAL,
+    data_crc: int | None = None,
+    aborted: Sequence[tuple[int, int, int]] = (),
 ) -> bytes:
-    """The footer (index + trailer) for ``data``, a segment's batches end to end.
+    """The footer (index + aborted list + trailer) for ``data``, a segment's batches end to end.
 
-    Walks the batch headers once (no per-record work). Raises ``CorruptBatchError`` if
-    ``data`` is not whole batches with contiguous offsets.
+    ``aborted``: (producer id, first offset, end offset — the abort marker's) of the aborted
+    transactions; those with batches in the segment are clipped to it, sorted, and make the
+    footer version 2. Walks the batch
+    headers once (no per-record work). Raises ``CorruptBatchError`` if ``data`` is not whole
+    batches with contiguous offsets.
     """
     from storage.errors import CorruptBatchError
 
@@ -150,10 +175,17 @@ def build_footer(
         next_offset = h.next_offset
     if count == 0:
         raise CorruptBatchError("a segment object needs at least one batch")
-    index = bytes(entries)
+    clipped = sorted(
+        (pid, max(first, base), min(end, next_offset))
+        for pid, first, end in aborted
+        if max(first, base) < min(end, next_offset)
+    )
+    if len(clipped) > MAX_ABORTED:
+        raise CorruptBatchError(f"{len(clipped)} aborted transactions in one segment")
+    index = bytes(entries) + b"".join(ABORTED.pack(*e) for e in clipped)
     head = TRAILER.pack(
         MAGIC,
-        VERSION,
+        VERSION_ABORTED if clipped else VERSION,
         0,
         base,
         next_offset,
@@ -163,19 +195,21 @@ def build_footer(
         size,
         first_ts,
         max_ts,
-        len(index) // ENTRY.size,
+        len(entries) // ENTRY.size,
         interval,
         crc32c(data) if data_crc is None else data_crc,
         crc32c(index),
+        len(clipped),
         0,
     )[:_CRC_COVERED]
     return index + head + struct.pack("<I", crc32c(head))
 
 
 def decode_trailer(buf: Any, *, where: str = "segment object") -> tuple[int, int, int]:
-    """(data_length, index_count, index_length) from the last 88 bytes of an object."""
+    """(data_length, index_count, bytes between the data and the trailer) from the last 88
+    bytes of an object (the index, and in version 2 the aborted list)."""
     t = _unpack_trailer(buf, where)
-    return t[8], t[11], t[11] * ENTRY.size
+    return t[8], t[11], t[11] * ENTRY.size + t[15] * ABORTED.size
 
 
 def _unpack_trailer(buf: Any, where: str) -> tuple[Any, ...]:
@@ -191,9 +225,16 @@ def _unpack_trailer(buf: Any, where: str) -> tuple[Any, ...]:
         raise CorruptSegmentError(f"bad trailer magic {t[0]!r}", path=where)
     if crc32c(raw[:_CRC_COVERED]) != t[-1]:
         raise CorruptSegmentError("trailer CRC mismatch", path=where)
-    if t[1] != VERSION:
+    if t[1] not in (VERSION, VERSION_ABORTED):
         raise CorruptSegmentError(f"unknown segment object version {t[1]}", path=where)
-    if t[3] < 0 or t[4] <= t[3] or t[8] <= 0 or t[6] <= 0:
+    if (
+        t[3] < 0
+        or t[4] <= t[3]
+        or t[8] <= 0
+        or t[6] <= 0
+        or (t[1] == VERSION and t[15] != 0)
+        or (t[1] == VERSION_ABORTED and not 0 < t[15] <= MAX_ABORTED)
+    ):
         raise CorruptSegmentError("impossible trailer fields", path=where)
     return t
 
@@ -207,14 +248,21 @@ def decode_footer(buf: Any, *, where: str = "segment object") -> Footer:
     t = _unpack_trailer(view, where)
     n = t[11]
     index_length = n * ENTRY.size
-    if n == 0 or view.nbytes < index_length + TRAILER_SIZE:
+    body_length = index_length + t[15] * ABORTED.size
+    if n == 0 or view.nbytes < body_length + TRAILER_SIZE:
         raise CorruptSegmentError(
-            f"footer needs {index_length + TRAILER_SIZE} bytes, got {view.nbytes}", path=where
+            f"footer needs {body_length + TRAILER_SIZE} bytes, got {view.nbytes}", path=where
         )
-    start = view.nbytes - TRAILER_SIZE - index_length
-    index = view[start : start + index_length]
-    if crc32c(index) != t[14]:
+    start = view.nbytes - TRAILER_SIZE - body_length
+    if crc32c(view[start : start + body_length]) != t[14]:
         raise CorruptSegmentError("index CRC mismatch", path=where)
+    index = view[start : start + index_length]
+    aborted = tuple(ABORTED.iter_unpack(view[start + index_length : start + body_length]))
+    if any(
+        e[0] < 0 or not t[3] <= e[1] < e[2] <= t[4] or (i and e < aborted[i - 1])
+        for i, e in enumerate(aborted)
+    ):
+        raise CorruptSegmentError("aborted transactions outside the segment", path=where)
     rels, positions, max_ts = array("I"), array("I"), array("q")
     for rel, pos, ts in ENTRY.iter_unpack(index):
         rels.append(rel)
@@ -240,6 +288,7 @@ def decode_footer(buf: Any, *, where: str = "segment object") -> Footer:
         rels=rels,
         positions=positions,
         max_ts_before=max_ts,
+        aborted=aborted,
     )
 
 

@@ -3,7 +3,7 @@
 It lives in ZooKeeper at ``/topics/<t>/partitions/<p>/segments`` as compact JSON::
 
     {"v": 1, "epoch": 7, "start": 1200, "end": 5400,
-     "segs": [[base, next, epoch, size, data_length, max_timestamp], ...]}
+     "segs": [[base, next, epoch, size, data_length, max_timestamp(, aborted)], ...]}
 
 * ``segs`` are contiguous and ascending: ``segs[0][0] == start`` (when non-empty),
   ``segs[i][1] == segs[i+1][0]``, ``segs[-1][1] == end``. ``start`` is the partition's log
@@ -13,6 +13,8 @@ It lives in ZooKeeper at ``/topics/<t>/partitions/<p>/segments`` as compact JSON
   transaction that also checks the version of the partition's state znode it read (which
   names it leader with that epoch) and the manifest's own version (compare-and-set). A deposed
   leader therefore cannot commit, and two commits of the same segment cannot both succeed.
+* ``aborted`` (present only when non-zero) counts the aborted transactions the segment
+  object's footer lists (``storage.tier.layout``): readers fetch that footer only then.
 * Entries are ~60 bytes, so ZooKeeper's 1 MB znode limit allows ~15,000 segments; a commit
   that would make the manifest larger than ``MAX_MANIFEST_BYTES`` is refused (uploads stall,
   producers get backpressure) — retention and larger segments keep it far below that.
@@ -42,6 +44,7 @@ class SegmentEntry:
     size: int  # object size (data + footer)
     data_length: int
     max_timestamp: int
+    aborted: int = 0  # aborted transactions listed in the object's footer
 
     @classmethod
     def of(cls, footer: Footer) -> SegmentEntry:
@@ -53,10 +56,11 @@ class SegmentEntry:
             footer.data_length + footer.footer_length,
             footer.data_length,
             footer.max_timestamp,
+            len(footer.aborted),
         )
 
     def as_list(self) -> list[int]:
-        return [
+        out = [
             self.base_offset,
             self.next_offset,
             self.leader_epoch,
@@ -64,6 +68,9 @@ class SegmentEntry:
             self.data_length,
             self.max_timestamp,
         ]
+        if self.aborted:
+            out.append(self.aborted)
+        return out
 
     def key(self, topic: str, topic_id: str, partition: int, prefix: str = "") -> str:
         return segment_key(
@@ -140,6 +147,8 @@ class Manifest:
             raw: Any = json.loads(data)
             if raw.get("v") != 1:
                 raise ValueError(f"unknown manifest version {raw.get('v')!r}")
+            if any(len(s) not in (6, 7) for s in raw["segs"]):
+                raise ValueError("a segment entry has 6 or 7 fields")
             segs = tuple(SegmentEntry(*(int(x) for x in s)) for s in raw["segs"])
             m = cls(int(raw["epoch"]), int(raw["start"]), int(raw["end"]), segs)
         except (ValueError, KeyError, TypeError, AttributeError) as exc:

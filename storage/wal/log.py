@@ -33,6 +33,10 @@ Theory of operation
   are never skipped silently.
 * **Reads** return whole batches as zero-copy slices of a segment's mmap, from the batch that
   holds the requested offset, at least one batch and otherwise at most ``max_bytes``.
+* **Transactions** (``storage.wal.txn``): every append (and the header walk at open) updates
+  the open transactions, the aborted-transaction index of each segment and the marker tokens;
+  ``last_stable_offset`` and ``aborted`` answer ``read_committed`` reads. A truncation rebuilds
+  them with one header walk (markers are the only batches decoded).
 
 Invariants: segment base offsets are strictly increasing and contiguous (each segment starts
 where the previous one ends); only the last segment is appended to; offsets in the log are
@@ -55,6 +59,7 @@ from typing import Any
 import numpy as np
 
 from storage.codec.batch import check_batch, decode_batch
+from storage.codec.control import read_marker
 from storage.codec.header import STAMP, BatchHeader
 from storage.config import FsyncPolicy, LogConfig
 from storage.errors import (
@@ -71,6 +76,7 @@ from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
 from storage.wal.index import SparseIndex
 from storage.wal.producers import ProducerStateTable
 from storage.wal.segment import INDEX_SUFFIX, LOG_SUFFIX, QUARANTINE_SUFFIX, Segment
+from storage.wal.txn import AbortedTxn, TransactionIndex
 
 Clock = Callable[[], float]  # seconds since the epoch
 
@@ -141,12 +147,18 @@ class PartitionLog:
         self.epochs: list[tuple[int, int]] = []
         #: idempotent producers' last batches (``storage.wal.producers``)
         self.producers = ProducerStateTable()
+        #: open and aborted transactions, the last stable offset (``storage.wal.txn``)
+        self.transactions = TransactionIndex()
         now = clock()
         for seg in segments:
-            for h, _ in seg.walk(0):
+            self.transactions.segment_started(seg.base_offset)
+            for h, pos in seg.walk(0):
                 if not self.epochs or self.epochs[-1][0] != h.leader_epoch:
                     self.epochs.append((h.leader_epoch, h.base_offset))
                 self.producers.update(h, now)  # a reopened log counts as activity
+                if h.is_transactional:
+                    marker = read_marker(seg.buffer(), pos, h) if h.is_control else None
+                    self.transactions.append(h, marker)
 
     # ---- opening -----------------------------------------------------------------------
     @classmethod
@@ -274,6 +286,7 @@ class PartitionLog:
             active.created_at = now  # a segment's age counts from its first batch
         base = active.next_offset
         view = memoryview(batch)
+        marker = read_marker(view, 0, h) if h.is_control else None
         stamped = dataclasses.replace(h, base_offset=base, leader_epoch=leader_epoch)
         try:
             active.append(
@@ -285,6 +298,8 @@ class PartitionLog:
         if not self.epochs or self.epochs[-1][0] != leader_epoch:
             self.epochs.append((leader_epoch, base))
         self.producers.update(stamped, now)
+        if h.is_transactional:
+            self.transactions.append(stamped, marker)
         return AppendInfo(base, stamped.last_offset, h.max_timestamp, h.size)
 
     def roll(self) -> Segment:
@@ -312,6 +327,7 @@ class PartitionLog:
         seg.created_at = self._clock()
         self._segments.append(seg)
         self._bases.append(base)
+        self.transactions.segment_started(base)
         self._dir_dirty = True
         return seg
 
@@ -400,6 +416,28 @@ class PartitionLog:
                     return h.base_offset + int(np.argmax(values >= timestamp))
         return None
 
+    # ---- transactions -------------------------------------------------------------------
+    def last_stable_offset(self, high_watermark: int) -> int:
+        """Where ``read_committed`` reads stop: the first offset of the oldest transaction
+        that is open or whose marker is not below ``high_watermark`` (else the watermark)."""
+        return max(
+            min(self.transactions.last_stable_offset(high_watermark), self.log_end_offset),
+            self.log_start_offset,
+        )
+
+    def aborted(self, start: int, end: int) -> list[AbortedTxn]:
+        """Aborted transactions with batches in ``[start, end)``."""
+        return self.transactions.aborted(start, end)
+
+    def _rebuild_transactions(self) -> None:
+        txns = TransactionIndex()
+        for seg in self._segments:
+            txns.segment_started(seg.base_offset)
+            for h, pos in seg.walk(0):
+                if h.is_transactional:
+                    txns.append(h, read_marker(seg.buffer(), pos, h) if h.is_control else None)
+        self.transactions = txns
+
     # ---- leader epochs ------------------------------------------------------------------
     @property
     def latest_epoch(self) -> int:
@@ -450,6 +488,7 @@ class PartitionLog:
         while self.epochs and self.epochs[-1][1] >= end:
             self.epochs.pop()
         self.producers.truncate(end)
+        self._rebuild_transactions()
         self.flushed_offset = min(self.flushed_offset, self.log_end_offset)
         return self.log_end_offset
 
@@ -470,6 +509,7 @@ class PartitionLog:
             deleted.append(seg.base_offset)
         if deleted:
             self._dir_dirty = True
+            self.transactions.drop_segments(deleted)
             # the leader-epoch cache keeps the last epoch that starts at or below the new log
             # start (it covers the first remaining batch) and drops the older ones
             keep = bisect.bisect_right(self.epochs, self.log_start_offset, key=lambda e: e[1]) - 1
@@ -503,6 +543,8 @@ class PartitionLog:
         self._bases.append(offset)
         self.epochs.clear()
         self.producers = ProducerStateTable()
+        self.transactions = TransactionIndex()  # nothing of the old segments is left
+        self.transactions.segment_started(offset)
         self.flushed_offset = offset
 
     # ---- closing -----------------------------------------------------------------------

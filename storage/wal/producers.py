@@ -19,6 +19,12 @@ Rules for a batch of producer ``p`` with epoch ``e`` and sequences ``[first, las
   offsets); ``first`` right after the last batch's ``last`` -> accepted; else
   ``OutOfOrderSequenceError``.
 
+Transaction markers (control batches, written by the coordinator) carry the producer's id and
+epoch but no sequence: a marker of a newer epoch starts that epoch with no batches (so the
+producer's next batch may start anywhere, and older epochs are refused from then on — that is
+how an aborting coordinator fences a zombie in every partition of its transaction); a marker
+of the current epoch leaves the sequences alone (they continue across transactions).
+
 The table is rebuilt from the batch headers of the local log when the log opens, trimmed
 when the log is truncated, and updated by every append, a leader's and a follower's alike
 (the headers are replicated with the batches, so a follower that becomes leader has the same
@@ -67,6 +73,9 @@ class _Producer:
         default_factory=lambda: deque(maxlen=DEDUP_WINDOW)
     )
     last_seen: float = 0.0
+    #: offset of the first batch or marker of this epoch here: the entry (which fences older
+    #: epochs even without batches) stays through truncations that keep it
+    epoch_start: int = -1
 
     @property
     def last_seq(self) -> int:
@@ -135,6 +144,12 @@ class ProducerStateTable:
             raise InvalidProducerEpochError(
                 f"producer {h.producer_id} sent epoch {h.producer_epoch}; this partition has "
                 f"seen epoch {entry.epoch}"
+                + (
+                    ": a newer producer with its transactional.id fenced it, or the coordinator"
+                    " aborted its transaction after transaction.timeout.ms"
+                    if h.is_transactional
+                    else ""
+                )
             )
         if h.producer_epoch > entry.epoch:
             if h.base_sequence != 0:
@@ -154,16 +169,25 @@ class ProducerStateTable:
             )
         return None
 
+    def epoch_of(self, producer_id: int) -> int | None:
+        """The latest epoch seen of ``producer_id`` (None: unknown here)."""
+        entry = self._producers.get(producer_id)
+        return None if entry is None else entry.epoch
+
     def update(self, h: BatchHeader, now: float) -> None:
         """Record an appended batch (``h`` as stored: with its base offset)."""
         pid = h.producer_id
         if pid < 0:
             return
         entry = self._producers.pop(pid, None)
-        if entry is None or h.producer_epoch != entry.epoch:
-            entry = _Producer(h.producer_epoch)
+        if h.is_control:  # a transaction marker: the epoch, no sequences
+            if entry is None or h.producer_epoch > entry.epoch:
+                entry = _Producer(h.producer_epoch, epoch_start=h.base_offset)
+        else:
+            if entry is None or h.producer_epoch != entry.epoch:
+                entry = _Producer(h.producer_epoch, epoch_start=h.base_offset)
+            entry.batches.append((h.base_sequence, last_sequence(h), h.base_offset, h.last_offset))
         self._producers[pid] = entry  # now the most recently used
-        entry.batches.append((h.base_sequence, last_sequence(h), h.base_offset, h.last_offset))
         entry.last_seen = now
         self._evict(now)
 
@@ -180,8 +204,9 @@ class ProducerStateTable:
         left without batches is forgotten: its next batch is accepted whatever its sequence,
         which is right, since its later batches are no longer stored."""
         for pid in list(self._producers):
-            batches = self._producers[pid].batches
+            entry = self._producers[pid]
+            batches = entry.batches
             while batches and batches[-1][2] >= end_offset:
                 batches.pop()
-            if not batches:
+            if entry.epoch_start >= end_offset or (not batches and entry.epoch_start < 0):
                 del self._producers[pid]

@@ -1,0 +1,370 @@
+"""Transaction markers: how a coordinator's decision reaches every partition and group.
+
+Two halves:
+
+* :class:`MarkerChannel` (the coordinator's side) delivers one transaction's decision —
+  producer id, epoch, commit or abort, and the decision's token (the coordinator epoch) — to
+  every partition leader and group coordinator of the transaction, with WriteTxnMarkers
+  requests. Markers waiting for the same agent travel in one request (one sender task per
+  destination agent takes everything queued for it), a marker for this agent itself is a
+  function call. Failures (a leader that moved, an agent that died, a deadline) are retried
+  with backoff until every participant has answered, for as long as this agent still
+  coordinates the transaction: the decision is in ZooKeeper, and a coordinator that takes
+  the id over finishes the job. A participant that answers that the marker is obsolete (the
+  partition has seen a newer epoch or token of the producer, or the topic is gone) counts as
+  done.
+* :class:`MarkerWriter` (every agent's WriteTxnMarkers handler) appends the marker to each
+  partition it leads — unless the partition already applied that token (a retry), answering
+  once the high watermark has passed the marker — and hands group markers to the group
+  coordinator, which commits or drops the transaction's offsets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from sdk.connection import Connection
+from storage.codec.control import encode_marker
+from storage.errors import (
+    InvalidProducerEpochError,
+    NetworkError,
+    NotCoordinatorError,
+    NotLeaderError,
+    RequestTimedOutError,
+    StrataError,
+    TransactionCoordinatorFencedError,
+)
+from storage.protocol import messages as m
+
+if TYPE_CHECKING:
+    from broker_agents.partitions import Partition, PartitionManager
+    from broker_agents.view import ClusterView
+    from storage.metadata import PartitionState
+
+log = logging.getLogger(__name__)
+
+LocalHandler = Callable[[m.WriteTxnMarkersRequest], Awaitable[m.WriteTxnMarkersResponse]]
+
+#: answers that mean "this marker is not needed here any more"
+_OBSOLETE = frozenset({0, InvalidProducerEpochError.code, TransactionCoordinatorFencedError.code})
+#: markers per WriteTxnMarkers request, at most
+MAX_MARKERS_PER_REQUEST = 500
+
+
+@dataclass(frozen=True, slots=True)
+class Marker:
+    """One transaction's decision and where it must go."""
+
+    producer_id: int
+    producer_epoch: int
+    commit: bool
+    coordinator_epoch: int
+    partitions: frozenset[tuple[str, int]]
+    groups: frozenset[str]
+
+
+class Routes(Protocol):
+    """Where the participants are, as this agent's watches see it."""
+
+    def leader_of(self, topic: str, partition: int) -> int | None: ...
+    def topic_exists(self, topic: str) -> bool: ...
+    def group_coordinator(self, group_id: str) -> int | None: ...
+    def address(self, agent_id: int) -> tuple[str, int] | None: ...
+
+
+class MarkerChannel:
+    def __init__(
+        self,
+        agent_id: int,
+        routes: Routes,
+        local: LocalHandler,
+        *,
+        request_timeout_s: float = 30.0,
+        backoff_s: tuple[float, float] = (0.02, 1.0),
+    ) -> None:
+        self.agent_id = agent_id
+        self.routes = routes
+        self.local = local
+        self.request_timeout = request_timeout_s
+        self.backoff = backoff_s
+        self._queues: dict[int, list[tuple[m.TxnMarker, asyncio.Future[m.TxnMarkerResult]]]] = {}
+        self._wakes: dict[int, asyncio.Event] = {}
+        self._connections: dict[int, Connection] = {}
+        self._tg: asyncio.TaskGroup | None = None
+        self.requests = 0  # WriteTxnMarkers requests sent (metrics)
+
+    async def run(self) -> None:
+        """The supervisor of the per-destination sender tasks (one per agent written to)."""
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                await asyncio.Event().wait()
+        finally:
+            self._tg = None
+            for conn in self._connections.values():
+                await conn.close()
+            self._connections.clear()
+
+    # ---- one transaction ------------------------------------------------------------------
+    async def write(self, marker: Marker, still_owner: Callable[[], bool]) -> None:
+        """Deliver ``marker`` to every participant; returns when all have it. Raises
+        ``NotCoordinatorError`` once ``still_owner()`` says the transaction moved."""
+        parts = set(marker.partitions)
+        groups = set(marker.groups)
+        attempt = 0
+        while parts or groups:
+            if not still_owner():
+                raise NotCoordinatorError("the transaction's coordinator moved")
+            by_agent: dict[int, tuple[dict[str, list[int]], list[str]]] = {}
+            for topic, index in sorted(parts):
+                if not self.routes.topic_exists(topic):
+                    log.info("marker for %s-%d dropped: the topic is gone", topic, index)
+                    parts.discard((topic, index))
+                    continue
+                leader = self.routes.leader_of(topic, index)
+                if leader is None or leader < 0:
+                    continue
+                by_agent.setdefault(leader, ({}, []))[0].setdefault(topic, []).append(index)
+            for group in sorted(groups):
+                agent = self.routes.group_coordinator(group)
+                if agent is not None:
+                    by_agent.setdefault(agent, ({}, []))[1].append(group)
+            sends = {
+                agent: asyncio.ensure_future(
+                    self._send(
+                        agent,
+                        m.TxnMarker(
+                            marker.producer_id,
+                            marker.producer_epoch,
+                            1 if marker.commit else 0,
+                            marker.coordinator_epoch,
+                            [m.TxnTopic(t, ps) for t, ps in topics.items()],
+                            gs,
+                        ),
+                    )
+                )
+                for agent, (topics, gs) in by_agent.items()
+            }
+            if sends:
+                await asyncio.wait(sends.values())
+            for agent, fut in sends.items():
+                exc = fut.exception()
+                if exc is not None:
+                    log.info("markers to agent %d failed: %s", agent, exc)
+                    continue
+                result = fut.result()
+                for t in result.topics:
+                    for r in t.partitions:
+                        if r.error_code in _OBSOLETE:
+                            parts.discard((t.name, r.partition))
+                for g in result.groups:
+                    if g.error_code in _OBSOLETE:
+                        groups.discard(g.group_id)
+            if parts or groups:
+                delay = min(self.backoff[1], self.backoff[0] * 2**attempt)
+                attempt += 1
+                await asyncio.sleep(delay)
+
+    # ---- destinations ---------------------------------------------------------------------
+    async def _send(self, agent: int, marker: m.TxnMarker) -> m.TxnMarkerResult:
+        fut: asyncio.Future[m.TxnMarkerResult] = asyncio.get_running_loop().create_future()
+        queue = self._queues.get(agent)
+        if queue is None:
+            if self._tg is None:
+                raise NotCoordinatorError("the marker channel is not running")
+            queue = self._queues[agent] = []
+            self._wakes[agent] = asyncio.Event()
+            self._tg.create_task(self._sender(agent), name=f"txn-markers-to-{agent}")
+        queue.append((marker, fut))
+        self._wakes[agent].set()
+        return await fut
+
+    async def _sender(self, agent: int) -> None:
+        queue, wake = self._queues[agent], self._wakes[agent]
+        while True:
+            await wake.wait()
+            wake.clear()
+            while queue:
+                batch = queue[:MAX_MARKERS_PER_REQUEST]
+                del queue[:MAX_MARKERS_PER_REQUEST]
+                try:
+                    resp = await self._request(
+                        agent, m.WriteTxnMarkersRequest([x for x, _ in batch])
+                    )
+                except StrataError as exc:
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                except Exception as exc:  # a bug: fail the batch, keep the sender
+                    log.exception("markers to agent %d", agent)
+                    for _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    continue
+                by_pid = {r.producer_id: r for r in resp.markers}
+                for x, fut in batch:
+                    if fut.done():
+                        continue
+                    got = by_pid.get(x.producer_id)
+                    if got is None:
+                        fut.set_exception(NetworkError(f"agent {agent} left a marker unanswered"))
+                    else:
+                        fut.set_result(got)
+
+    async def _request(
+        self, agent: int, req: m.WriteTxnMarkersRequest
+    ) -> m.WriteTxnMarkersResponse:
+        self.requests += 1
+        if agent == self.agent_id:
+            async with asyncio.timeout(self.request_timeout):
+                return await self.local(req)
+        conn = self._connections.get(agent)
+        if conn is None or conn.closed:
+            address = self.routes.address(agent)
+            if address is None:
+                raise NetworkError(f"agent {agent} is not registered")
+            conn = self._connections[agent] = Connection(
+                *address,
+                client_id=f"agent-{self.agent_id}-txn",
+                request_timeout_ms=self.request_timeout * 1000,
+                connect_timeout_ms=5000,
+            )
+        try:
+            resp: m.WriteTxnMarkersResponse = await conn.request(req)
+            return resp
+        except (NetworkError, RequestTimedOutError):
+            self._connections.pop(agent, None)
+            await conn.close()
+            raise
+
+
+class MarkerWriter:
+    """The WriteTxnMarkers handler: partitions led here get the marker, groups coordinated
+    here get their transaction's offsets committed or dropped."""
+
+    def __init__(
+        self,
+        partitions: PartitionManager,
+        groups: Callable[[str, m.TxnMarker], Awaitable[int]],
+        *,
+        replication_timeout_s: float = 30.0,
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+    ) -> None:
+        self.pm = partitions
+        self.groups = groups
+        self.replication_timeout = replication_timeout_s
+        self.clock_ms = clock_ms
+        self.markers_written = 0
+
+    async def write_txn_markers(self, req: m.WriteTxnMarkersRequest) -> m.WriteTxnMarkersResponse:
+        results = await asyncio.gather(*(self._one(x) for x in req.markers))
+        return m.WriteTxnMarkersResponse(list(results))
+
+    async def _one(self, marker: m.TxnMarker) -> m.TxnMarkerResult:
+        topic_jobs = [
+            (
+                t.name,
+                [asyncio.ensure_future(self._partition(marker, t.name, p)) for p in t.partitions],
+            )
+            for t in marker.topics
+        ]
+        group_jobs = [(g, asyncio.ensure_future(self.groups(g, marker))) for g in marker.groups]
+        topics = []
+        for name, jobs in topic_jobs:
+            codes = [await j for j in jobs]
+            parts = next(t.partitions for t in marker.topics if t.name == name)
+            topics.append(
+                m.TxnTopicResult(
+                    name, [m.TxnPartitionResult(p, c) for p, c in zip(parts, codes, strict=True)]
+                )
+            )
+        groups = [m.TxnGroupResult(g, await j) for g, j in group_jobs]
+        return m.TxnMarkerResult(marker.producer_id, topics, groups)
+
+    async def _partition(self, marker: m.TxnMarker, topic: str, index: int) -> int:
+        try:
+            p = self.pm.leader_for_write(topic, index)
+            pid = marker.producer_id
+            token = p.log.transactions.tokens.get(pid, -1)
+            if token > marker.coordinator_epoch:
+                raise TransactionCoordinatorFencedError(
+                    f"{topic}-{index} applied producer {pid}'s decision {token} already,"
+                    f" newer than {marker.coordinator_epoch}"
+                )
+            if token == marker.coordinator_epoch:  # a retry: answer once it is replicated
+                await self._replicated(p, p.log.log_end_offset)
+                return 0
+            known = p.log.producers.epoch_of(pid)
+            if known is not None and marker.producer_epoch < known:
+                raise InvalidProducerEpochError(
+                    f"{topic}-{index} has seen epoch {known} of producer {pid}, the marker is"
+                    f" for epoch {marker.producer_epoch}"
+                )
+            batch = encode_marker(
+                pid,
+                marker.producer_epoch,
+                commit=bool(marker.committed),
+                coordinator_epoch=marker.coordinator_epoch,
+                timestamp_ms=self.clock_ms(),
+            )
+            info = p.log.append(batch, leader_epoch=p.state.leader_epoch, deep_check=False)
+            self.markers_written += 1
+            p.notify()
+            p.advance_hw()
+            await self._replicated(p, info.last_offset + 1)
+            return 0
+        except StrataError as exc:
+            return exc.code
+        except TimeoutError:
+            return RequestTimedOutError.code
+
+    async def _replicated(self, p: Partition, end: int) -> None:
+        """Wait until ``end`` is durable here and below the high watermark (acks=all)."""
+        epoch = p.state.leader_epoch
+        async with asyncio.timeout(self.replication_timeout):
+            await p.committer.wait_acknowledgeable(end)
+            while p.high_watermark < end:
+                if p.role != "leader" or p.state.leader_epoch != epoch:
+                    raise NotLeaderError(
+                        f"leadership of {p.topic}-{p.index} moved before the marker was replicated",
+                        leader_id=p.state.leader,
+                        leader_epoch=p.state.leader_epoch,
+                    )
+                await asyncio.shield(p.data_arrived)
+
+
+class ClusterRoutes:
+    """``Routes`` from this agent's view: partition leaders from the partition states it
+    watches, group coordinators by the group coordinator's placement rule."""
+
+    def __init__(
+        self,
+        latest: Mapping[tuple[str, int], PartitionState],
+        view: ClusterView,
+        group_coordinator: Callable[[str], int | None],
+    ) -> None:
+        self.latest = latest
+        self.view = view
+        self._group_coordinator = group_coordinator
+
+    def leader_of(self, topic: str, partition: int) -> int | None:
+        state = self.latest.get((topic, partition))
+        if state is None or state.leader not in self.view.agents:
+            return None
+        return state.leader
+
+    def topic_exists(self, topic: str) -> bool:
+        return topic in self.view.topics
+
+    def group_coordinator(self, group_id: str) -> int | None:
+        return self._group_coordinator(group_id)
+
+    def address(self, agent_id: int) -> tuple[str, int] | None:
+        reg = self.view.agents.get(agent_id)
+        return None if reg is None else (reg.host, reg.port)
