@@ -255,7 +255,10 @@ def _run_crash_and_restart(cluster: Cluster, tmp_path: Path, mode: str) -> tuple
     cluster.create_topic("jobs", 2)
     cluster.wait_for_leaders("jobs")
     _produce(cluster, "jobs", 400, 2)
+    # a session long enough that the crashed member's static place is still held when its
+    # restart joins, however long a busy machine takes to start a Python process (3 s did not)
     extra = ["--mode", mode, "--instance-id", "worker-1", "--max-poll-records", "50"]
+    extra += ["--session-timeout-ms", "30000"]
     first, log1 = start_member(
         cluster, tmp_path, "first", "jobs", *extra, "--crash-after-batches", "3"
     )
