@@ -122,7 +122,7 @@ class Apis:
         view: ClusterView,
         tier: TierAccess,
         wake_isr: Callable[[], None],
-        check_space: Callable[[], None] = lambda: None,
+        check_space: Callable[[int], None] = lambda nbytes: None,
     ) -> None:
         self.agent_id = agent_id
         self.config = config
@@ -194,7 +194,8 @@ class Apis:
                     p = self.pm.leader_for_write(topic.name, part.partition)
                     result.leader_id, result.leader_epoch = p.state.leader, p.state.leader_epoch
                     self.tier.check_backlog(p)  # backpressure while S3 lags
-                    self.check_space()  # and before the disk fills
+                    # and before the disk fills (the request's bytes counted against the floor)
+                    self.check_space(len(part.records) if part.records is not None else 0)
                     if req.acks == -1 and len(p.state.isr) < p.config.min_insync_replicas:
                         raise NotEnoughReplicasError(
                             f"{topic.name}-{part.partition} has {len(p.state.isr)} in-sync replicas,"

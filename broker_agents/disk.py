@@ -7,7 +7,9 @@ are refused with the retriable ``LogDirFullError`` while the filesystem has less
 ``log.dir.min.free.bytes`` free; producers back off and retry, and writes resume as soon as
 uploads (or retention) give space back. The free space is read with ``statvfs`` (through the
 ``fileio`` seam, so a fault drill's quota counts) at most every
-``interval`` seconds (a produce request does not pay a system call).
+``interval`` seconds (a produce request does not pay a system call); in between, each accepted
+request's bytes are taken off the last reading, so a burst of appends within one interval
+cannot run past the floor by more than the request that finds it still above.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ class DiskGuard:
             self._read_at = now
         return self._free
 
-    def check(self) -> None:
-        """Raise ``LogDirFullError`` while free space is below the floor."""
+    def check(self, nbytes: int = 0) -> None:
+        """Raise ``LogDirFullError`` while free space is below the floor; else count the
+        ``nbytes`` about to be written as taken until the next reading."""
         if self.min_free_bytes <= 0:
             return
         free = self.free_bytes()
@@ -55,3 +58,4 @@ class DiskGuard:
                 f"{free} bytes free on {self.path}, below log.dir.min.free.bytes"
                 f" ({self.min_free_bytes}); retry later"
             )
+        self._free -= max(nbytes, 0)
