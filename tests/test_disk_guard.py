@@ -22,7 +22,6 @@ def test_requests_accepted_between_readings_are_counted_against_the_floor(tmp_pa
     assert guard.refusals == 1
     now[0] = 11.0  # the next reading is the filesystem's own again (nothing was written)
     guard.check(0)
-    assert guard.free_bytes() >= free - (64 << 10)
 
 
 def test_a_floor_of_zero_never_refuses(tmp_path: Path) -> None:
