@@ -33,11 +33,19 @@ from storage.wal import PartitionLog
 
 if TYPE_CHECKING:
     from broker_agents.partitions import Partition
+    from storage.metadata.models import TopicConfig
 
 log = logging.getLogger(__name__)
 
 CommittedEnd = Callable[["Partition"], Awaitable[int]]
 """The end of what the object tier holds of a partition (the committed manifest's end)."""
+
+
+def local_limits(cfg: TopicConfig) -> tuple[int, int]:
+    """``(ms, bytes)`` of local retention: ``local.retention.*``, -2 meaning the total's."""
+    ms = cfg.retention_ms if cfg.local_retention_ms == -2 else cfg.local_retention_ms
+    size = cfg.retention_bytes if cfg.local_retention_bytes == -2 else cfg.local_retention_bytes
+    return ms, size
 
 
 def retention_cut(
@@ -99,12 +107,7 @@ class LocalRetention:
         elif p.role == "leader":
             return 0  # the uploader's pass applies local retention right after committing
         else:
-            ms = cfg.retention_ms if cfg.local_retention_ms == -2 else cfg.local_retention_ms
-            limit = (
-                cfg.retention_bytes
-                if cfg.local_retention_bytes == -2
-                else cfg.local_retention_bytes
-            )
+            ms, limit = local_limits(cfg)
             upto = min(await self.committed_end(p), p.high_watermark)
         plog = p.log
         cut = retention_cut(

@@ -57,7 +57,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from broker_agents.retention import retention_cut
+from broker_agents.retention import local_limits, retention_cut
 from storage.errors import (
     MetadataError,
     NodeNotFoundError,
@@ -531,17 +531,11 @@ class Tiering:
         """Committed segments leave this leader's disk (followers: ``broker_agents.retention``)."""
         if not manifest.segments:
             return
-        cfg = p.config
+        ms, limit = local_limits(p.config)
         cut = retention_cut(
             p.log,
-            retention_ms=cfg.retention_ms
-            if cfg.local_retention_ms == -2
-            else cfg.local_retention_ms,
-            retention_bytes=(
-                cfg.retention_bytes
-                if cfg.local_retention_bytes == -2
-                else cfg.local_retention_bytes
-            ),
+            retention_ms=ms,
+            retention_bytes=limit,
             upto=manifest.end,
             now_ms=time.time() * 1000,
         )
