@@ -23,6 +23,7 @@ from collections.abc import Callable
 from broker_agents.apis import Apis
 from broker_agents.config import AgentConfig
 from broker_agents.controller import Controller
+from broker_agents.deletion import DeleterSettings, LocalRemoval, TopicDeleter
 from broker_agents.disk import DiskGuard
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
 from broker_agents.kafka.admin import KafkaTopicAdmin
@@ -51,6 +52,7 @@ from storage.metadata import (
     SessionState,
     TopicSpec,
 )
+from storage.metadata.groups import GroupStore
 from storage.metadata.models import ControllerInfo, load
 from storage.metadata.store import (
     AGENTS,
@@ -159,7 +161,17 @@ class Agent:
                 frame_timeout=config.request_frame_timeout_ms / 1000,
                 codec=KafkaCodec(kafka),
             )
-        self.controller = Controller(self.agent_id, self.zk, self.store, self.view)
+        self.removal = LocalRemoval(
+            self.agent_id, self.partitions, self.store, self.tiering.quiesce
+        )
+        self.deleter = TopicDeleter(
+            self.store,
+            GroupStore(self.zk),
+            self.tiering.store,
+            self.view,
+            DeleterSettings(batch_objects=config.topic_delete_batch_size, prefix=config.s3_prefix),
+        )
+        self.controller = Controller(self.agent_id, self.zk, self.store, self.view, self.deleter)
         self.fetchers = ReplicaFetchers(self.agent_id, self.partitions, self.view, config)
         self.registration: AgentRegistration | None = None
         #: partitions whose local log cannot be opened here (published in the registration)
@@ -270,6 +282,7 @@ class Agent:
                 tg.create_task(self.groups.run(), name="group-coordinator")
                 tg.create_task(self.txn_channel.run(), name="txn-marker-channel")
                 tg.create_task(self.transactions.run(), name="txn-coordinator")
+                tg.create_task(self.removal.run(), name="topic-removal")
                 await self._stop.wait()
                 raise _Stop
         except* _Stop:
@@ -412,28 +425,48 @@ class Agent:
         current = set(children)
         for name in list(self._watched_topics):
             if name not in current:
-                for cancel in self._watched_topics.pop(name):
-                    cancel()
+                self._unwatch_topic(name)
                 self.view.topics.pop(name, None)
-                for key in [k for k in self._watched_partitions if k[0] == name]:
-                    self._watched_partitions.discard(key)
-                    self._pending[key] = None
-                self._changed.set()
         for name in current - set(self._watched_topics):
-            self._watched_topics[name] = [
-                self.zk.watch_data(topic_path(name), functools.partial(self._spec_changed, name)),
-                self.zk.watch_children(
-                    partitions_path(name), functools.partial(self._partitions_changed, name)
-                ),
-            ]
+            self._watch_topic(name)
+
+    def _watch_topic(self, name: str) -> None:
+        self._watched_topics[name] = [
+            self.zk.watch_data(topic_path(name), functools.partial(self._spec_changed, name)),
+            self.zk.watch_children(
+                partitions_path(name), functools.partial(self._partitions_changed, name)
+            ),
+        ]
+
+    def _unwatch_topic(self, name: str) -> None:
+        """Stop watching ``name``; its partitions here are closed (their state is None)."""
+        for cancel in self._watched_topics.pop(name, []):
+            cancel()
+        for key in [k for k in self._watched_partitions if k[0] == name]:
+            self._watched_partitions.discard(key)
+            self._pending[key] = None
+        self._changed.set()
 
     def _spec_changed(self, name: str, data: bytes | None, stat: object = None) -> None:
         if data is None:
             return
         try:
-            self.view.topics[name] = load(TopicSpec, data)
+            spec = load(TopicSpec, data)
         except Exception as exc:
             log.error("unreadable spec of topic %s: %s", name, exc)
+            return
+        old = self.view.topics.get(name)
+        self.view.topics[name] = spec
+        if old is not None and old.topic_id != spec.topic_id and name in self._watched_topics:
+            # deleted and created again between two events of the /topics watch: the old
+            # incarnation's partitions go, and the new one's partitions node is watched afresh
+            log.info(
+                "topic %s was created again (id %s, was %s)", name, spec.topic_id, old.topic_id
+            )
+            self._unwatch_topic(name)
+            self._watch_topic(name)
+        if spec.deletion is not None:
+            self.removal.request(spec)
         self.controller.poke()
 
     def _partitions_changed(self, name: str, children: list[str]) -> None:
@@ -473,10 +506,16 @@ class Agent:
                         self.view.topics[topic] = spec
                     except Exception:
                         continue
+                if spec is not None and spec.deletion is not None:
+                    self.removal.request(spec)  # never open what is being deleted
                 key = (topic, partition)
                 try:
                     await self.partitions.apply(
-                        topic, partition, state, spec.config if spec else None
+                        topic,
+                        partition,
+                        state,
+                        spec.config if spec else None,
+                        spec.topic_id if spec else "",
                     )
                 except StorageError as exc:
                     # the local log cannot be opened (a quarantined segment, a disk error):

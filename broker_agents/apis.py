@@ -32,6 +32,7 @@ from storage.errors import (
     InvalidFilterError,
     InvalidRecordError,
     InvalidRequestError,
+    InconsistentTopicIdError,
     InvalidTopicError,
     NotEnoughReplicasAfterAppendError,
     NotEnoughReplicasError,
@@ -39,6 +40,7 @@ from storage.errors import (
     OffsetOutOfRangeError,
     RequestTimedOutError,
     StrataError,
+    UnknownTopicIdError,
     UnknownTopicOrPartitionError,
     UnsupportedVersionError,
 )
@@ -113,6 +115,22 @@ class _Progress:
     scanned: int = 0
 
 
+def check_topic_id(requested: str | None, p: Partition) -> None:
+    """A request that names a topic id is served by that incarnation's log only (KIP-516)."""
+    if requested and p.topic_id and requested != p.topic_id:
+        raise InconsistentTopicIdError(
+            f"{p.topic}-{p.index} is topic id {p.topic_id}, not {requested}: the topic was "
+            "deleted and created again; refresh metadata"
+        )
+
+
+def by_id(exc: StrataError, requested: str | None) -> StrataError:
+    """An unknown topic, for a request that names a topic id, is an unknown topic id."""
+    if requested and type(exc) is UnknownTopicOrPartitionError:
+        return UnknownTopicIdError(f"no topic with id {requested} here: {exc}")
+    return exc
+
+
 class Apis:
     def __init__(
         self,
@@ -157,6 +175,8 @@ class Apis:
         ]
         names = sorted(view.topics) if req.topics is None else req.topics
         topics = []
+        if req.topics is None:  # a topic being deleted is gone for clients
+            names = [n for n in names if view.topics[n].deletion is None]
         for name in names:
             spec = view.topics.get(name)
             if spec is None:
@@ -166,6 +186,9 @@ class Apis:
                 except InvalidTopicError as exc:
                     code = exc.code  # no topic can have this name: not worth waiting for
                 topics.append(m.TopicMetadata(code, name, []))
+                continue
+            if spec.deletion is not None:  # being deleted: gone for clients
+                topics.append(m.TopicMetadata(UnknownTopicOrPartitionError.code, name, []))
                 continue
             parts = []
             for p in range(spec.partitions):
@@ -177,7 +200,9 @@ class Apis:
                     parts.append(
                         m.PartitionMetadata(err, p, st.leader, st.leader_epoch, st.replicas, st.isr)
                     )
-            topics.append(m.TopicMetadata(0, name, parts, spec.config.delay_max_ms))
+            topics.append(
+                m.TopicMetadata(0, name, parts, spec.config.delay_max_ms, spec.topic_id)
+            )
         return m.MetadataResponse(agents, view.controller_id, topics)
 
     # ---- Produce ----------------------------------------------------------------------------
@@ -192,6 +217,7 @@ class Apis:
                 result = m.ProducePartitionResult(part.partition, 0, None, -1, -1, -1, -1)
                 try:
                     p = self.pm.leader_for_write(topic.name, part.partition)
+                    check_topic_id(topic.topic_id, p)
                     result.leader_id, result.leader_epoch = p.state.leader, p.state.leader_epoch
                     self.tier.check_backlog(p)  # backpressure while S3 lags
                     # and before the disk fills (the request's bytes counted against the floor)
@@ -206,6 +232,7 @@ class Apis:
                     result.log_start_offset = p.log.log_start_offset
                     pending.append((result, p, end[1]))
                 except StrataError as exc:
+                    exc = by_id(exc, topic.topic_id)
                     result.error_code, result.error_message = exc.code, str(exc)
                     if isinstance(exc, NotLeaderError):
                         result.leader_id, result.leader_epoch = exc.leader_id, exc.leader_epoch
@@ -394,6 +421,7 @@ class Apis:
                 key = (topic.name, fp.partition)
                 try:
                     p = self._readable(topic.name, fp.partition, req.replica_id)
+                    check_topic_id(topic.topic_id, p)
                     replica = req.replica_id >= 0
                     if replica:
                         if fp.current_leader_epoch not in (-1, p.state.leader_epoch):
@@ -464,7 +492,7 @@ class Apis:
                                 budget -= len(chunk)
                     waits.append(p.data_arrived)
                 except StrataError as exc:
-                    r.error_code = exc.code
+                    r.error_code = by_id(exc, topic.topic_id).code
                     answer_now = True
                     if isinstance(exc, NotLeaderError):
                         r.leader_id, r.leader_epoch = exc.leader_id, exc.leader_epoch

@@ -98,6 +98,8 @@ class AgentConfig(_Config):
     transactional_id_expiration_ms: int = Field(
         7 * 24 * 3600 * 1000, alias="transactional.id.expiration.ms", ge=1000
     )
+    # deleting topics (docs/operations.md): segment objects per DeleteObjects request
+    topic_delete_batch_size: int = Field(1000, alias="topic.delete.batch.size", ge=1, le=1000)
 
     @classmethod
     def from_env(cls, prefix: str = "STRATA_AGENT_") -> AgentConfig:

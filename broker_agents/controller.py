@@ -22,6 +22,10 @@ While in charge, the controller reconciles on every change of ``/agents`` or ``/
   controller treats the agent as dead: it loses leadership to another in-sync replica and
   leaves the ISR (Kafka's offline replicas). It is a replica again once it opens the log.
 
+* a topic marked for deletion is left out of all of the above; while in charge the
+  controller runs its delete, step by step (``broker_agents.deletion``: a task under the
+  controller's term, so the next controller resumes it where this one stopped).
+
 Every write is a compare-and-set on the znode version; losing a race means re-reading on the
 next pass. A controller whose ZooKeeper session is suspended stops reconciling.
 """
@@ -35,10 +39,17 @@ import zlib
 from typing import TYPE_CHECKING
 
 from storage.errors import MetadataError, NodeExistsError, NodeNotFoundError
-from storage.metadata import AsyncZooKeeper, MetadataStore, PartitionState, SessionState
+from storage.metadata import (
+    AsyncZooKeeper,
+    MetadataStore,
+    PartitionState,
+    SessionState,
+    TopicSpec,
+)
 from storage.metadata.store import CONTROLLER
 
 if TYPE_CHECKING:
+    from broker_agents.deletion import TopicDeleter
     from broker_agents.view import ClusterView
 
 log = logging.getLogger(__name__)
@@ -46,18 +57,26 @@ log = logging.getLogger(__name__)
 
 class Controller:
     def __init__(
-        self, agent_id: int, zk: AsyncZooKeeper, store: MetadataStore, view: ClusterView
+        self,
+        agent_id: int,
+        zk: AsyncZooKeeper,
+        store: MetadataStore,
+        view: ClusterView,
+        deleter: TopicDeleter | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.zk = zk
         self.store = store
         self.view = view
+        self.deleter = deleter
         self.epoch: int | None = None
         self._wake = asyncio.Event()
         self.elections_won = 0
 
     def poke(self) -> None:
         self._wake.set()
+        if self.deleter is not None:
+            self.deleter.poke()
 
     async def run(self) -> None:
         zk = self.zk
@@ -95,6 +114,18 @@ class Controller:
             cancel()
 
     async def _lead(self) -> None:
+        deleting = None
+        if self.deleter is not None:
+            deleting = asyncio.create_task(self.deleter.run(self.epoch or 0), name="topic-deleter")
+        try:
+            await self._reconcile_while_leading()
+        finally:
+            if deleting is not None:
+                deleting.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await deleting
+
+    async def _reconcile_while_leading(self) -> None:
         zk = self.zk
         while zk.state == SessionState.CONNECTED:
             controller = await self._still_controller()
@@ -127,12 +158,16 @@ class Controller:
         for agent_id, reg in self.view.agents.items():
             for key in reg.offline:
                 offline.setdefault(key, set()).add(agent_id)
+        deleting = set()
         for name in await store.list_topics():
             try:
                 spec, _ = await store.get_topic(name)
             except MetadataError:
                 continue
             except Exception:  # UnknownTopicOrPartitionError: deleted meanwhile
+                continue
+            if spec.deletion is not None:
+                deleting.add(name)  # its delete owns it: no states, no elections
                 continue
             states = await store.partition_states(name)
             start = zlib.crc32(name.encode())
@@ -142,7 +177,7 @@ class Controller:
                 if (name, p) in offline:
                     usable = [a for a in live if a not in offline[(name, p)]]
                 if current is None:
-                    await self._create(name, p, spec.replication_factor, placeable, start)
+                    await self._create(name, p, spec, placeable, start)
                 elif await self._fence_restarted(name, p, current[0], current[1], usable):
                     continue  # the next pass sees the new state
                 elif leaving and await self._drain(
@@ -160,6 +195,8 @@ class Controller:
                         usable,
                         spec.config.unclean_leader_election_enable,
                     )
+        if self.deleter is not None:
+            self.deleter.track(deleting)
 
     def _incarnations(self) -> dict[int, str]:
         return {a: reg.incarnation for a, reg in self.view.agents.items()}
@@ -262,9 +299,11 @@ class Controller:
             log.info("%s-%d: controlled shutdown step lost a race (%s)", name, p, exc)
         return True
 
-    async def _create(self, name: str, p: int, rf: int, live: list[int], start: int) -> None:
+    async def _create(
+        self, name: str, p: int, spec: TopicSpec, live: list[int], start: int
+    ) -> None:
         n = len(live)
-        count = min(rf, n)
+        count = min(spec.replication_factor, n)
         first = (start + p) % n
         replicas = [live[(first + j) % n] for j in range(count)]
         state = PartitionState(
@@ -274,6 +313,7 @@ class Controller:
             isr=list(replicas),
             controller_epoch=self.epoch or 0,
             incarnations={r: c for r, c in self._incarnations().items() if r in replicas and c},
+            topic_id=spec.topic_id,
         )
         try:
             await self.store.create_partition_state(name, p, state)

@@ -44,6 +44,7 @@ from storage.protocol import messages as m
 
 if TYPE_CHECKING:
     from broker_agents.partitions import Partition, PartitionManager
+    from broker_agents.view import ClusterView
     from storage.filters import FilterScan
 
 
@@ -58,6 +59,8 @@ class AgentState(Protocol):
     def tiering(self) -> Any: ...  # ``.pending``: {(topic, partition): bytes not yet uploaded}
     @property
     def groups(self) -> Any: ...  # the group coordinator, for lag
+    @property
+    def view(self) -> ClusterView: ...  # topics (and their deletes in progress)
 
 
 log = logging.getLogger(__name__)
@@ -332,7 +335,29 @@ class _StateCollector(Collector):
         )
         offline.add_metric([], len(agent.offline))
         yield from (led, hosted, isr, replicas, under, hw, leo, unuploaded, up, offline)
+        yield from _deletions(agent)
         yield from _group_lag(agent)
+
+
+def _deletions(agent: AgentState) -> Iterator[Metric]:
+    """Deletes in progress, from the topic specs every agent watches (the same everywhere)."""
+    pending = GaugeMetricFamily(
+        "strata_topics_pending_deletion",
+        "Topics marked for deletion whose delete has not completed",
+    )
+    left = GaugeMetricFamily(
+        "strata_topic_deletion_objects_left",
+        "Segment objects a topic's delete has yet to remove (-1 until they are counted)",
+        labels=["topic"],
+    )
+    count = 0
+    for name, spec in sorted(agent.view.topics.items()):
+        if spec.deletion is not None:
+            count += 1
+            left.add_metric([name], spec.deletion.objects_left)
+    pending.add_metric([], count)
+    yield pending
+    yield left
 
 
 def _group_lag(agent: AgentState) -> Iterator[Metric]:
@@ -369,14 +394,18 @@ def _group_lag(agent: AgentState) -> Iterator[Metric]:
 def _committed_offsets(agent: AgentState) -> Iterator[tuple[str, str, int, int]]:
     """(group, topic, partition, committed offset) held by this agent's group coordinator.
 
-    The coordinator keeps, per group, ``offsets[topic] = ({partition: CommittedOffset}, zk
-    version)`` (``broker_agents.groups``); an agent without one reports no lag.
+    The coordinator keeps, per group, ``offsets[topic] = (TopicCommits, zk version)``
+    (``broker_agents.groups``); an agent without one reports no lag. Offsets of another
+    incarnation than the hosted partition's are not this partition's lag.
     """
     coordinator: Any = getattr(agent, "groups", None)
     groups: dict[str, Any] = getattr(coordinator, "groups", {})
     for group_id, group in list(groups.items()):
-        for topic, (offsets, _version) in list(group.offsets.items()):
-            for partition, committed in list(offsets.items()):
+        for topic, (commits, _version) in list(group.offsets.items()):
+            for partition, committed in list(commits.offsets.items()):
+                p = agent.partitions.partitions.get((topic, int(partition)))
+                if p is not None and not commits.belongs_to(p.topic_id):
+                    continue
                 yield group_id, topic, int(partition), int(committed.offset)
 
 

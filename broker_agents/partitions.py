@@ -12,6 +12,14 @@ partition here. Writes are refused (``NotLeaderError`` with the leader it knows)
 
 Every partition has a ``data_arrived`` future that completes at the next append: long-polling
 fetches wait on it instead of sleeping.
+
+Topic incarnations: a hosted partition remembers the topic id it was opened for, and its
+directory says it too (``storage.wal.partition_meta``). A state of another incarnation of the
+same name closes the old log and deletes its directory before the new one is opened; a
+directory left by an older incarnation (this agent was down while the topic was deleted) is
+removed at open, never reopened. A state marked ``deleting``, or of an incarnation this agent
+has removed (``remove_topic``, a delete's step 3), is treated as no state at all: the
+partition is closed and its directory deleted, and it is not opened again.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -28,6 +37,7 @@ from pathlib import Path
 from storage.errors import NotLeaderError, StorageError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
 from storage.wal import GroupCommitLog, PartitionLog, fileio
+from storage.wal.partition_meta import read_topic_id, write_topic_id
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +61,7 @@ class Partition:
     committer: GroupCommitLog
     role: str  # "leader" | "follower"
     agent_id: int = -1
+    topic_id: str = ""  # the incarnation of the topic this log belongs to
     hw: int = 0
     follower_leo: dict[int, int] = field(default_factory=dict)
     caught_up_at: dict[int, float] = field(default_factory=dict)
@@ -152,6 +163,8 @@ class PartitionManager:
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.latest: dict[tuple[str, int], PartitionState] = {}
         self.session_ok = False
+        #: incarnations removed here (deleted topics): never opened again by this process
+        self.removed_ids: set[str] = set()
         self._lock = asyncio.Lock()
         #: the object tier's hook: where a new leader's log must start (its manifest's end)
         self.tier_start_offset: Callable[[str, int], Awaitable[int]] | None = None
@@ -201,12 +214,23 @@ class PartitionManager:
 
     # ---- reacting to ZooKeeper ----------------------------------------------------------
     async def apply(
-        self, topic: str, partition: int, state: PartitionState | None, config: TopicConfig | None
+        self,
+        topic: str,
+        partition: int,
+        state: PartitionState | None,
+        config: TopicConfig | None,
+        topic_id: str = "",
     ) -> None:
-        """Make this agent's role for ``topic-partition`` match ``state`` (None: topic gone)."""
+        """Make this agent's role for ``topic-partition`` match ``state`` (None: topic gone).
+
+        ``topic_id`` is the topic spec's id, used when the state predates ids in states."""
         async with self._lock:
             key = (topic, partition)
             current = self.partitions.get(key)
+            if state is not None:
+                topic_id = state.topic_id or topic_id
+                if state.deleting or topic_id in self.removed_ids:
+                    state = None  # the topic is being deleted: nobody hosts it any more
             if state is None:
                 self.latest.pop(key, None)
                 self._disk_failed.discard(key)
@@ -214,6 +238,16 @@ class PartitionManager:
                 if current is not None:
                     await self._close(current, delete=True)
                 return
+            if current is not None and topic_id and current.topic_id != topic_id:
+                log.info(
+                    "%s-%d: the topic was created again (id %s, was %s): dropping the old log",
+                    topic,
+                    partition,
+                    topic_id,
+                    current.topic_id,
+                )
+                await self._close(current, delete=True)
+                current = None
             self.latest[key] = state
             if self.agent_id == state.leader and state.in_sync_as(self.agent_id, self.incarnation):
                 role = "leader"
@@ -252,11 +286,19 @@ class PartitionManager:
                 current = None
             if current is None:
                 assert config is not None
-                plog = await self._open_log(topic, partition, config, role)
+                plog = await self._open_log(topic, partition, config, role, topic_id)
                 committer = GroupCommitLog(plog)
                 await committer.start()
                 current = Partition(
-                    topic, partition, config, state, plog, committer, role, agent_id=self.agent_id
+                    topic,
+                    partition,
+                    config,
+                    state,
+                    plog,
+                    committer,
+                    role,
+                    agent_id=self.agent_id,
+                    topic_id=topic_id,
                 )
                 self.partitions[key] = current
                 plog.on_io_error = functools.partial(self._disk_error, key)
@@ -290,16 +332,29 @@ class PartitionManager:
             current.notify()
 
     async def _open_log(
-        self, topic: str, partition: int, config: TopicConfig, role: str
+        self, topic: str, partition: int, config: TopicConfig, role: str, topic_id: str
     ) -> PartitionLog:
         """Open the local log; a leader whose disk is behind the object tier starts at its end.
 
         After a disk error (``_disk_error``) the log is opened again only once the data
         directory has room for the largest batch, and after a failed fsync it is first cut
         back to what was fsynced before the failure: the page cache may still show the rest,
-        but the disk may not have it (fsyncgate)."""
+        but the disk may not have it (fsyncgate).
+
+        A directory of another incarnation of the topic is removed first (module docstring).
+        """
         key = (topic, partition)
         directory = self.directory(topic, partition)
+        found = await asyncio.to_thread(read_topic_id, directory) if topic_id else None
+        if found is not None and found != topic_id:
+            log.warning(
+                "%s: left by incarnation %s of topic %s, which was deleted; removing it",
+                directory,
+                found,
+                topic,
+            )
+            await asyncio.to_thread(fileio.fs.remove_tree, directory)
+            self._durable_end.pop(key, None)  # said of the removed incarnation's log
         if key in self._disk_failed:
             need = config.log_config().max_message_bytes
             free = await asyncio.to_thread(fileio.fs.free_bytes, self.data_dir)
@@ -344,6 +399,8 @@ class PartitionManager:
             plog = await asyncio.to_thread(
                 PartitionLog.open, directory, config.log_config(), start_offset=start
             )
+        if topic_id and await asyncio.to_thread(read_topic_id, directory) != topic_id:
+            await asyncio.to_thread(write_topic_id, directory, topic_id)
         return plog
 
     def _disk_error(self, key: tuple[str, int], exc: StorageError) -> None:
@@ -371,6 +428,47 @@ class PartitionManager:
                 self._durable_end[key] = p.log.durable_end_at_failure
         if self.on_disk_failure is not None:
             await self.on_disk_failure(key, exc)
+
+    def forbid(self, topic_id: str) -> None:
+        """Never open a partition of incarnation ``topic_id`` again (it is being deleted);
+        ``apply`` closes hosted ones as their states arrive, ``remove_topic`` all at once."""
+        self.removed_ids.add(topic_id)
+
+    async def remove_topic(self, topic: str, topic_id: str) -> int:
+        """A delete's step 3 on this agent: close every hosted partition of ``topic``'s
+        incarnation ``topic_id`` and delete the topic's local directories; the incarnation is
+        never opened again here. Returns the directories removed.
+
+        While a name is being deleted no other incarnation of it can exist, so every
+        ``<topic>-<p>`` directory not hosted is this incarnation's or an older one's.
+        """
+        async with self._lock:
+            self.removed_ids.add(topic_id)
+            for key, p in list(self.partitions.items()):
+                if key[0] == topic and p.topic_id in (topic_id, ""):
+                    self.latest.pop(key, None)
+                    await self._close(p, delete=True)
+            hosted = {self.directory(t, i) for t, i in self.partitions}
+            pattern = re.compile(re.escape(topic) + r"-\d+")
+
+            def sweep() -> int:
+                if not self.data_dir.exists():
+                    return 0
+                gone = [
+                    d
+                    for d in self.data_dir.iterdir()
+                    if pattern.fullmatch(d.name) and d.is_dir() and d not in hosted
+                ]
+                for d in gone:
+                    fileio.fs.remove_tree(d)
+                return len(gone)
+
+            removed = await asyncio.to_thread(sweep)
+            if removed:
+                log.info(
+                    "%s (id %s): removed %d local partition directories", topic, topic_id, removed
+                )
+            return removed
 
     async def _close(self, p: Partition, *, delete: bool) -> None:
         self.partitions.pop((p.topic, p.index), None)

@@ -216,9 +216,10 @@ class ReplicaFetchers:
                     p.needs_epoch_check = False
 
     def _request(self, partitions: list[Partition]) -> m.FetchRequest:
-        by_topic: dict[str, list[m.FetchPartition]] = {}
+        # with the topic id: a follower never appends another incarnation's batches
+        by_topic: dict[tuple[str, str], list[m.FetchPartition]] = {}
         for p in partitions:
-            by_topic.setdefault(p.topic, []).append(
+            by_topic.setdefault((p.topic, p.topic_id), []).append(
                 m.FetchPartition(
                     p.index,
                     p.log.log_end_offset,
@@ -232,7 +233,7 @@ class ReplicaFetchers:
             1,
             self.config.replica_fetch_max_bytes,
             0,
-            [m.FetchTopic(t, ps) for t, ps in by_topic.items()],
+            [m.FetchTopic(t, ps, tid or None) for (t, tid), ps in by_topic.items()],
         )
 
     @staticmethod

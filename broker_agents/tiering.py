@@ -44,6 +44,15 @@ gets the aborted transactions from the footers of the segments it read (``aborte
 **Recovery.** A new leader opens its log at the manifest's end when its disk is empty or
 behind (the ``tier_start_offset`` hook of ``PartitionManager``), so it serves all committed
 history from the tier and appends after it.
+
+**Topic incarnations and deletes.** Object keys and snapshots carry the partition's own topic
+id (``Partition.topic_id``), never a possibly newer spec's. A leader with nothing committed
+yet puts an empty snapshot (create-only), so readers can tell "exists, nothing tiered" from
+"deleted". Every pass over a partition (upload, retention, orphans) is counted per topic;
+``quiesce(topic)`` waits until none runs, after which — the partitions being closed — this
+agent puts nothing more for the topic: an agent confirms a delete's step 3 only after it,
+so no upload or snapshot of a deleted topic can land after the controller has listed what
+to delete (``broker_agents.deletion``).
 """
 
 from __future__ import annotations
@@ -54,7 +63,7 @@ import logging
 import mmap
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from broker_agents.retention import local_limits, retention_cut
@@ -139,7 +148,8 @@ class Tiering:
                 block_bytes=cfg.tier_read_block_bytes,
                 readahead_blocks=cfg.tier_readahead_blocks,
             )
-        self.manifests: dict[Key, tuple[Manifest, int, int]] = {}  # manifest, version, epoch
+        #: manifest, znode version, leader epoch, topic id (the incarnation it was read for)
+        self.manifests: dict[Key, tuple[Manifest, int, int, str]] = {}
         self.pending: dict[Key, int] = {}
         self.pending_total = 0
         self.uploading: set[str] = set()
@@ -147,6 +157,11 @@ class Tiering:
         #: called with (seconds, bytes) after each segment upload (metrics)
         self.on_upload: Callable[[float, int], None] | None = None
         self._wake = asyncio.Event()
+        #: passes (upload, retention, orphan check) running per topic, and their waiters
+        self._busy: dict[str, int] = {}
+        self._settled: dict[str, asyncio.Event] = {}
+        #: (topic id, partition) whose empty snapshot is known to be in the bucket
+        self._announced: set[tuple[str, int]] = set()
 
     # ---- hooks called by partitions.py and apis.py ----------------------------------------
     async def start_offset(self, topic: str, partition: int) -> int:
@@ -172,7 +187,7 @@ class Tiering:
     def log_start(self, p: Partition) -> int:
         local = p.log.log_start_offset
         cached = self.manifests.get((p.topic, p.index))
-        if cached is None or cached[1] < 0:
+        if cached is None or cached[1] < 0 or cached[3] != p.topic_id:
             return local
         manifest = cached[0]
         return manifest.start if manifest.segments else max(manifest.start, local)
@@ -294,6 +309,33 @@ class Tiering:
             return []
         return [p for p in self.partitions.partitions.values() if p.role == "leader"]
 
+    @contextlib.asynccontextmanager
+    async def _working(self, topic: str) -> AsyncIterator[None]:
+        """Count a pass over one of ``topic``'s partitions (see ``quiesce``)."""
+        self._busy[topic] = self._busy.get(topic, 0) + 1
+        try:
+            yield
+        finally:
+            self._busy[topic] -= 1
+            if not self._busy[topic]:
+                del self._busy[topic]
+                settled = self._settled.pop(topic, None)
+                if settled is not None:
+                    settled.set()
+
+    async def quiesce(self, topic: str) -> None:
+        """Wait until no pass over a partition of ``topic`` runs, then forget its cached state.
+
+        The caller has closed the topic's partitions (``PartitionManager.remove_topic``), so
+        no new pass starts: once this returns, this agent uploads and puts nothing more for
+        the topic."""
+        while topic in self._busy:
+            await self._settled.setdefault(topic, asyncio.Event()).wait()
+        for key in [k for k in self.manifests if k[0] == topic]:
+            del self.manifests[key]
+        for key in [k for k in self.pending if k[0] == topic]:
+            self._set_pending(key, None)
+
     async def _upload_loop(self) -> None:
         cfg = self.config
         sem = asyncio.Semaphore(cfg.tier_upload_concurrency)
@@ -304,7 +346,9 @@ class Tiering:
             fails, until = failures.get(key, (0, 0.0))
             if time.monotonic() < until:
                 return
-            async with sem:
+            async with sem, self._working(p.topic):
+                if p.role != "leader":
+                    return  # closed while waiting for a slot
                 try:
                     await self.tier_partition(p)
                     failures.pop(key, None)
@@ -333,7 +377,9 @@ class Tiering:
             plog.roll()
         if plog.has_unflushed_sealed_segment:
             await p.committer.flush()
-        manifest, _ = await self._manifest(p)
+        manifest, version = await self._manifest(p)
+        if version < 0 and (p.topic_id, p.index) not in self._announced:
+            await self._announce(p)
         stable = p.last_stable_offset  # <= the high watermark
         for seg in plog.segments:
             if not seg.sealed or seg.dirty or seg.deleted or seg.next_offset > stable:
@@ -373,10 +419,15 @@ class Tiering:
             total += seg.size
         return total
 
-    def _key(self, p: Partition, entry: SegmentEntry) -> str:
+    def _topic_id(self, p: Partition) -> str:
+        """The incarnation ``p`` belongs to (the spec's for a state written before ids)."""
+        if p.topic_id:
+            return p.topic_id
         spec = self.view.topics.get(p.topic)
-        topic_id = spec.topic_id if spec is not None else "-"
-        return entry.key(p.topic, topic_id, p.index, self.config.s3_prefix)
+        return spec.topic_id if spec is not None else "-"
+
+    def _key(self, p: Partition, entry: SegmentEntry) -> str:
+        return entry.key(p.topic, self._topic_id(p), p.index, self.config.s3_prefix)
 
     async def _upload(self, p: Partition, seg: Segment) -> SegmentEntry:
         assert self.store is not None
@@ -444,9 +495,9 @@ class Tiering:
     async def _manifest(self, p: Partition) -> tuple[Manifest, int]:
         key = (p.topic, p.index)
         cached = self.manifests.get(key)
-        if cached is None or cached[2] != p.state.leader_epoch:
+        if cached is None or cached[2] != p.state.leader_epoch or cached[3] != p.topic_id:
             manifest, version = await self._load_manifest(p.topic, p.index)
-            self.manifests[key] = (manifest, version, p.state.leader_epoch)
+            self.manifests[key] = (manifest, version, p.state.leader_epoch, p.topic_id)
             return manifest, version
         return cached[0], cached[1]
 
@@ -490,27 +541,51 @@ class Tiering:
                 log.info("manifest of %s-%d changed under us (%s); re-reading", *key, exc)
                 self.manifests.pop(key, None)
                 continue
-            self.manifests[key] = (new, version + 1, epoch)
+            self.manifests[key] = (new, version + 1, epoch, p.topic_id)
             await self._publish_snapshot(p, new)
             return new
         raise StorageError(f"manifest of {p.topic}-{p.index}: too many conflicts")
+
+    def _snapshot(self, p: Partition, manifest: Manifest) -> ManifestSnapshot:
+        topic_id = self._topic_id(p)
+        spec = self.view.topics.get(p.topic)
+        created = spec.created_ms if spec is not None and spec.topic_id == topic_id else 0
+        return ManifestSnapshot(
+            p.topic, topic_id, p.index, manifest, int(time.time() * 1000), created
+        )
 
     async def _publish_snapshot(self, p: Partition, manifest: Manifest) -> None:
         """Copy a committed manifest to the bucket for readers without ZooKeeper (best effort).
 
         See ``storage.tier.snapshot``: written only after the ZooKeeper commit, so it names
         committed segments only; a failed put is logged and the next change writes a newer one.
+        Nothing is written for a partition that is closed or whose topic is being deleted.
         """
         assert self.store is not None
-        spec = self.view.topics.get(p.topic)
-        if spec is None:
+        if p.role == "closed" or p.topic_id in self.partitions.removed_ids:
             return
-        snap = ManifestSnapshot(p.topic, spec.topic_id, p.index, manifest, int(time.time() * 1000))
         key = snapshot_key(p.topic, p.index, self.config.s3_prefix)
         try:
-            await self.store.put(key, snap.encode())
+            await self.store.put(key, self._snapshot(p, manifest).encode())
         except StrataError as exc:
             log.warning("manifest snapshot %s not written: %s", key, exc)
+
+    async def _announce(self, p: Partition) -> None:
+        """Put an empty snapshot for a partition with nothing committed yet (create-only: a
+        leader's real snapshot always wins), so replay and Spark read the topic as existing
+        and empty rather than unknown. Best effort, tried again at the next pass."""
+        assert self.store is not None
+        if p.role == "closed" or p.topic_id in self.partitions.removed_ids:
+            return
+        key = snapshot_key(p.topic, p.index, self.config.s3_prefix)
+        try:
+            await self.store.put_if_absent(key, self._snapshot(p, Manifest()).encode())
+        except ObjectExistsError:
+            pass
+        except StrataError as exc:
+            log.warning("empty manifest snapshot %s not written: %s", key, exc)
+            return
+        self._announced.add((p.topic_id, p.index))
 
     async def _commit(self, p: Partition, entry: SegmentEntry) -> Manifest:
         epoch = p.state.leader_epoch
@@ -553,7 +628,9 @@ class Tiering:
             await asyncio.sleep(interval)
             for p in self._leaders():
                 try:
-                    await self.sweep(p)
+                    async with self._working(p.topic):
+                        if p.role == "leader":
+                            await self.sweep(p)
                 except (StrataError, OSError) as exc:
                     log.warning("retention of %s-%d failed: %s", p.topic, p.index, exc)
 
@@ -604,7 +681,9 @@ class Tiering:
             await asyncio.sleep(interval)
             for p in self._leaders():
                 try:
-                    await self.reconcile(p)
+                    async with self._working(p.topic):
+                        if p.role == "leader":
+                            await self.reconcile(p)
                 except (StrataError, OSError) as exc:
                     log.warning("orphan check of %s-%d failed: %s", p.topic, p.index, exc)
 
@@ -612,10 +691,7 @@ class Tiering:
         """Delete objects of ``p`` that the manifest does not name; returns their keys."""
         assert self.store is not None
         manifest, version = await self._manifest(p)
-        spec = self.view.topics.get(p.topic)
-        if spec is None:
-            return []
-        prefix = segment_prefix(p.topic, spec.topic_id, p.index, self.config.s3_prefix)
+        prefix = segment_prefix(p.topic, self._topic_id(p), p.index, self.config.s3_prefix)
         committed = {self._key(p, s) for s in manifest.segments}
         grace = self.config.tier_orphan_grace_ms / 1000
         removed = []

@@ -2,9 +2,9 @@
 
     POST   /topics                    {"name", "partitions", "replication_factor"?, "configs"?}
                                        -> 201 TopicDescription
-    GET    /topics                    -> 200 {"topics": [names]}
-    GET    /topics/{name}             -> 200 TopicDescription
-    DELETE /topics/{name}             -> 204
+    GET    /topics                    -> 200 {"topics": [names], "deleting": [names]}
+    GET    /topics/{name}             -> 200 TopicDescription (with ``deletion`` while deleting)
+    DELETE /topics/{name}             -> 202 TopicDescription with ``deletion``
     POST   /topics/{name}/partitions  {"count": N}       -> 200 TopicDescription
     PATCH  /topics/{name}/configs     {"configs": {...}} -> 200 TopicDescription
     /groups...                        consumer groups: see ``handlers.groups``
@@ -17,6 +17,12 @@ those partitions as ``pending`` with leader -1 — as it does in a cluster with 
 Changes to an existing topic are compare-and-set on the topic znode's version: read the spec,
 derive the new one, write it with the version read; if another admin got there first, read
 again (``CAS_ATTEMPTS`` times, then ``VersionConflictError``, 503).
+
+A delete only marks the topic (step 1 of ``docs/operations.md``, *Deleting a topic*): it
+writes ``deletion`` into the spec (compare-and-set) and answers 202 with the description; the
+controller does the rest. Until the delete completes the name is taken: creating it again is
+refused with ``TopicDeletionInProgressError`` (409, retriable), and so are changes to it; a
+second delete answers the status again. Lists show the topic under ``deleting`` only.
 
 Input is checked before ZooKeeper is touched wherever that is possible (a bad name, count or
 config is a 400 even when ZooKeeper is down). Configs use Kafka's dotted names only
@@ -39,17 +45,19 @@ from handlers.groups import ROUTES as GROUP_ROUTES
 from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
 from handlers.retries import ROUTES as RETRY_ROUTES
 from handlers.runtime import Invocation
-from sdk.admin import PartitionInfo, PartitionStatus, TopicDescription
+from sdk.admin import DeletionStatus, PartitionInfo, PartitionStatus, TopicDescription
 from storage.errors import (
     InvalidConfigError,
     InvalidPartitionsError,
     InvalidTopicError,
     NodeNotFoundError,
+    TopicAlreadyExistsError,
+    TopicDeletionInProgressError,
     UnknownTopicOrPartitionError,
     VersionConflictError,
 )
 from storage.metadata import MetadataStore, PartitionState, TopicConfig, TopicSpec
-from storage.metadata.models import MAX_PARTITIONS, validate_topic_name
+from storage.metadata.models import MAX_PARTITIONS, TopicDeletion, validate_topic_name
 from storage.metadata.topic_rules import check_min_insync as check_min_insync
 from storage.metadata.topic_rules import replication_factor_for as replication_factor_for
 
@@ -108,6 +116,31 @@ def describe(spec: TopicSpec, states: Mapping[int, PartitionState]) -> TopicDesc
         replication_factor=spec.replication_factor,
         configs=spec.config.to_wire(),
         partition_states=tuple(infos),
+        deletion=None if spec.deletion is None else deletion_status(spec.deletion),
+    )
+
+
+def deletion_status(d: TopicDeletion) -> DeletionStatus:
+    return DeletionStatus(
+        step=d.step.value,
+        step_number=d.step.number,
+        requested_ms=d.requested_ms,
+        updated_ms=d.updated_ms,
+        objects_total=d.objects_total,
+        objects_deleted=d.objects_deleted,
+        objects_left=d.objects_left,
+        waiting_for=tuple(d.waiting_for),
+        last_error=d.last_error,
+    )
+
+
+def deleting_error(spec: TopicSpec) -> TopicDeletionInProgressError:
+    assert spec.deletion is not None
+    d = spec.deletion
+    left = f", {d.objects_left} segment objects left" if d.objects_left > 0 else ""
+    return TopicDeletionInProgressError(
+        f"topic {spec.name!r} is being deleted (step {d.step.number} of 7: {d.step.value}"
+        f"{left}); it can be created again once the delete completes"
     )
 
 
@@ -139,20 +172,51 @@ class TopicAdmin:
             topic_id=uuid.uuid4().hex,
             created_ms=int(time.time() * 1000),
         )
-        await self.store.create_topic(spec)
+        try:
+            await self.store.create_topic(spec)
+        except TopicAlreadyExistsError:
+            try:
+                existing, _ = await self.store.get_topic(name)
+            except UnknownTopicOrPartitionError:
+                raise TopicAlreadyExistsError(
+                    f"topic {name!r} was created meanwhile, or its delete just completed; try again"
+                ) from None
+            if existing.deletion is not None:
+                raise deleting_error(existing) from None
+            raise
         return await self._describe(spec)
 
-    async def list_topics(self) -> list[str]:
-        return await self.store.list_topics()
+    async def list_topics(self) -> tuple[list[str], list[str]]:
+        """(topics, topics being deleted)."""
+        names = await self.store.list_topics()
+        slots = asyncio.Semaphore(STATE_READS_IN_FLIGHT)
+
+        async def deleting(name: str) -> bool:
+            async with slots:
+                try:
+                    spec, _ = await self.store.get_topic(name)
+                except UnknownTopicOrPartitionError:
+                    return True  # gone meanwhile: not a topic any more
+            return spec.deletion is not None
+
+        marked = await asyncio.gather(*(deleting(n) for n in names))
+        live = [n for n, gone in zip(names, marked, strict=True) if not gone]
+        return live, [n for n, gone in zip(names, marked, strict=True) if gone]
 
     async def describe_topic(self, name: str) -> TopicDescription:
         spec, _ = await self.store.get_topic(name)
         return await self._describe(spec)
 
-    async def delete_topic(self, name: str) -> None:
-        # kazoo's recursive delete ignores a missing node, so look first: unknown -> 404
-        await self.store.get_topic(name)
-        await self.store.delete_topic(name)
+    async def delete_topic(self, name: str) -> TopicDescription:
+        """Step 1 of a delete: mark the topic (the controller does the rest)."""
+
+        def mark(spec: TopicSpec) -> TopicSpec:
+            if spec.deletion is not None:
+                return spec  # already being deleted
+            now = int(time.time() * 1000)
+            return respec(spec, deletion=TopicDeletion(requested_ms=now, updated_ms=now))
+
+        return await self._describe(await self._update(name, mark, deleting_ok=True))
 
     async def create_partitions(self, name: str, count: int) -> TopicDescription:
         def grow(spec: TopicSpec) -> TopicSpec:
@@ -173,10 +237,14 @@ class TopicAdmin:
 
         return await self._describe(await self._update(name, alter))
 
-    async def _update(self, name: str, change: Callable[[TopicSpec], TopicSpec]) -> TopicSpec:
+    async def _update(
+        self, name: str, change: Callable[[TopicSpec], TopicSpec], *, deleting_ok: bool = False
+    ) -> TopicSpec:
         """Compare-and-set the topic spec with ``change`` applied, re-reading on conflict."""
         for attempt in range(CAS_ATTEMPTS):
             spec, stat = await self.store.get_topic(name)
+            if spec.deletion is not None and not deleting_ok:
+                raise deleting_error(spec)
             new = change(spec)
             if new == spec:
                 return spec
@@ -248,8 +316,8 @@ def _create_topic(request: Request, invocation: Invocation) -> Response:
 
 
 def _list_topics(request: Request, invocation: Invocation) -> Response:
-    names = invocation.run(lambda store: TopicAdmin(store).list_topics())
-    return Response(200, {"topics": names})
+    names, deleting = invocation.run(lambda store: TopicAdmin(store).list_topics())
+    return Response(200, {"topics": names, "deleting": deleting})
 
 
 def _describe_topic(request: Request, invocation: Invocation, name: str) -> Response:
@@ -260,8 +328,8 @@ def _describe_topic(request: Request, invocation: Invocation, name: str) -> Resp
 
 def _delete_topic(request: Request, invocation: Invocation, name: str) -> Response:
     name = validate_topic_name(name)
-    invocation.run(lambda store: TopicAdmin(store).delete_topic(name))
-    return Response(204)
+    deleting = invocation.run(lambda store: TopicAdmin(store).delete_topic(name))
+    return Response(202, deleting.to_json())
 
 
 def _create_partitions(request: Request, invocation: Invocation, name: str) -> Response:

@@ -11,7 +11,10 @@
                                       -> 200 {"offsets": {"<partition>": offset}}
     DELETE /groups/{group}            -> 204
 
-Membership and offsets are read from ZooKeeper (``storage.metadata.groups``); log end offsets
+Membership and offsets are read from ZooKeeper (``storage.metadata.groups``): a describe
+shows offsets only of topics that exist, are not being deleted, and whose offsets belong to
+the topic's current incarnation (its id); a reset of a topic being deleted is refused, and a
+reset writes the offsets for the current incarnation only. Log end offsets
 and record timestamps come from the partition leaders through the SDK consumer (bootstrapped
 from the live agents' registrations). Resets and deletes are for inactive groups only: a
 group with members answers ``NON_EMPTY_GROUP`` (409), since its coordinator would otherwise
@@ -29,9 +32,20 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from handlers.http import Request, Response, Route, parse_body
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
-from storage.errors import GroupIdNotFoundError, InvalidRequestError, NonEmptyGroupError
+from storage.errors import (
+    GroupIdNotFoundError,
+    InvalidRequestError,
+    NonEmptyGroupError,
+    UnknownTopicOrPartitionError,
+)
 from storage.metadata import MetadataStore
-from storage.metadata.groups import CommittedOffset, GroupStore, unb64, validate_group_id
+from storage.metadata.groups import (
+    CommittedOffset,
+    GroupStore,
+    TopicCommits,
+    unb64,
+    validate_group_id,
+)
 from storage.protocol.consumer import ConsumerAssignment
 
 LAG_PROBE_S = 2.0
@@ -74,7 +88,7 @@ class GroupAdmin:
 
     async def describe(self, group: str) -> dict[str, Any]:
         record, _ = await self._state(group)
-        offsets = await self.groups.all_offsets(group)
+        offsets = await self.groups.live_offsets(group)
         members = []
         for mr in record.members if record else []:
             parts: list[list[Any]] = []
@@ -148,6 +162,8 @@ class GroupAdmin:
                 f"group {group!r} has {len(record.members)} members: stop them before a reset"
             )
         spec, _ = await self.store.get_topic(topic)
+        if spec.deletion is not None:
+            raise UnknownTopicOrPartitionError(f"topic {topic!r} is being deleted")
         tps = [TopicPartition(topic, p) for p in (partitions or range(spec.partitions))]
         if isinstance(to, dict) and "offset" in to:
             targets = {tp: int(to["offset"]) for tp in tps}
@@ -165,12 +181,15 @@ class GroupAdmin:
             finally:
                 await consumer.close()
             targets = dict(found)
-        current, version = await self.groups.get_offsets(group, topic)
+        stored, version = await self.groups.get_offsets(group, topic)
+        current = dict(stored.offsets) if stored.belongs_to(spec.topic_id) else {}
         now_ms = int(time.time() * 1000)
         for tp, offset in targets.items():
             current[tp.partition] = CommittedOffset(offset, "reset by admin", now_ms)
         await self.groups.write_offsets(
-            group, {topic: (current, version)}, state_version=state_version
+            group,
+            {topic: (TopicCommits(spec.topic_id, current), version)},
+            state_version=state_version,
         )
         return {tp.partition: o for tp, o in targets.items()}
 

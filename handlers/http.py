@@ -42,6 +42,7 @@ from storage.errors import (
     RequestTimedOutError,
     StrataError,
     TopicAlreadyExistsError,
+    TopicDeletionInProgressError,
     UnknownTopicOrPartitionError,
 )
 
@@ -88,6 +89,7 @@ _STATUS: dict[type[StrataError], int] = {
     MethodNotAllowedError: 405,
     RequestReadTimeoutError: 408,
     TopicAlreadyExistsError: 409,
+    TopicDeletionInProgressError: 409,
     LengthRequiredError: 411,
     PayloadTooLargeError: 413,
     UnknownTopicOrPartitionError: 404,

@@ -39,8 +39,13 @@ from rich.table import Table
 from infra import local
 from infra.processes import LocalStackError
 from sdk import Consumer, Producer, TopicPartition
-from sdk.admin import SyncAdmin, TopicDescription
-from storage.errors import GroupIdNotFoundError, StrataError
+from sdk.admin import DeletionStatus, SyncAdmin, TopicDescription
+from storage.errors import (
+    GroupIdNotFoundError,
+    RequestTimedOutError,
+    StrataError,
+    UnknownTopicOrPartitionError,
+)
 from storage.metadata import AsyncZooKeeper
 from storage.metadata.groups import GroupRecord, GroupStore
 
@@ -259,15 +264,19 @@ def topics_create(
 
 @topics_app.command("list")
 def topics_list() -> None:
-    """List topics."""
+    """List topics (and, marked, those being deleted)."""
     ctx = _ctx()
     with _errors():
-        names = ctx.admin().list_topics()
+        admin = ctx.admin()
+        names = admin.list_topics()
+        deleting = admin.list_deleting_topics()
     if ctx.json:
-        ctx.emit({"topics": names})
+        ctx.emit({"topics": names, "deleting": deleting})
     else:
         for name in names:
             out.print(name, highlight=False)
+        for name in deleting:
+            out.print(f"{name} [dim](being deleted)[/]", highlight=False)
 
 
 @topics_app.command("describe")
@@ -284,6 +293,22 @@ def topics_describe(name: str) -> None:
     for key, value in sorted(d.configs.items()):
         configs.add_row(key, str(value))
     out.print(configs)
+    if d.deletion is not None:
+        out.print(_deletion_line(d.deletion))
+
+
+def _deletion_line(s: DeletionStatus) -> str:
+    """One line on a delete in progress (``docs/operations.md``, *Deleting a topic*)."""
+    age = max(0.0, time.time() - s.requested_ms / 1000)
+    text = f"[bold yellow]being deleted[/]: step {s.step_number}/7 {s.step}, asked {age:.0f} s ago"
+    if s.objects_total >= 0:
+        text += f"; {s.objects_deleted:,} of {s.objects_total:,} segment objects deleted"
+        text += f", {s.objects_left:,} left"
+    if s.waiting_for:
+        text += f"; waiting for agents {', '.join(map(str, s.waiting_for))}"
+    if s.last_error:
+        text += f"; last error: {s.last_error}"
+    return text
 
 
 @topics_app.command("alter")
@@ -315,15 +340,41 @@ def topics_alter(
 
 @topics_app.command("delete")
 def topics_delete(
-    name: str, yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask")] = False
+    name: str,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Do not ask")] = False,
+    wait: Annotated[
+        float | None,
+        typer.Option("--wait", help="Wait up to this many seconds for the delete to complete"),
+    ] = None,
 ) -> None:
-    """Delete a topic and its data."""
+    """Delete a topic and its data (offsets, tiered objects, snapshots) in the background."""
     ctx = _ctx()
     if not yes and sys.stdin.isatty():
         typer.confirm(f"delete topic {name} and all its data?", abort=True)
     with _errors():
-        ctx.admin().delete_topic(name)
-    ctx.emit({"deleted": name}) if ctx.json else out.print(f"deleted topic [bold]{name}[/]")
+        admin = ctx.admin()
+        d = admin.delete_topic(name)
+        done = False
+        if wait is not None:
+            deadline = time.monotonic() + wait
+            while time.monotonic() < deadline:
+                try:
+                    d = admin.describe_topic(name)
+                except UnknownTopicOrPartitionError:
+                    done = True
+                    break
+                time.sleep(0.5)
+            if not done:
+                raise RequestTimedOutError(
+                    f"topic {name!r} is still being deleted after {wait:g} s "
+                    f"(step {d.deletion.step if d.deletion else '?'}); see topics describe"
+                )
+    if ctx.json:
+        ctx.emit({"deleted": name, "done": done, "deletion": d.to_json()["deletion"]})
+    elif done:
+        out.print(f"deleted topic [bold]{name}[/]")
+    else:
+        out.print(f"deleting topic [bold]{name}[/] (in the background; see topics describe)")
 
 
 # ---------------------------------------------------------------- produce
@@ -696,13 +747,14 @@ def groups_describe(group: str) -> None:
     """Members, committed offsets and lag (in messages) of a group."""
     ctx = _ctx()
 
-    async def read(store: GroupStore) -> tuple[GroupRecord | None, list[str]]:
+    async def read(store: GroupStore) -> tuple[GroupRecord | None, list[str], bool]:
         record, _ = await store.get_state(group)
-        return record, await store.topics(group)
+        # offsets of deleted topics (or of an older incarnation of a name) are never shown
+        return record, sorted(await store.live_offsets(group)), await store.exists(group)
 
     with _errors():
-        record, topics = _run(_with_groups(ctx.zookeeper(), read))
-        if record is None and not topics:
+        record, topics, exists = _run(_with_groups(ctx.zookeeper(), read))
+        if record is None and not exists:
             raise GroupIdNotFoundError(f"no group {group!r}")
         rows = _run(_group_offsets(ctx.servers(), group, topics))
     members = [m.member_id for m in record.members] if record is not None else []

@@ -100,6 +100,53 @@ class PartitionInfo:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class DeletionStatus:
+    """How far a topic's delete has got (``docs/operations.md``, *Deleting a topic*)."""
+
+    step: str
+    """The step in progress: stop_serving, remove_local_logs, remove_snapshots,
+    delete_objects, remove_offsets, remove_metadata."""
+    step_number: int
+    """2-7, as numbered in the docs (step 1, marking the topic, is done)."""
+    requested_ms: int
+    updated_ms: int
+    objects_total: int = -1
+    """Segment objects found when step 5 started (-1: not counted yet)."""
+    objects_deleted: int = 0
+    objects_left: int = -1
+    waiting_for: tuple[int, ...] = ()
+    """Live agents that have not yet removed their local logs (step 3)."""
+    last_error: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "step_number": self.step_number,
+            "requested_ms": self.requested_ms,
+            "updated_ms": self.updated_ms,
+            "objects_total": self.objects_total,
+            "objects_deleted": self.objects_deleted,
+            "objects_left": self.objects_left,
+            "waiting_for": list(self.waiting_for),
+            "last_error": self.last_error,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> DeletionStatus:
+        return cls(
+            step=str(data["step"]),
+            step_number=int(data["step_number"]),
+            requested_ms=int(data["requested_ms"]),
+            updated_ms=int(data["updated_ms"]),
+            objects_total=int(data.get("objects_total", -1)),
+            objects_deleted=int(data.get("objects_deleted", 0)),
+            objects_left=int(data.get("objects_left", -1)),
+            waiting_for=tuple(int(a) for a in data.get("waiting_for", ())),
+            last_error=str(data.get("last_error", "")),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class TopicDescription:
     name: str
     topic_id: str
@@ -109,6 +156,8 @@ class TopicDescription:
     configs: Mapping[str, Any] = field(default_factory=dict)
     """Every topic config by its Kafka dotted name (``retention.ms``, ...)."""
     partition_states: tuple[PartitionInfo, ...] = ()
+    deletion: DeletionStatus | None = None
+    """Set while the topic is being deleted (it cannot be used, nor created again, meanwhile)."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -119,10 +168,12 @@ class TopicDescription:
             "replication_factor": self.replication_factor,
             "configs": dict(self.configs),
             "partition_states": [p.to_json() for p in self.partition_states],
+            "deletion": None if self.deletion is None else self.deletion.to_json(),
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TopicDescription:
+        deletion = data.get("deletion")
         return cls(
             name=str(data["name"]),
             topic_id=str(data["topic_id"]),
@@ -131,6 +182,7 @@ class TopicDescription:
             replication_factor=int(data["replication_factor"]),
             configs=dict(data["configs"]),
             partition_states=tuple(PartitionInfo.from_json(p) for p in data["partition_states"]),
+            deletion=None if deletion is None else DeletionStatus.from_json(deletion),
         )
 
 
@@ -302,13 +354,23 @@ class SyncAdmin:
         return TopicDescription.from_json(self._http.request("POST", "/topics", body))
 
     def list_topics(self) -> list[str]:
+        """The topics that exist (not those being deleted)."""
         return [str(n) for n in self._http.request("GET", "/topics")["topics"]]
+
+    def list_deleting_topics(self) -> list[str]:
+        """The topics whose delete has not completed yet."""
+        return [str(n) for n in self._http.request("GET", "/topics").get("deleting", [])]
 
     def describe_topic(self, name: str) -> TopicDescription:
         return TopicDescription.from_json(self._http.request("GET", _topic(name)))
 
-    def delete_topic(self, name: str) -> None:
-        self._http.request("DELETE", _topic(name))
+    def delete_topic(self, name: str) -> TopicDescription:
+        """Start deleting a topic; the answer says how far the delete is (``deletion``).
+
+        The topic stops being served at once; its data, offsets and metadata go in the
+        background, and the name can be created again once ``describe_topic`` raises
+        ``UnknownTopicOrPartitionError``. Deleting a topic already being deleted is a no-op."""
+        return TopicDescription.from_json(self._http.request("DELETE", _topic(name)))
 
     def create_partitions(self, name: str, count: int) -> TopicDescription:
         """Grow the topic to ``count`` partitions in total (more than it has)."""
@@ -486,15 +548,22 @@ class Admin:
         return result
 
     async def list_topics(self) -> list[str]:
+        """The topics that exist (not those being deleted)."""
         result: list[str] = await self._call(self._sync.list_topics)
+        return result
+
+    async def list_deleting_topics(self) -> list[str]:
+        result: list[str] = await self._call(self._sync.list_deleting_topics)
         return result
 
     async def describe_topic(self, name: str) -> TopicDescription:
         result: TopicDescription = await self._call(self._sync.describe_topic, name)
         return result
 
-    async def delete_topic(self, name: str) -> None:
-        await self._call(self._sync.delete_topic, name)
+    async def delete_topic(self, name: str) -> TopicDescription:
+        """Start deleting a topic (see ``SyncAdmin.delete_topic``)."""
+        result: TopicDescription = await self._call(self._sync.delete_topic, name)
+        return result
 
     async def create_partitions(self, name: str, count: int) -> TopicDescription:
         """Grow the topic to ``count`` partitions in total (more than it has)."""

@@ -16,6 +16,13 @@ exponentially while refreshes fail. A refresh asks the known agents in random or
 the bootstrap servers in order, each with a deadline. A partition's leader never moves back to
 an older leader epoch than the one already known (metadata from a lagging agent is ignored for
 that partition), as Kafka clients do.
+
+Each topic's id (KIP-516) is kept too: a topic deleted and created again under the same name
+has a new one, and the producer and consumer send the id they hold, so they never write into
+or read from another incarnation than the one they mean (``UNKNOWN_TOPIC_ID`` /
+``INCONSISTENT_TOPIC_ID`` refresh the metadata, like the other errors below). Epochs of a new
+incarnation are not compared with the old one's, and once an id has been replaced by another,
+metadata naming the old one (from an agent that lags) is ignored for that topic.
 """
 
 from __future__ import annotations
@@ -34,11 +41,13 @@ from sdk.connection import Connection, Spawn
 from sdk.errors import IllegalStateError
 from storage.errors import (
     FencedLeaderEpochError,
+    InconsistentTopicIdError,
     LeaderNotAvailableError,
     NetworkError,
     NotLeaderError,
     RequestTimedOutError,
     StrataError,
+    UnknownTopicIdError,
     UnknownTopicOrPartitionError,
     from_wire,
 )
@@ -55,6 +64,8 @@ STALE_METADATA_ERRORS: tuple[type[StrataError], ...] = (
     FencedLeaderEpochError,
     NetworkError,
     RequestTimedOutError,
+    UnknownTopicIdError,
+    InconsistentTopicIdError,
 )
 
 _UNKNOWN_TOPIC = UnknownTopicOrPartitionError.code
@@ -97,6 +108,10 @@ class Cluster:
         self._available: dict[str, list[int]] = {}
         self._topic_errors: dict[str, StrataError] = {}
         self._delay_max_ms: dict[str, int] = {}
+        self._topic_ids: dict[str, str] = {}
+        #: the last id seen of each topic, and ids replaced since (never taken back)
+        self._last_ids: dict[str, str] = {}
+        self._retired_ids: dict[str, set[str]] = {}
         self._topics: set[str] = set()
         self.controller_id = -1
         #: (address, channel) -> connection; see ``send``
@@ -147,6 +162,10 @@ class Cluster:
     def delay_max_ms(self, topic: str) -> int:
         """The topic's ``delay.max.ms`` as the agents last said (-1: not known)."""
         return self._delay_max_ms.get(topic, -1)
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of the incarnation of ``topic`` the metadata names (None: unknown)."""
+        return self._topic_ids.get(topic)
 
     def topic_error(self, topic: str) -> StrataError | None:
         return self._topic_errors.get(topic)
@@ -233,11 +252,30 @@ class Cluster:
         partitions: dict[str, dict[int, PartitionInfo]] = {}
         errors: dict[str, StrataError] = {}
         delay_max: dict[str, int] = {}
+        topic_ids: dict[str, str] = {}
         for t in response.topics:
             if t.error_code and t.error_code != _LEADER_NOT_AVAILABLE:
                 errors[t.name] = from_wire(t.error_code, f"topic {t.name!r}: error {t.error_code}")
                 continue
             old = self._partitions.get(t.name, {})
+            if t.topic_id:
+                if t.topic_id in self._retired_ids.get(t.name, ()):
+                    # a lagging agent's view of a deleted incarnation: keep what we know
+                    if t.name in self._partitions:
+                        partitions[t.name] = self._partitions[t.name]
+                    if t.name in self._topic_ids:
+                        topic_ids[t.name] = self._topic_ids[t.name]
+                    if t.name in self._delay_max_ms:
+                        delay_max[t.name] = self._delay_max_ms[t.name]
+                    continue
+                last = self._last_ids.setdefault(t.name, t.topic_id)
+                if last != t.topic_id:
+                    # the topic was deleted and created again: a new incarnation, whose
+                    # leader epochs say nothing of the old one's
+                    self._retired_ids.setdefault(t.name, set()).add(last)
+                    self._last_ids[t.name] = t.topic_id
+                    old = {}
+                topic_ids[t.name] = t.topic_id
             parts: dict[int, PartitionInfo] = {}
             for p in t.partitions:
                 info = PartitionInfo(
@@ -262,6 +300,7 @@ class Cluster:
         }
         self._delay_max_ms = delay_max
         self._topic_errors = errors
+        self._topic_ids = topic_ids
         self.version += 1
         self.last_refresh = self._clock()
         self.last_error = None

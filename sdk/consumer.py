@@ -47,6 +47,12 @@ errors and the like refresh metadata and retry the partition after ``retry.backo
 other error is raised from the next ``getmany`` that covers the partition — after data already
 collected for other partitions has been returned.
 
+Topic incarnations: a position belongs to the topic id it was set under, and fetches name
+that id (KIP-516). When the metadata shows that a topic was deleted and created again (a new
+id), the positions and buffered records of the old incarnation are dropped and the new one is
+read from ``auto.offset.reset``, as a partition without a committed offset (a delete removes
+them): never from the old incarnation's log, never at an offset meant for it.
+
 Groups: with ``group.id``, ``subscribe(topics, listener=...)`` hands the assignment to the
 group (``sdk.group.GroupClient``: join/sync/heartbeat loop, assignors, auto-commit), and
 ``commit`` / ``commit_async`` / ``committed`` talk to the group's coordinator. A committed
@@ -109,6 +115,7 @@ from storage.protocol.messages import (
     ListOffsetsTopic,
 )
 
+log = logging.getLogger(__name__)
 _OUT_OF_RANGE = OffsetOutOfRangeError.code
 _RESETS = {"earliest": EARLIEST_TIMESTAMP, "latest": LATEST_TIMESTAMP}
 FETCHES_PER_AGENT = 4
@@ -172,6 +179,7 @@ class _PartitionState:
     log_start_offset: int = -1
     attempts: int = field(default=0)
     paused: bool = False  # neither fetched nor returned until resumed
+    topic_id: str | None = None  # the incarnation the position belongs to (None: not known yet)
 
 
 def _as_tp(tp: Any) -> TopicPartition:
@@ -519,9 +527,16 @@ class Consumer:
         )
 
     def positions_to_commit(self) -> dict[TopicPartition, int]:
-        """Every partition's position; with retries, never past a record whose failure
-        record is not stored yet or that waits behind its key (``docs/retries.md``)."""
-        out = {tp: st.position for tp, st in self._states.items() if st.position is not None}
+        """Every partition's position in its current incarnation (a deleted one's are not
+        kept); with retries, never past a record whose failure record is not stored yet or
+        that waits behind its key (``docs/retries.md``)."""
+        cluster = self._cluster
+        out = {
+            tp: st.position
+            for tp, st in self._states.items()
+            if st.position is not None
+            and (cluster is None or st.topic_id in (None, cluster.topic_id(tp.topic)))
+        }
         for source in (self._retrier, self._key_order):
             if source is not None:
                 for tp, cap in source.commit_caps().items():
@@ -819,6 +834,7 @@ class Consumer:
         delay: float | None = None
         room = self._buffered_bytes < self.config.fetch_max_bytes
         for tp, st in self._states.items():
+            self._follow_incarnation(cluster, tp, st)
             if st.error is not None or st.buffered is not None or st.busy or st.paused:
                 continue
             if st.retry_at > now:
@@ -852,6 +868,26 @@ class Consumer:
             in_use.add(slot)
             self._spawn(self._fetch(leader, tps, slot), f"strata-fetch-from-{leader}")
         return delay
+
+    def _follow_incarnation(
+        self, cluster: Cluster, tp: TopicPartition, st: _PartitionState
+    ) -> None:
+        """Tie the position to the topic's id; a new id (the topic was deleted and created
+        again) drops the old incarnation's position and records (module docstring)."""
+        current = cluster.topic_id(tp.topic)
+        if current is None or st.topic_id == current:
+            return
+        if st.topic_id is not None:
+            log.info(
+                "%s was deleted and created again (id %s, was %s): reading it from %s",
+                tp,
+                current,
+                st.topic_id,
+                self.config.auto_offset_reset,
+            )
+            st.position, st.reset = None, None
+            self._reposition(tp, st)
+        st.topic_id = current
 
     def _backoff_partition(self, st: _PartitionState) -> None:
         st.retry_at = self._clock() + self._backoff(st.attempts)
@@ -899,12 +935,12 @@ class Consumer:
         assert cluster is not None
         cfg = self.config
         asked: dict[TopicPartition, tuple[int, int]] = {}
-        topics: dict[str, list[FetchPartition]] = defaultdict(list)
+        topics: dict[tuple[str, str | None], list[FetchPartition]] = defaultdict(list)
         for tp in tps:
             state = self._states[tp]
             assert state.position is not None
             asked[tp] = (state.generation, state.position)
-            topics[tp.topic].append(
+            topics[(tp.topic, state.topic_id)].append(
                 FetchPartition(
                     tp.partition,
                     state.position,
@@ -919,7 +955,7 @@ class Consumer:
             min_bytes=cfg.fetch_min_bytes,
             max_bytes=cfg.fetch_max_bytes,
             isolation_level=READ_COMMITTED if cfg.read_committed else READ_UNCOMMITTED,
-            topics=[FetchTopic(name, parts) for name, parts in topics.items()],
+            topics=[FetchTopic(name, parts, tid) for (name, tid), parts in topics.items()],
         )
         try:
             response: FetchResponse = await cluster.send(
@@ -1191,7 +1227,7 @@ def _subscription_filter(tags: str | None, filter_: str | Filter | None) -> Filt
 
 
 def log_commit_failure(error: BaseException) -> None:
-    logging.getLogger(__name__).warning("async commit failed: %s", error)
+    log.warning("async commit failed: %s", error)
 
 
 def _list_offsets_request(

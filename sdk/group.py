@@ -235,7 +235,8 @@ class GroupClient:
                 generation if subscribed else m.NO_GENERATION,
                 self.member_id if subscribed else "",
                 self.config.group_instance_id if subscribed else None,
-                [m.OffsetCommitTopic(t, ps) for t, ps in topics.items()],
+                # the incarnation the metadata names: a commit never goes to a deleted topic
+                [m.OffsetCommitTopic(t, ps, self.cluster.topic_id(t)) for t, ps in topics.items()],
             )
             resp: m.OffsetCommitResponse = await self._send(req)
             codes = {p.error_code for t in resp.topics for p in t.partitions} - {0}

@@ -38,6 +38,11 @@ With ``transactional.id`` the producer is transactional (``sdk.transactions``):
 its batches carry the transactional bit and a partition's batches wait until the
 coordinator has the partition in the transaction.
 
+Each request names the topic id the metadata holds (KIP-516): a batch is never stored in a
+deleted topic's log. While a topic is being deleted its batches wait and retry
+(``UNKNOWN_TOPIC_OR_PARTITION``); once the name is created again they go to the new topic,
+whose id the refreshed metadata names — or fail when ``delivery.timeout.ms`` passes first.
+
 The sender, the metadata refresh loop and the connections' reader loops are named tasks under
 one ``asyncio.TaskGroup`` owned by a supervisor task; if any of them fails unexpectedly the
 others are cancelled and every outstanding future fails with that error.
@@ -234,7 +239,12 @@ class Sender:
         return ProduceRequest(
             acks=self.config.acks,
             timeout_ms=self.config.request_timeout_ms,
-            topics=[ProduceTopic(name, parts) for name, parts in topics.items()],
+            # the id of the incarnation the metadata names: a batch never lands in a deleted
+            # topic's log; after a re-create it goes to the new topic once metadata says so
+            topics=[
+                ProduceTopic(name, parts, self._cluster.topic_id(name))
+                for name, parts in topics.items()
+            ],
         )
 
     async def _produce(self, agent_id: int, batches: list[ProducerBatch]) -> None:

@@ -7,6 +7,13 @@ Theory of operation:
   (``storage.tier.snapshot``: ``<prefix>manifests/<topic>/<partition>.json``); the SDK never
   talks to ZooKeeper. Objects the snapshot does not name — orphans of failed commits, stray
   uploads, copies — are never listed, never read.
+* **Which incarnation.** A topic name can be deleted and created again; each incarnation has
+  its own ``topic_id``, in its snapshots and its segment keys. A plan reads the snapshots of
+  one incarnation only: the one pinned with ``topic_id=``, else the newest (by the topic's
+  creation time in the snapshot). A topic with no snapshot — deleted (a delete removes its
+  snapshots before its objects), never created, or never led with tiering on — raises
+  ``UnknownTopicOrPartitionError``: rows of a deleted incarnation are never returned. A topic
+  that exists with nothing tiered yet has empty snapshots and reads as empty.
 * **Planning** (:func:`plan`) turns a topic, partitions, an offset range per partition and a
   time range into :class:`SegmentRead` tasks, one per segment or per byte range of a large one.
   Whole segments are skipped with the manifest alone (offsets; ``max_timestamp`` below the
@@ -53,7 +60,12 @@ import pyarrow.compute as pc
 
 from storage.codec import SCHEMA, decode_batch, iter_batches
 from storage.codec.control import aborted_ranges, is_aborted
-from storage.errors import CorruptSegmentError, ObjectNotFoundError, ObjectStoreError
+from storage.errors import (
+    CorruptSegmentError,
+    ObjectNotFoundError,
+    ObjectStoreError,
+    UnknownTopicOrPartitionError,
+)
 from storage.filters import Filter, Verdict, as_filter, classify, parse
 from storage.filters.expr import Tag, conjunction
 from storage.tier.layout import Footer, decode_footer
@@ -211,6 +223,22 @@ class Archive:
                 out[partition] = self._read_snapshot(key)
         return out
 
+    def incarnation(self, topic: str, topic_id: str | None = None) -> dict[int, ManifestSnapshot]:
+        """The snapshots of one incarnation of ``topic``: ``topic_id``'s, else the newest's
+        (module docstring). ``UnknownTopicOrPartitionError`` if there is none."""
+        snaps = self.snapshots(topic)
+        if topic_id is None and snaps:
+            newest = max(snaps.values(), key=lambda s: (s.created_ms, s.written_ms))
+            topic_id = newest.topic_id
+        chosen = {p: s for p, s in snaps.items() if s.topic_id == topic_id}
+        if not chosen:
+            which = f"topic {topic!r}" + (f" with id {topic_id}" if topic_id else "")
+            raise UnknownTopicOrPartitionError(
+                f"{which} has no manifest snapshot in the bucket: it does not exist (or was "
+                "deleted), or no leader has tiered it yet"
+            )
+        return chosen
+
     def footer(self, key: str, entry: SegmentEntry) -> Footer:
         return decode_footer(self.get_range(key, entry.data_length, entry.size), where=key)
 
@@ -332,16 +360,20 @@ def plan(
     manifests: Mapping[int, tuple[str, Manifest]] | None = None,
     filter: Filter | None = None,
     read_committed: bool = True,
+    topic_id: str | None = None,
 ) -> tuple[list[SegmentRead], PlanReport]:
     """The read tasks for ``topic`` within ``bounds``, in (partition, offset) order.
 
     ``manifests`` (partition -> (topic_id, manifest)) overrides the bucket's snapshots (the
-    Spark driver passes ZooKeeper's when told to). ``filter`` goes with every task. With
-    ``read_committed`` every task of a segment with aborted transactions carries their list
-    (its footer is read for it).
+    Spark driver passes ZooKeeper's when told to); else the snapshots of one incarnation are
+    read (``topic_id``'s, or the newest: ``Archive.incarnation``). ``filter`` goes with every
+    task. With ``read_committed`` every task of a segment with aborted transactions carries
+    their list (its footer is read for it).
     """
     if manifests is None:
-        manifests = {p: (s.topic_id, s.manifest) for p, s in archive.snapshots(topic).items()}
+        manifests = {
+            p: (s.topic_id, s.manifest) for p, s in archive.incarnation(topic, topic_id).items()
+        }
     report = PlanReport()
     tasks: list[SegmentRead] = []
     prefix = archive.config.prefix
@@ -508,6 +540,7 @@ def replay(
     archive: Archive | ArchiveConfig | None = None,
     split_bytes: int = DEFAULT_SPLIT_BYTES,
     isolation_level: str = "read_committed",
+    topic_id: str | None = None,
 ) -> Iterator[pa.Table]:
     """Tables of ``topic``'s committed history (``REPLAY_SCHEMA``), read from the object tier.
 
@@ -519,7 +552,9 @@ def replay(
     each in offset order; empty tables are not yielded. ``archive`` defaults to
     ``ArchiveConfig.from_env()``. ``isolation_level`` ``read_committed`` (the default) drops
     the records of aborted transactions; ``read_uncommitted`` keeps them. Transaction
-    markers are never returned.
+    markers are never returned. ``topic_id`` pins one incarnation of the name (default: the
+    newest); a topic with no snapshot in the bucket (deleted, or never tiered) raises
+    ``UnknownTopicOrPartitionError`` (at the first ``next``).
     """
     if isolation_level not in ("read_committed", "read_uncommitted"):
         raise ValueError(
@@ -545,6 +580,7 @@ def replay(
         split_bytes=split_bytes,
         filter=chosen,
         read_committed=isolation_level == "read_committed",
+        topic_id=topic_id,
     )
     key_set = None if keys is None else pa.array(list(keys), pa.binary())
     for task in tasks:

@@ -28,6 +28,10 @@ Theory of operation (user-facing details in ``docs/spark.md``):
   :func:`register` sets): comparisons and ``IN`` on ``partition`` and ``offset`` are applied
   exactly by the source; comparisons on ``timestamp`` prune segments and ranges and are also
   left to Spark (literal time zones are Spark's business).
+* **Incarnations.** The plan reads one incarnation of the topic (``sdk.replay``: the newest,
+  or the one option ``topicId`` pins); a topic deleted (or being deleted, with
+  ``manifest=zookeeper``) raises ``UnknownTopicOrPartitionError``: no row of a deleted
+  incarnation is ever read.
 * **Streaming** (``readStream``): the offset is ``{partition: manifest end}`` (the end of the
   last committed segment); a micro-batch reads the segments between two such offsets.
   ``Trigger.AvailableNow`` is supported: the target is the manifests' ends when the query starts.
@@ -121,6 +125,7 @@ class Options:
     pushdown: bool
     filter: str | None = None  # canonical text of option filter / tags (None: every record)
     read_committed: bool = True  # option isolation.level
+    topic_id: str | None = None  # pins one incarnation of the topic name
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -176,6 +181,7 @@ class Options:
             o.get("pushdown", "true").lower() != "false",
             None if chosen is None else chosen.text,
             isolation == "read_committed",
+            o.get("topicid") or None,
         )
 
     @property
@@ -204,9 +210,11 @@ def _ms(raw: str | None) -> int | None:
 # ---- manifests on the driver ------------------------------------------------------------------
 
 
-def zookeeper_manifests(connect: str, topic: str) -> dict[int, tuple[str, Manifest]]:
+def zookeeper_manifests(
+    connect: str, topic: str, topic_id: str | None = None
+) -> dict[int, tuple[str, Manifest]]:
     """partition -> (topic_id, manifest), read from ZooKeeper (driver only)."""
-    from storage.errors import NodeNotFoundError
+    from storage.errors import NodeNotFoundError, UnknownTopicOrPartitionError
     from storage.metadata import AsyncZooKeeper
     from storage.metadata.store import partition_path, topic_path
 
@@ -214,7 +222,17 @@ def zookeeper_manifests(connect: str, topic: str) -> dict[int, tuple[str, Manife
         zk = AsyncZooKeeper(connect)
         await zk.start()
         try:
-            spec = json.loads((await zk.get(topic_path(topic)))[0])
+            try:
+                spec = json.loads((await zk.get(topic_path(topic)))[0])
+            except NodeNotFoundError:
+                raise UnknownTopicOrPartitionError(f"unknown topic {topic!r}") from None
+            if spec.get("deletion") is not None:
+                raise UnknownTopicOrPartitionError(f"topic {topic!r} is being deleted")
+            if topic_id is not None and spec["topic_id"] != topic_id:
+                raise UnknownTopicOrPartitionError(
+                    f"topic {topic!r} is id {spec['topic_id']}, not {topic_id}: that one was "
+                    "deleted"
+                )
             out = {}
             for child in await zk.get_children(f"{topic_path(topic)}/partitions"):
                 p = int(child)
@@ -233,8 +251,9 @@ def zookeeper_manifests(connect: str, topic: str) -> dict[int, tuple[str, Manife
 def manifests_for(opts: Options, archive: Archive) -> dict[int, tuple[str, Manifest]]:
     if opts.manifest_source == "zookeeper":
         assert opts.zookeeper is not None
-        return zookeeper_manifests(opts.zookeeper, opts.topic)
-    return {p: (s.topic_id, s.manifest) for p, s in archive.snapshots(opts.topic).items()}
+        return zookeeper_manifests(opts.zookeeper, opts.topic, opts.topic_id)
+    snaps = archive.incarnation(opts.topic, opts.topic_id)
+    return {p: (s.topic_id, s.manifest) for p, s in snaps.items()}
 
 
 def _write_report(path: str | None, report: PlanReport) -> None:

@@ -27,6 +27,9 @@ at one boundary per adapter and never leak out.
     │       └── FrameTooLargeError     a frame over the connection's maximum size
     ├── OffsetOutOfRangeError          offset below the log start or above the log end
     ├── UnknownTopicOrPartitionError   retriable: metadata may be catching up
+    ├── UnknownTopicIdError            retriable: no topic has the id the request names
+    ├── InconsistentTopicIdError       retriable: the topic's id is not the one the request names
+    ├── TopicDeletionInProgressError   retriable: the name is taken until its delete completes
     ├── NotLeaderError                 retriable: carries the leader the agent knows
     ├── FencedLeaderEpochError         a request or agent with a stale leader epoch
     ├── LeaderNotAvailableError        retriable: an election is under way
@@ -213,6 +216,31 @@ class FrameTooLargeError(MalformedFrameError):
 
 class UnknownTopicOrPartitionError(StrataError):
     code = 3
+    retriable = True
+
+
+class UnknownTopicIdError(StrataError):
+    """The request names a topic id this agent knows no topic by: the topic was deleted (or
+    is being deleted), or the agent's metadata is behind. Refresh metadata and go on (KIP-516)."""
+
+    code = 100
+    retriable = True
+
+
+class InconsistentTopicIdError(StrataError):
+    """The topic's log has another id than the request names: the topic was deleted and
+    created again under the same name. The caller holds the old incarnation's metadata;
+    refresh it (a consumer then starts the new incarnation from ``auto.offset.reset``)."""
+
+    code = 103
+    retriable = True
+
+
+class TopicDeletionInProgressError(StrataError):
+    """The topic name is being deleted; it can be created again once the delete completes
+    (``docs/operations.md``, *Deleting a topic*)."""
+
+    code = 1010
     retriable = True
 
 

@@ -30,6 +30,12 @@ Theory of operation (``docs/groups.md`` has the full text):
 * **Sessions.** A member not heard from (join, sync, heartbeat, commit) for its
   ``session.timeout.ms`` is removed and the group rebalances; a member that does not rejoin
   within the rebalance timeout (the client's ``max.poll.interval.ms``) is removed too.
+* **Topic incarnations.** Committed offsets are stored with the id of the topic incarnation
+  they were committed for (``storage.metadata.groups``). A commit naming another id than the
+  topic's current one gets ``INCONSISTENT_TOPIC_ID`` (``UNKNOWN_TOPIC_ID`` if no topic has
+  it), one for a topic being deleted ``UNKNOWN_TOPIC_OR_PARTITION``; OffsetFetch hands out
+  nothing of a deleted topic or of another incarnation. The current id comes from the agent's
+  view, or from ZooKeeper for a topic the view does not know yet.
 * **Offset commits** are checked against the generation (``ILLEGAL_GENERATION`` for an old
   one, ``UNKNOWN_MEMBER_ID``, ``REBALANCE_IN_PROGRESS`` while the new generation is waiting for
   its assignment), then parked in memory. One flusher task writes every group's parked commits
@@ -65,6 +71,7 @@ from storage.errors import (
     IllegalGenerationError,
     InconsistentFilterError,
     InconsistentGroupProtocolError,
+    InconsistentTopicIdError,
     InvalidProducerEpochError,
     InvalidRequestError,
     InvalidSessionTimeoutError,
@@ -75,6 +82,8 @@ from storage.errors import (
     StrataError,
     TransactionCoordinatorFencedError,
     UnknownMemberIdError,
+    UnknownTopicIdError,
+    UnknownTopicOrPartitionError,
     UnstableOffsetCommitError,
 )
 from storage.metadata.groups import (
@@ -84,7 +93,7 @@ from storage.metadata.groups import (
     GroupTxnState,
     MemberRecord,
     PendingTxnOffsets,
-    TopicOffsets,
+    TopicCommits,
     b64,
     unb64,
     validate_group_id,
@@ -93,7 +102,7 @@ from storage.protocol import messages as m
 
 if TYPE_CHECKING:
     from broker_agents.view import ClusterView
-    from storage.metadata import AsyncZooKeeper
+    from storage.metadata import AsyncZooKeeper, TopicSpec
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +157,7 @@ class Member:
 class PendingCommit:
     offsets: dict[tuple[str, int], CommittedOffset]
     done: asyncio.Future[None]
+    topic_ids: dict[str, str] = field(default_factory=dict)  # the incarnation of each topic
 
 
 @dataclass
@@ -160,7 +170,7 @@ class Group:
     leader: str | None = None
     members: dict[str, Member] = field(default_factory=dict)
     version: int = -1  # the state znode's version (-1: not written yet)
-    offsets: dict[str, tuple[TopicOffsets, int]] = field(default_factory=dict)
+    offsets: dict[str, tuple[TopicCommits, int]] = field(default_factory=dict)
     pending: list[PendingCommit] = field(default_factory=list)
     join_deadline: float = 0.0  # PREPARING_REBALANCE: when laggards are dropped
     join_ready_at: float = 0.0  # PREPARING_REBALANCE: initial rebalance delay
@@ -657,8 +667,35 @@ class GroupCoordinator:
             return m.LeaveGroupResponse(exc.code)
 
     # ---- offsets ----------------------------------------------------------------------------
+    async def _topic(self, topic: str) -> TopicSpec | None:
+        """The topic's spec as this agent knows it (ZooKeeper's if the view has none yet)."""
+        spec = self.view.topics.get(topic)
+        if spec is not None:
+            return spec
+        try:
+            return await self.store.topic_spec(topic)
+        except MetadataError as exc:
+            raise CoordinatorNotAvailableError(f"cannot read topic {topic!r}: {exc}") from exc
+
+    async def _incarnation(self, t: m.OffsetCommitTopic) -> str:
+        """The topic id a commit for ``t`` is stored with, or the typed error refusing it."""
+        spec = await self._topic(t.name)
+        if spec is not None and spec.deletion is not None:
+            raise UnknownTopicOrPartitionError(f"topic {t.name!r} is being deleted")
+        if spec is None:
+            if t.topic_id:
+                raise UnknownTopicIdError(f"no topic {t.name!r} with id {t.topic_id}")
+            return ""  # by name, for a topic not created (or not known here) yet
+        if t.topic_id and t.topic_id != spec.topic_id:
+            raise InconsistentTopicIdError(
+                f"topic {t.name!r} is id {spec.topic_id} now, not {t.topic_id}: it was deleted "
+                "and created again"
+            )
+        return spec.topic_id
+
     async def offset_commit(self, req: m.OffsetCommitRequest) -> m.OffsetCommitResponse:
         error = 0
+        refused: dict[str, int] = {}
         try:
             group = await self._group(req.group_id)
             if req.generation_id < 0 and not req.member_id:
@@ -670,24 +707,39 @@ class GroupCoordinator:
                 self._member(group, req.member_id, req.group_instance_id, req.generation_id)
                 if group.phase == Phase.COMPLETING_REBALANCE:
                     raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            topic_ids: dict[str, str] = {}
+            for t in req.topics:
+                try:
+                    topic_ids[t.name] = await self._incarnation(t)
+                except (
+                    UnknownTopicOrPartitionError,
+                    UnknownTopicIdError,
+                    InconsistentTopicIdError,
+                ) as exc:
+                    refused[t.name] = exc.code
             now_ms = int(time.time() * 1000)
             offsets = {
                 (t.name, p.partition): CommittedOffset(p.offset, p.metadata, now_ms)
                 for t in req.topics
+                if t.name in topic_ids
                 for p in t.partitions
             }
-            done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            group.pending.append(PendingCommit(offsets, done))
-            self.commits_received += len(offsets)
-            self._flush_wanted.set()
-            await asyncio.shield(done)
+            if offsets:
+                done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+                group.pending.append(PendingCommit(offsets, done, topic_ids))
+                self.commits_received += len(offsets)
+                self._flush_wanted.set()
+                await asyncio.shield(done)
         except StrataError as exc:
             error = exc.code
         return m.OffsetCommitResponse(
             [
                 m.OffsetCommitTopicResult(
                     t.name,
-                    [m.OffsetCommitPartitionResult(p.partition, error) for p in t.partitions],
+                    [
+                        m.OffsetCommitPartitionResult(p.partition, error or refused.get(t.name, 0))
+                        for p in t.partitions
+                    ],
                 )
                 for t in req.topics
             ]
@@ -745,21 +797,27 @@ class GroupCoordinator:
 
     async def _write_offsets(self, group: Group, batch: list[PendingCommit]) -> None:
         by_topic: dict[str, dict[int, CommittedOffset]] = {}
+        topic_ids: dict[str, str] = {}
         for pending in batch:
+            topic_ids.update(pending.topic_ids)
             for (topic, partition), committed in pending.offsets.items():
                 by_topic.setdefault(topic, {})[partition] = committed
-        writes: dict[str, tuple[TopicOffsets, int]] = {}
+        writes: dict[str, tuple[TopicCommits, int]] = {}
         for topic, changes in by_topic.items():
             cached = group.offsets.get(topic)
             if cached is None:
                 cached = await self.store.get_offsets(group.group_id, topic)
-            writes[topic] = ({**cached[0], **changes}, cached[1])
+            stored, version = cached
+            topic_id = topic_ids.get(topic, "") or stored.topic_id
+            # another incarnation's offsets (a deleted topic's leftovers) are replaced
+            kept = stored.offsets if stored.belongs_to(topic_id) else {}
+            writes[topic] = (TopicCommits(topic_id, {**kept, **changes}), version)
         versions = await self.store.write_offsets(
             group.group_id, writes, state_version=group.version
         )
         self.zk_offset_writes += 1
-        for topic, (offsets, _) in writes.items():
-            group.offsets[topic] = (offsets, versions[topic])
+        for topic, (commits, _) in writes.items():
+            group.offsets[topic] = (commits, versions[topic])
 
     async def offset_fetch(self, req: m.OffsetFetchRequest) -> m.OffsetFetchResponse:
         try:
@@ -774,7 +832,10 @@ class GroupCoordinator:
             unstable = group.unstable() if req.require_stable else set()
             topics = []
             for topic, partitions in wanted.items():
-                offsets, _ = await self.store.get_offsets(group.group_id, topic)
+                commits, _ = await self.store.get_offsets(group.group_id, topic)
+                offsets = commits.visible(await self._topic(topic))
+                if partitions is None and not offsets:
+                    continue  # a deleted topic, or another incarnation's: nothing to report
                 parts = sorted(offsets) if partitions is None else partitions
                 results = []
                 for p in parts:
@@ -836,8 +897,11 @@ class GroupCoordinator:
     # ---- transactional offsets --------------------------------------------------------------
     async def txn_offset_commit(self, req: m.TxnOffsetCommitRequest) -> m.TxnOffsetCommitResponse:
         """Park a transaction's offsets until its marker (checked like a commit: generation,
-        member; a producer epoch older than the one parked is fenced)."""
+        member; a producer epoch older than the one parked is fenced). A topic being deleted,
+        or named with another incarnation's id, is refused as in ``offset_commit``; the
+        incarnation the offsets go to is the topic's current one when the marker lands."""
         error = 0
+        refused: dict[str, int] = {}
         try:
             group = await self._group(req.group_id)
             if req.generation_id < 0 and not req.member_id:
@@ -850,10 +914,20 @@ class GroupCoordinator:
                 self._member(group, req.member_id, req.group_instance_id, req.generation_id)
                 if group.phase == Phase.COMPLETING_REBALANCE:
                     raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            for t in req.topics:
+                try:
+                    await self._incarnation(t)
+                except (
+                    UnknownTopicOrPartitionError,
+                    UnknownTopicIdError,
+                    InconsistentTopicIdError,
+                ) as exc:
+                    refused[t.name] = exc.code
             now_ms = int(time.time() * 1000)
             offsets = {
                 (t.name, p.partition): CommittedOffset(p.offset, p.metadata, now_ms)
                 for t in req.topics
+                if t.name not in refused
                 for p in t.partitions
             }
             async with group.lock:
@@ -875,7 +949,10 @@ class GroupCoordinator:
             [
                 m.OffsetCommitTopicResult(
                     t.name,
-                    [m.OffsetCommitPartitionResult(p.partition, error) for p in t.partitions],
+                    [
+                        m.OffsetCommitPartitionResult(p.partition, error or refused.get(t.name, 0))
+                        for p in t.partitions
+                    ],
                 )
                 for t in req.topics
             ]
@@ -922,14 +999,22 @@ class GroupCoordinator:
         changes: dict[str, dict[int, CommittedOffset]],
     ) -> None:
         """Write the group's transactional state, and with it ``changes`` to the committed
-        offsets, in one ZooKeeper transaction (``group.lock`` held)."""
+        offsets, in one ZooKeeper transaction (``group.lock`` held). Committed offsets go to
+        the topic's current incarnation (another incarnation's stored ones are replaced); a
+        topic being deleted gets none (its offsets are being removed)."""
         try:
-            writes: dict[str, tuple[TopicOffsets, int]] = {}
+            writes: dict[str, tuple[TopicCommits, int]] = {}
             for topic, more in changes.items():
+                spec = await self._topic(topic)
+                if spec is not None and spec.deletion is not None:
+                    continue
                 cached = group.offsets.get(topic)
                 if cached is None:
                     cached = await self.store.get_offsets(group.group_id, topic)
-                writes[topic] = ({**cached[0], **more}, cached[1])
+                stored, version = cached
+                topic_id = stored.topic_id if spec is None else spec.topic_id
+                kept = stored.offsets if stored.belongs_to(topic_id) else {}
+                writes[topic] = (TopicCommits(topic_id, {**kept, **more}), version)
             versions = await self.store.write_offsets(
                 group.group_id,
                 writes,
@@ -944,8 +1029,8 @@ class GroupCoordinator:
             ) from exc
         self.zk_offset_writes += 1
         group.txn, group.txn_version = state, versions[""]
-        for topic, (offsets, _) in writes.items():
-            group.offsets[topic] = (offsets, versions[topic])
+        for topic, (commits, _) in writes.items():
+            group.offsets[topic] = (commits, versions[topic])
 
     def handlers(self) -> dict[int, Any]:
         return {

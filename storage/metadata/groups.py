@@ -4,7 +4,8 @@ Layout (under the cluster's chroot; see ``docs/groups.md``)::
 
     /groups/<group>/state             GroupRecord (JSON): generation, phase, protocol, leader,
                                       members with their subscription and assignment
-    /groups/<group>/offsets/<topic>   {"<partition>": [offset, metadata, commit_ms], ...}
+    /groups/<group>/offsets/<topic>   {"id": "<topic id>", "p": {"<partition>": [offset,
+                                      metadata, commit_ms], ...}}
     /groups/<group>/txn               transactional offsets not yet settled, and the last
                                       marker token applied per producer (GroupTxnState)
 
@@ -21,6 +22,14 @@ clears them in one ``multi``; an abort marker clears them.
 
 Offsets are plain JSON arrays rather than pydantic models: a 1,000-partition topic is one
 ~40 KB znode, rewritten on every flush that touches it.
+
+Committed offsets belong to one incarnation of a topic (``TopicSpec.topic_id``, KIP-516):
+``id`` names it. Offsets of another incarnation than the topic's current one are never
+handed out (a deleted and re-created topic starts without committed offsets), and a commit
+for the current incarnation replaces them. ``id`` is "" in znodes written before ids were
+kept here (the old format, a bare ``{"<partition>": [...]}``, still reads): such offsets
+count as the current incarnation's. A delete removes a topic's offsets from every group
+(step 6, ``broker_agents.deletion``).
 """
 
 from __future__ import annotations
@@ -32,8 +41,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.errors import GroupIdNotFoundError, InvalidRequestError, NodeNotFoundError
-from storage.metadata.models import dump, load
+from storage.errors import (
+    GroupIdNotFoundError,
+    InvalidRequestError,
+    NodeNotFoundError,
+    VersionConflictError,
+)
+from storage.metadata.models import TopicSpec, dump, load
+from storage.metadata.store import topic_path
 from storage.metadata.zk import AsyncZooKeeper
 
 GROUPS = "/groups"
@@ -124,18 +139,53 @@ class CommittedOffset:
 TopicOffsets = dict[int, CommittedOffset]
 
 
-def encode_offsets(offsets: TopicOffsets) -> bytes:
+@dataclass(frozen=True, slots=True)
+class TopicCommits:
+    """One topic's committed offsets in a group, and the incarnation they belong to."""
+
+    topic_id: str  # "": written before topic ids were kept (counts as the current one)
+    offsets: TopicOffsets
+
+    def belongs_to(self, topic_id: str) -> bool:
+        return self.topic_id in ("", topic_id)
+
+    def visible(self, spec: TopicSpec | None) -> TopicOffsets:
+        """What may be handed out for a topic whose spec is ``spec`` (None: no such topic):
+        nothing for a topic being deleted, nothing of another incarnation, and for a topic
+        that does not exist only offsets never tied to an incarnation (committed by name for
+        a topic not created yet)."""
+        if spec is None:
+            return self.offsets if not self.topic_id else {}
+        if spec.deletion is not None or not self.belongs_to(spec.topic_id):
+            return {}
+        return self.offsets
+
+
+NO_COMMITS = TopicCommits("", {})
+
+
+def encode_offsets(commits: TopicCommits) -> bytes:
     return json.dumps(
-        {str(p): [c.offset, c.metadata, c.commit_ms] for p, c in sorted(offsets.items())},
+        {
+            "id": commits.topic_id,
+            "p": {
+                str(p): [c.offset, c.metadata, c.commit_ms]
+                for p, c in sorted(commits.offsets.items())
+            },
+        },
         separators=(",", ":"),
     ).encode()
 
 
-def decode_offsets(data: bytes) -> TopicOffsets:
+def decode_offsets(data: bytes) -> TopicCommits:
     try:
         raw = json.loads(data) if data else {}
-        return {int(p): CommittedOffset(int(v[0]), v[1], int(v[2])) for p, v in raw.items()}
-    except (ValueError, TypeError, IndexError, AttributeError) as exc:
+        topic_id, parts = (str(raw["id"]), raw["p"]) if "p" in raw else ("", raw)
+        return TopicCommits(
+            topic_id,
+            {int(p): CommittedOffset(int(v[0]), v[1], int(v[2])) for p, v in parts.items()},
+        )
+    except (ValueError, TypeError, IndexError, AttributeError, KeyError) as exc:
         raise InvalidRequestError(f"stored offsets do not parse: {exc}") from None
 
 
@@ -237,11 +287,11 @@ class GroupStore:
         stat = await self.zk.set(state_path(record.group_id), dump(record), version)
         return int(stat.version)
 
-    async def get_offsets(self, group_id: str, topic: str) -> tuple[TopicOffsets, int]:
+    async def get_offsets(self, group_id: str, topic: str) -> tuple[TopicCommits, int]:
         try:
             data, stat = await self.zk.get(offsets_path(group_id, topic))
         except NodeNotFoundError:
-            return {}, -1
+            return NO_COMMITS, -1
         return decode_offsets(data), int(stat.version)
 
     async def topics(self, group_id: str) -> list[str]:
@@ -250,17 +300,69 @@ class GroupStore:
         except NodeNotFoundError:
             return []
 
-    async def all_offsets(self, group_id: str) -> dict[str, TopicOffsets]:
+    async def all_offsets(self, group_id: str) -> dict[str, TopicCommits]:
         out = {}
         for topic in await self.topics(group_id):
-            offsets, _ = await self.get_offsets(group_id, topic)
-            out[topic] = offsets
+            commits, _ = await self.get_offsets(group_id, topic)
+            out[topic] = commits
         return out
+
+    async def live_offsets(self, group_id: str) -> dict[str, TopicOffsets]:
+        """The group's committed offsets of topics that exist now, are not being deleted, and
+        whose offsets belong to the topic's current incarnation: what a describe shows."""
+        out = {}
+        for topic, commits in (await self.all_offsets(group_id)).items():
+            spec = await self.current_topic(topic)
+            if spec is not None and commits.belongs_to(spec.topic_id):
+                out[topic] = commits.offsets
+        return out
+
+    async def topic_spec(self, topic: str) -> TopicSpec | None:
+        """The topic's spec (None: no such topic), read from ZooKeeper."""
+        try:
+            data, _ = await self.zk.get(topic_path(topic))
+        except NodeNotFoundError:
+            return None
+        spec: TopicSpec = load(TopicSpec, data)
+        return spec
+
+    async def current_topic(self, topic: str) -> TopicSpec | None:
+        """The topic's spec, or None when it does not exist or is being deleted."""
+        spec = await self.topic_spec(topic)
+        return None if spec is None or spec.deletion is not None else spec
+
+    async def remove_offsets(self, topic: str, topic_id: str) -> int:
+        """Delete ``topic``'s committed offsets of incarnation ``topic_id`` (or of no recorded
+        incarnation) from every group; returns how many groups had some. Each delete is
+        compare-and-set on the version read, so a commit that lands meanwhile is re-read."""
+        removed = 0
+        for group_id in await self.list_groups():
+            path = offsets_path(group_id, topic)
+            for _ in range(5):
+                try:
+                    data, stat = await self.zk.get(path)
+                except NodeNotFoundError:
+                    break
+                if not decode_offsets(data).belongs_to(topic_id):
+                    break  # a newer incarnation's (cannot happen while the name is deleting)
+                try:
+                    await self.zk.delete(path, int(stat.version))
+                    removed += 1
+                    break
+                except NodeNotFoundError:
+                    break
+                except VersionConflictError:
+                    continue
+            else:
+                raise VersionConflictError(
+                    f"offsets of {topic!r} in group {group_id!r} kept changing"
+                )
+        return removed
 
     async def write_offsets(
         self,
         group_id: str,
-        writes: dict[str, tuple[TopicOffsets, int]],
+        writes: dict[str, tuple[TopicCommits, int]],
         *,
         state_version: int | None = None,
         txn: tuple[GroupTxnState, int] | None = None,
@@ -277,8 +379,8 @@ class GroupStore:
         def build(tx: Any) -> None:
             if state_version is not None:
                 tx.check(state_path(group_id), state_version)
-            for topic, (offsets, version) in writes.items():
-                data = encode_offsets(offsets)
+            for topic, (commits, version) in writes.items():
+                data = encode_offsets(commits)
                 if version < 0:
                     tx.create(offsets_path(group_id, topic), data)
                 else:

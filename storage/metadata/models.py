@@ -6,6 +6,7 @@ name or value raises ``InvalidConfigError`` / ``InvalidTopicError`` with the rea
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -48,8 +49,70 @@ class TopicConfig(LogConfig):
         return result
 
 
+class DeletionStep(enum.StrEnum):
+    """Where a topic's delete is: the step the controller does next (``docs/operations.md``).
+
+    Step 1, *mark the topic deleting*, is the admin's: it writes ``TopicSpec.deletion`` with
+    ``STOP_SERVING``. The transitions are ``broker_agents.deletion.state``'s table.
+    """
+
+    STOP_SERVING = "stop_serving"
+    REMOVE_LOCAL_LOGS = "remove_local_logs"
+    REMOVE_SNAPSHOTS = "remove_snapshots"
+    DELETE_OBJECTS = "delete_objects"
+    REMOVE_OFFSETS = "remove_offsets"
+    REMOVE_METADATA = "remove_metadata"
+    DONE = "done"
+
+    @property
+    def number(self) -> int:
+        """The step's number in the issue's and the docs' list (2-7; 8 for done)."""
+        return list(DeletionStep).index(self) + 2
+
+
+class TopicDeletion(BaseModel):
+    """``TopicSpec.deletion``: a delete in progress, and how far it has got.
+
+    Written by the admin (step 1) and then by the controller, compare-and-set on the topic
+    znode's version, so a deposed controller's late write fails instead of moving it back.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    step: DeletionStep = DeletionStep.STOP_SERVING
+    requested_ms: int
+    updated_ms: int
+    #: the agents that held a replica when serving stopped (step 2): those step 3 waits for
+    replicas: list[int] = []
+    #: live replicas that have not yet confirmed their local logs are gone (step 3)
+    waiting_for: list[int] = []
+    #: segment objects of the topic id when step 5 first listed them (-1: not counted yet)
+    objects_total: int = -1
+    objects_deleted: int = 0
+    #: the last failure of a step (retried with a backoff); "" when the last attempt worked
+    last_error: str = ""
+
+    @property
+    def objects_left(self) -> int:
+        """Segment objects still to delete (-1 while unknown; 0 once step 5 is past)."""
+        if self.step in (DeletionStep.REMOVE_OFFSETS, DeletionStep.REMOVE_METADATA):
+            return 0
+        if self.step == DeletionStep.DONE:
+            return 0
+        if self.objects_total < 0:
+            return -1
+        return max(0, self.objects_total - self.objects_deleted)
+
+
 class TopicSpec(BaseModel):
-    """``/topics/<name>``: what the admin asked for; the controller makes it so."""
+    """``/topics/<name>``: what the admin asked for; the controller makes it so.
+
+    ``topic_id`` names this incarnation of the name (KIP-516): a topic deleted and created
+    again gets a new one, and everything that outlives a request carries it (partition
+    states, manifest snapshots, segment keys, committed offsets, local partition
+    directories), so two incarnations are never mixed. ``deletion`` is set from the moment a
+    delete is asked for until the topic node goes (``docs/operations.md``).
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -59,6 +122,7 @@ class TopicSpec(BaseModel):
     config: TopicConfig = Field(default_factory=TopicConfig)
     topic_id: str
     created_ms: int
+    deletion: TopicDeletion | None = None
 
     @classmethod
     def build(cls, **values: Any) -> TopicSpec:
@@ -113,6 +177,11 @@ class PartitionState(BaseModel):
             if stamp:
                 out[r] = stamp
         return out
+    #: the incarnation of the topic this partition belongs to ("" in states written before
+    #: topic ids were carried here: the topic spec's id applies)
+    topic_id: str = ""
+    #: the topic is being deleted: nobody leads or hosts it any more (step 2 of a delete)
+    deleting: bool = False
 
 
 class AgentRegistration(BaseModel):

@@ -9,6 +9,8 @@ Everything lives under one chroot per cluster (part of the connect string, e.g.
     /topics/<name>                         persistent TopicSpec (admin writes, CAS on version)
     /topics/<name>/partitions/<p>/state    persistent PartitionState (controller writes, CAS)
     /topics/<name>/partitions/<p>/segments persistent segment manifest (tiering issue)
+    /topics/<name>/removed/<agent id>      persistent topic id: the agent holds nothing of the
+                                           topic any more (a delete in progress, step 3)
     /groups/<group>/...                    consumer groups (groups issue)
     /transactions/<transactional.id>       transaction coordinators' state (docs/transactions.md)
 
@@ -65,6 +67,10 @@ def partition_path(name: str, partition: int) -> str:
 
 def state_path(name: str, partition: int) -> str:
     return f"{partition_path(name, partition)}/state"
+
+
+def removed_path(name: str) -> str:
+    return f"{TOPICS}/{name}/removed"
 
 
 class MetadataStore:
@@ -177,14 +183,66 @@ class MetadataStore:
         """Compare-and-set the topic spec (``VersionConflictError`` if it changed)."""
         await self.zk.set(topic_path(spec.name), dump(spec), version)
 
-    async def delete_topic(self, name: str) -> None:
-        validate_topic_name(name)
-        if await self.zk.exists(topic_path(name)) is None:  # kazoo's recursive delete ignores it
-            raise UnknownTopicOrPartitionError(f"unknown topic {name!r}")
+    async def ack_removal(self, name: str, topic_id: str, agent_id: int) -> bool:
+        """Record that ``agent_id`` holds nothing of ``name``'s incarnation ``topic_id`` any
+        more (step 3 of a delete). False when the topic node is gone (nothing to ack)."""
+        child = f"{removed_path(name)}/{agent_id}"
+        for _ in range(3):
+            try:
+                await self.zk.create(child, topic_id.encode())
+                return True
+            except NodeExistsError:
+                await self.zk.set(child, topic_id.encode())
+                return True
+            except NodeNotFoundError:
+                pass
+            try:  # never ``makepath``: that would bring back a deleted topic's node, empty
+                await self.zk.create(removed_path(name), b"")
+            except NodeExistsError:
+                continue
+            except NodeNotFoundError:
+                return False
+        return False
+
+    async def removal_acks(self, name: str, topic_id: str) -> set[int]:
+        """The agents that have acknowledged removing ``name``'s incarnation ``topic_id``."""
         try:
-            await self.zk.delete(topic_path(name), recursive=True)
+            children = await self.zk.get_children(removed_path(name))
         except NodeNotFoundError:
-            raise UnknownTopicOrPartitionError(f"unknown topic {name!r}") from None
+            return set()
+        out = set()
+        for child in children:
+            try:
+                data, _ = await self.zk.get(f"{removed_path(name)}/{child}")
+            except NodeNotFoundError:
+                continue
+            if data.decode() == topic_id:
+                out.add(int(child))
+        return out
+
+    async def remove_topic(self, name: str, topic_id: str) -> bool:
+        """Step 7 of a delete: remove ``name`` from ZooKeeper if it is still the incarnation
+        ``topic_id`` being deleted. False when there was nothing to remove.
+
+        The topic node goes last, with the version read here: until then the name cannot be
+        created again (the node exists), so everything removed under it was the old
+        incarnation's, and a deposed controller repeating this step finds a newer incarnation
+        (or none) and leaves it alone.
+        """
+        try:
+            spec, stat = await self.get_topic(name)
+        except UnknownTopicOrPartitionError:
+            return False
+        if spec.topic_id != topic_id or spec.deletion is None:
+            return False
+        for child in (partitions_path(name), removed_path(name)):
+            if await self.zk.exists(child) is not None:
+                await self.zk.delete(child, recursive=True)
+        try:
+            await self.zk.delete(topic_path(name), stat.version)
+        except NodeNotFoundError:
+            return False
+        return True
 
     # ---- partitions ---------------------------------------------------------------------
     async def get_partition_state(

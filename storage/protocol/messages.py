@@ -8,6 +8,11 @@ code in the response header instead (see ``frames``).
 
 Conventions (as in Kafka): ``acks`` 0 / 1 / -1 (all); ``leader_id`` -1 = unknown; ListOffsets
 ``timestamp`` -1 = latest, -2 = earliest; Fetch ``replica_id`` -1 = a consumer.
+
+Topic ids (KIP-516): Metadata answers each topic's id; Produce, Fetch and OffsetCommit may
+name the id the client holds (null: by name only). A request naming an id other than the
+topic's current one gets ``INCONSISTENT_TOPIC_ID`` (103), or ``UNKNOWN_TOPIC_ID`` (100) when
+no topic has it, for the partitions concerned, and never touches another incarnation's log.
 """
 
 from __future__ import annotations
@@ -121,11 +126,13 @@ class TopicMetadata(Message):
     name: str
     partitions: list[PartitionMetadata]
     delay_max_ms: int = -1  # the topic's delay.max.ms; -1 when unknown
+    topic_id: str | None = None  # null: the topic is unknown
     SCHEMA = (
         ("error_code", INT16),
         ("name", STRING),
         ("partitions", Array(struct_of(PartitionMetadata))),
         ("delay_max_ms", INT64),
+        ("topic_id", STRING),
     )
 
 
@@ -153,7 +160,12 @@ class ProducePartition(Message):
 class ProduceTopic(Message):
     name: str
     partitions: list[ProducePartition]
-    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(ProducePartition))))
+    topic_id: str | None = None  # null: by name only
+    SCHEMA = (
+        ("name", STRING),
+        ("partitions", Array(struct_of(ProducePartition))),
+        ("topic_id", STRING),
+    )
 
 
 @dataclass(slots=True)
@@ -218,7 +230,12 @@ class FetchPartition(Message):
 class FetchTopic(Message):
     name: str
     partitions: list[FetchPartition]
-    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(FetchPartition))))
+    topic_id: str | None = None  # null: by name only
+    SCHEMA = (
+        ("name", STRING),
+        ("partitions", Array(struct_of(FetchPartition))),
+        ("topic_id", STRING),
+    )
 
 
 @dataclass(slots=True)
@@ -572,7 +589,12 @@ class OffsetCommitPartition(Message):
 class OffsetCommitTopic(Message):
     name: str
     partitions: list[OffsetCommitPartition]
-    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(OffsetCommitPartition))))
+    topic_id: str | None = None  # null: by name only (the offsets go to the current incarnation)
+    SCHEMA = (
+        ("name", STRING),
+        ("partitions", Array(struct_of(OffsetCommitPartition))),
+        ("topic_id", STRING),
+    )
 
 
 @dataclass(slots=True)

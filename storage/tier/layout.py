@@ -292,8 +292,13 @@ def decode_footer(buf: Any, *, where: str = "segment object") -> Footer:
     )
 
 
+def topic_prefix(topic: str, topic_id: str, prefix: str = "") -> str:
+    """Every segment object of one incarnation of a topic lives under this prefix."""
+    return f"{prefix}topics/{topic}/{topic_id}/"
+
+
 def segment_prefix(topic: str, topic_id: str, partition: int, prefix: str = "") -> str:
-    return f"{prefix}topics/{topic}/{topic_id}/{partition}/"
+    return f"{topic_prefix(topic, topic_id, prefix)}{partition}/"
 
 
 def segment_key(

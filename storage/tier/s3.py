@@ -13,6 +13,9 @@ Rules every call follows:
 * **Retries.** Throttling (503 SlowDown, 429, 500/502/504, ``RequestTimeout``), timeouts and
   connection errors (refused, reset, closed, broken responses) are retried up to
   ``max_attempts`` times with exponential backoff and full jitter (``Backoff``, injectable).
+* **Batches.** ``delete_many`` removes up to 1,000 keys per ``DeleteObjects`` request (a
+  deleted topic's segments, ``broker_agents.deletion``); keys the store reports as failed are
+  sent again under the same retry policy.
 * **Errors.** botocore's exceptions become ``ObjectStoreError`` (retriable),
   ``ObjectExistsError`` (412 on a create-only put) or ``ObjectNotFoundError`` (404), here and
   nowhere else.
@@ -26,7 +29,7 @@ import http.client
 import queue
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -140,6 +143,8 @@ def _receiver(body: Any) -> Callable[[memoryview], int]:
 
 
 _RETRIABLE_STATUS = {429, 500, 502, 503, 504}
+MAX_DELETE_KEYS = 1000
+"""S3's limit of keys per ``DeleteObjects`` request."""
 _RETRIABLE_CODES = {
     "SlowDown",
     "Throttling",
@@ -480,6 +485,62 @@ class ObjectStore:
         await self._call(
             f"DELETE {key}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key)
         )
+
+    async def delete_many(self, keys: Sequence[str]) -> None:
+        """Delete up to ``MAX_DELETE_KEYS`` keys with one ``DeleteObjects`` request.
+
+        A key that does not exist counts as deleted (S3's rule). Keys the store reports as
+        not deleted are sent again, with the same deadline, backoff and attempts as any call,
+        while their errors are retriable; then ``ObjectStoreError`` names how many are left.
+        """
+        if len(keys) > MAX_DELETE_KEYS:
+            raise ValueError(f"{len(keys)} keys: DeleteObjects takes at most {MAX_DELETE_KEYS}")
+        pending = list(keys)
+        attempt = 0
+        while pending:
+            batch = [{"Key": k} for k in pending]
+
+            def run(batch: list[dict[str, str]] = batch) -> list[dict[str, Any]]:
+                resp = self._client.delete_objects(
+                    Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
+                )
+                errors: list[dict[str, Any]] = resp.get("Errors", [])
+                return errors
+
+            what = f"DELETEOBJECTS {len(pending)} keys from {pending[0]}"
+            errors = await self._call(what, run, attempt_s=self._timeout_for(len(pending) * 200))
+            if not errors:
+                return
+            pending = [str(e.get("Key")) for e in errors]
+            first = errors[0]
+            err = ObjectStoreError(
+                f"{what}: {len(pending)} not deleted ({first.get('Code')}: {first.get('Message')})"
+            )
+            err.retry = any(str(e.get("Code")) in _RETRIABLE_CODES for e in errors)  # type: ignore[attr-defined]
+            attempt = await self._next_attempt(err, attempt)
+
+    async def list_keys(self, prefix: str, *, max_keys: int = 1000, after: str = "") -> list[str]:
+        """Up to ``max_keys`` keys under ``prefix`` in key order, from after ``after``: one
+        LIST request (so a caller walking a huge prefix holds one page at a time)."""
+
+        def run() -> list[str]:
+            extra = {"StartAfter": after} if after else {}
+            resp = self._client.list_objects_v2(
+                Bucket=self.bucket, Prefix=prefix, MaxKeys=max_keys, **extra
+            )
+            return [str(o["Key"]) for o in resp.get("Contents", [])]
+
+        return await self._call(f"LIST {prefix}", run)
+
+    async def count(self, prefix: str) -> int:
+        """How many objects are under ``prefix`` (page by page, each with its deadline)."""
+        total, after = 0, ""
+        while True:
+            page = await self.list_keys(prefix, after=after)
+            total += len(page)
+            if len(page) < 1000:
+                return total
+            after = page[-1]
 
     async def list(self, prefix: str) -> list[tuple[str, int, float]]:
         """(key, size, last-modified epoch seconds) of every object under ``prefix``."""

@@ -7,8 +7,8 @@ successful manifest change (commit or retention trim)::
 
     <prefix>manifests/<topic>/<partition:010d>.json
 
-    {"v": 1, "topic": "orders", "topic_id": "ab12...", "partition": 3, "written_ms": ...,
-     "manifest": {<the manifest's own JSON, as in ZooKeeper>}}
+    {"v": 1, "topic": "orders", "topic_id": "ab12...", "created_ms": ..., "partition": 3,
+     "written_ms": ..., "manifest": {<the manifest's own JSON, as in ZooKeeper>}}
 
 Theory of operation:
 
@@ -22,8 +22,13 @@ Theory of operation:
   older committed prefix), and one older than a retention trim may name deleted objects
   (readers get ``ObjectNotFoundError`` for those). Readers that need the exact state read
   ZooKeeper (the Spark driver can, with ``manifest=zookeeper``).
-* ``topic_id`` is in the snapshot because segment keys contain it: a deleted and recreated
-  topic overwrites the snapshot with its new id, and the old objects are never named again.
+* ``topic_id`` is in the snapshot because segment keys contain it, and because a topic name
+  can be deleted and created again: a reader takes the snapshots of one incarnation only
+  (the one it is asked for, else the newest by ``created_ms``, the topic's creation time),
+  never a mix. A delete removes the snapshots (step 4) before the segment objects, so readers
+  stop seeing a deleted topic first; a new leader with nothing committed yet writes an empty
+  snapshot (create-only), so a topic that exists but has nothing tiered reads as empty while
+  one with no snapshot at all reads as unknown.
 
 Pure: bytes in, values out.
 """
@@ -45,6 +50,7 @@ class ManifestSnapshot:
     partition: int
     manifest: Manifest
     written_ms: int = 0
+    created_ms: int = 0  # the topic's creation time (0: written before it was recorded)
 
     def encode(self) -> bytes:
         inner = json.loads(self.manifest.encode())
@@ -53,6 +59,7 @@ class ManifestSnapshot:
                 "v": 1,
                 "topic": self.topic,
                 "topic_id": self.topic_id,
+                "created_ms": self.created_ms,
                 "partition": self.partition,
                 "written_ms": self.written_ms,
                 "manifest": inner,
@@ -69,9 +76,11 @@ class ManifestSnapshot:
             inner = json.dumps(raw["manifest"]).encode()
             topic, topic_id = str(raw["topic"]), str(raw["topic_id"])
             partition, written = int(raw["partition"]), int(raw.get("written_ms", 0))
+            created = int(raw.get("created_ms", 0))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptSegmentError(f"unreadable manifest snapshot: {exc}", path=where) from None
-        return cls(topic, topic_id, partition, Manifest.decode(inner, where=where), written)
+        manifest = Manifest.decode(inner, where=where)
+        return cls(topic, topic_id, partition, manifest, written, created)
 
 
 def snapshot_prefix(topic: str, prefix: str = "") -> str:
