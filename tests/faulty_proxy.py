@@ -14,6 +14,11 @@ current fault weights (nothing configured: every request passes):
 * ``lost_reply``  forward the request (so the upstream *does* it), then reset the client
                   instead of relaying the answer — the "did my PUT happen?" case.
 
+Independently of the weights, ``hold(marker, after=n)`` keeps requests whose body contains
+``marker`` — past the first ``n`` of them — waiting, unanswered and not forwarded, until
+``release()``; then they go on to the upstream. A test can so stop a process in the middle of a
+run of requests it can name (``held`` counts the requests waiting).
+
 ``Expect: 100-continue`` is answered by the proxy itself (and not forwarded), so a refused
 request needs no body. ``FaultyProxy`` runs its own event loop in a thread so sync tests can
 drive it; the counters (requests seen by method, outcomes) are plain dicts read under a lock.
@@ -127,6 +132,10 @@ class FaultyProxy:
         self._thread: threading.Thread | None = None
         self._stop: asyncio.Event | None = None
         self._ready = threading.Event()
+        self._hold: tuple[bytes, int] | None = None
+        self._hold_matched = 0
+        self.held = 0
+        self._released: asyncio.Event | None = None
 
     @property
     def endpoint_url(self) -> str:
@@ -149,6 +158,30 @@ class FaultyProxy:
             self._weights = {}
         if self._loop is not None and self._clear is not None:
             self._loop.call_soon_threadsafe(self._clear.set)
+
+    def hold(self, marker: bytes, *, after: int = 0) -> None:
+        """Hold requests whose body contains ``marker``, except the first ``after``."""
+        with self._lock:
+            self._hold, self._hold_matched = (marker, after), 0
+        if self._loop is not None and self._released is not None:
+            self._loop.call_soon_threadsafe(self._released.clear)
+
+    def release(self) -> None:
+        """Let every held request go on, and hold no more."""
+        with self._lock:
+            self._hold = None
+        if self._loop is not None and self._released is not None:
+            self._loop.call_soon_threadsafe(self._released.set)
+
+    def _holds(self, body: bytes) -> bool:
+        with self._lock:
+            if self._hold is None or self._hold[0] not in body:
+                return False
+            self._hold_matched += 1
+            if self._hold_matched <= self._hold[1]:
+                return False
+            self.held += 1
+            return True
 
     def counts(self) -> tuple[dict[str, int], dict[str, int]]:
         with self._lock:
@@ -191,6 +224,7 @@ class FaultyProxy:
         self._loop = asyncio.get_running_loop()
         self._clear = asyncio.Event()
         self._stop = asyncio.Event()
+        self._released = asyncio.Event()
         conns: set[asyncio.Task[None]] = set()
 
         async def accept(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
@@ -259,6 +293,11 @@ class FaultyProxy:
                 if expect:
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = await _read_body(reader, headers)
+                if self._holds(body):
+                    assert self._released is not None
+                    await self._released.wait()
+                    with self._lock:
+                        self.held -= 1
                 if up is None:
                     up = await asyncio.open_connection(*self.upstream, limit=MAX_HEAD)
                 up[1].write(_build_head(first, headers) + body)

@@ -150,7 +150,7 @@ def test_create_topic_bad_name_event(agents: KazooClient) -> None:
 def test_list_topics_event_with_a_named_stage(agents: KazooClient) -> None:
     invoke(load_event("create_topic"))
     status, body, _ = invoke(load_event("list_topics"))  # rawPath /prod/topics, stage prod
-    assert (status, body) == (200, {"topics": ["orders"]})
+    assert (status, body) == (200, {"topics": ["orders"], "deleting": []})
 
 
 def test_describe_event_shows_partition_states_the_controller_wrote(agents: KazooClient) -> None:
@@ -206,15 +206,39 @@ def test_alter_configs_event_with_a_base64_body(agents: KazooClient) -> None:
     assert spec.config.retention_ms == 3_600_000
 
 
-def test_delete_event(agents: KazooClient) -> None:
-    invoke(load_event("create_topic"))
-    agents.create("/topics/orders/partitions/0/state", b"{}", makepath=True)
+def test_delete_event_marks_the_topic_and_holds_the_name_until_the_delete_completes(
+    agents: KazooClient,
+) -> None:
+    """Step 1 of a delete is the admin's: the spec gets ``deletion`` and the answer says so.
+    No controller runs here, so the delete stays at step 2: the name stays taken meanwhile."""
+    _, created, _ = invoke(load_event("create_topic"))
 
     status, body, _ = invoke(load_event("delete_topic"))
 
-    assert (status, body) == (204, None)
-    assert agents.exists("/topics/orders") is None
+    assert status == 202, body
+    assert body["topic_id"] == created["topic_id"]
+    assert body["deletion"]["step"] == "stop_serving"
+    assert body["deletion"]["step_number"] == 2
+    assert body["deletion"]["objects_left"] == -1
+    spec = TopicSpec.model_validate_json(agents.get("/topics/orders")[0])
+    assert spec.deletion is not None and spec.topic_id == created["topic_id"]
+    # a second delete is the same delete; lists show the topic as being deleted only
+    again = invoke(load_event("delete_topic"))
+    assert again[0] == 202 and again[1]["deletion"]["requested_ms"] == spec.deletion.requested_ms
+    assert invoke(load_event("list_topics"))[1] == {"topics": [], "deleting": ["orders"]}
+    assert invoke(load_event("describe_topic"))[1]["deletion"]["step"] == "stop_serving"
+    # the name is taken until the controller has finished: create and changes are refused
+    message = assert_error(invoke(load_event("create_topic")), 409, TopicDeletionInProgress)
+    assert "being deleted" in message and "step 2 of 7" in message
+    assert_error(invoke(load_event("alter_configs")), 409, TopicDeletionInProgress)
+    # once step 7 has removed the topic node, the name is free and a new id is given
+    agents.delete("/topics/orders", recursive=True)
     assert_error(invoke(load_event("delete_topic")), 404, errors.UnknownTopicOrPartitionError)
+    status, recreated, _ = invoke(load_event("create_topic"))
+    assert status == 201 and recreated["topic_id"] != created["topic_id"]
+
+
+TopicDeletionInProgress = errors.TopicDeletionInProgressError
 
 
 # ---------------------------------------------------------------- the runtime
@@ -377,6 +401,8 @@ def test_every_error_class_has_a_status_and_bad_input_is_never_5xx() -> None:
         status = status_for(exc)
         if issubclass(cls, errors.InvalidRequestError):
             assert 400 <= status < 500, cls
+        elif cls is errors.TopicDeletionInProgressError:
+            assert status == 409, cls  # the name is taken, for now: retry later
         elif cls.retriable:
             assert status in (404, 503, 504), cls
     expected = {

@@ -135,10 +135,15 @@ def test_topic_lifecycle(stack: Stack, topic: str) -> None:
         restored = await admin.alter_configs(topic, {"retention.ms": None})
         assert restored.configs["retention.ms"] == 14 * 24 * 3600 * 1000
 
-        await admin.delete_topic(topic)
+        deleting = await admin.delete_topic(topic)
+        assert deleting.deletion is not None and deleting.deletion.step == "stop_serving"
         assert topic not in await admin.list_topics()
-        with pytest.raises(errors.UnknownTopicOrPartitionError):
-            await admin.describe_topic(topic)
+        assert topic in await admin.list_deleting_topics()
+        # no controller runs in this stack: the delete waits at step 2, the name stays taken
+        described = await admin.describe_topic(topic)
+        assert described.deletion == deleting.deletion
+        with pytest.raises(errors.TopicDeletionInProgressError, match="being deleted"):
+            await admin.create_topic(topic, 1)
 
     run(scenario, stack.url)
 

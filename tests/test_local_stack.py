@@ -155,8 +155,12 @@ def test_topics_produce_consume_group_reset(stack: tuple[Path, dict[str, Any]]) 
         strata(state_dir, "-o", "json", "topics", "alter", "cli", "-c", "retention.ms=3600000")
     )
     assert altered["configs"]["retention.ms"] == 3600000
-    strata(state_dir, "topics", "delete", "cli-copy", "--yes")
-    assert "cli-copy" not in as_json(strata(state_dir, "-o", "json", "topics", "list"))["topics"]
+    deleted = as_json(
+        strata(state_dir, "-o", "json", "topics", "delete", "cli-copy", "--yes", "--wait", "60")
+    )
+    assert deleted["done"] is True
+    listed = as_json(strata(state_dir, "-o", "json", "topics", "list"))
+    assert "cli-copy" not in listed["topics"] and "cli-copy" not in listed["deleting"]
 
 
 def test_every_agent_serves_prometheus_metrics(stack: tuple[Path, dict[str, Any]]) -> None:

@@ -345,7 +345,7 @@ def test_mutated_encodings_raise_only_strata_errors(
 # length + UTF-8; bytes = int32 length + raw; array = int32 count + elements).
 
 GOLDEN_PRODUCE_REQUEST = bytes.fromhex(
-    "29000000"  # size 41 = 8 header + 5 client_id + 28 body
+    "2b000000"  # size 43 = 8 header + 5 client_id + 30 body
     "0200"  # api_key 2 (PRODUCE)
     "0000"  # api_version 0
     "2a000000"  # correlation_id 42
@@ -360,13 +360,14 @@ GOLDEN_PRODUCE_REQUEST = bytes.fromhex(
     "03000000"  # partition 3
     "03000000"
     "010203"  # records: 3 bytes
+    "ffff"  # topic_id null (by name only)
 )
 GOLDEN_PRODUCE = m.ProduceRequest(
     acks=-1, timeout_ms=1500, topics=[m.ProduceTopic("t", [m.ProducePartition(3, b"\x01\x02\x03")])]
 )
 
 GOLDEN_METADATA_RESPONSE = bytes.fromhex(
-    "51000000"  # size 81
+    "55000000"  # size 85
     "2a000000"  # correlation_id 42
     "0000"  # error_code 0
     "01000000"  # 1 agent
@@ -390,12 +391,16 @@ GOLDEN_METADATA_RESPONSE = bytes.fromhex(
     "01000000"
     "01000000"  # isr [1]
     "002cb15707000000"  # delay_max_ms: one year
+    "0200"
+    "6162"  # topic_id "ab"
 )
 GOLDEN_METADATA = m.MetadataResponse(
     agents=[m.AgentInfo(1, "a1", 9092)],
     controller_id=1,
     topics=[
-        m.TopicMetadata(0, "t", [m.PartitionMetadata(0, 0, 1, 5, [1, 2], [1])], 31_536_000_000)
+        m.TopicMetadata(
+            0, "t", [m.PartitionMetadata(0, 0, 1, 5, [1, 2], [1])], 31_536_000_000, "ab"
+        )
     ],
 )
 

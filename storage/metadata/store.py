@@ -257,7 +257,13 @@ class MetadataStore:
     async def create_partition_state(
         self, name: str, partition: int, state: PartitionState
     ) -> None:
-        await self.zk.create(state_path(name, partition), dump(state), makepath=True)
+        """Create a partition's first state. Never with ``makepath``: for a topic deleted
+        meanwhile that would bring its node back, empty; ``NodeNotFoundError`` instead."""
+        try:
+            await self.zk.create(partition_path(name, partition), b"")
+        except NodeExistsError:
+            pass
+        await self.zk.create(state_path(name, partition), dump(state))
 
     async def cas_partition_state(
         self, name: str, partition: int, state: PartitionState, version: int
