@@ -20,6 +20,8 @@ version and writes with it, so two controllers (or two admins) racing cannot bot
 
 from __future__ import annotations
 
+import contextlib
+
 from kazoo.protocol.states import ZnodeStat
 
 from storage.errors import (
@@ -259,10 +261,8 @@ class MetadataStore:
     ) -> None:
         """Create a partition's first state. Never with ``makepath``: for a topic deleted
         meanwhile that would bring its node back, empty; ``NodeNotFoundError`` instead."""
-        try:
+        with contextlib.suppress(NodeExistsError):
             await self.zk.create(partition_path(name, partition), b"")
-        except NodeExistsError:
-            pass
         await self.zk.create(state_path(name, partition), dump(state))
 
     async def cas_partition_state(
