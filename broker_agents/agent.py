@@ -193,6 +193,9 @@ class Agent:
         self._rounds_started = 0
         self._rounds_done = 0
         self._session_lost = False
+        #: the topics of the first ``/topics`` listing whose spec has not been read yet
+        self._unread_specs: set[str] | None = None
+        self._specs_read = asyncio.Event()
 
     def stop(self) -> None:
         """Stop gracefully (SIGTERM): first a controlled shutdown, then the process ends.
@@ -283,6 +286,7 @@ class Agent:
                 tg.create_task(self.txn_channel.run(), name="txn-marker-channel")
                 tg.create_task(self.transactions.run(), name="txn-coordinator")
                 tg.create_task(self.removal.run(), name="topic-removal")
+                tg.create_task(self._sweep_stray_directories(), name="stray-directories")
                 await self._stop.wait()
                 raise _Stop
         except* _Stop:
@@ -423,6 +427,9 @@ class Agent:
     def _topics_changed(self, children: list[str]) -> None:
         self.controller.poke()
         current = set(children)
+        if self._unread_specs is None:
+            self._unread_specs = set(current)
+        self._spec_read(current)
         for name in list(self._watched_topics):
             if name not in current:
                 self._unwatch_topic(name)
@@ -457,6 +464,7 @@ class Agent:
             return
         old = self.view.topics.get(name)
         self.view.topics[name] = spec
+        self._spec_read()
         if old is not None and old.topic_id != spec.topic_id and name in self._watched_topics:
             # deleted and created again between two events of the /topics watch: the old
             # incarnation's partitions go, and the new one's partitions node is watched afresh
@@ -468,6 +476,27 @@ class Agent:
         if spec.deletion is not None:
             self.removal.request(spec)
         self.controller.poke()
+
+    def _spec_read(self, existing: set[str] | None = None) -> None:
+        """Note progress towards knowing every topic's id at start-up (see the sweep)."""
+        if self._unread_specs is None:
+            return
+        self._unread_specs -= set(self.view.topics)
+        if existing is not None:
+            self._unread_specs &= existing  # deleted before its spec was read
+        if not self._unread_specs:
+            self._specs_read.set()
+
+    async def _sweep_stray_directories(self) -> None:
+        """Once every topic's spec is known: remove local directories of topics deleted while
+        this agent was down (``PartitionManager.sweep_stray``)."""
+        await self._specs_read.wait()
+        try:
+            await self.partitions.sweep_stray(
+                {name: spec.topic_id for name, spec in self.view.topics.items()}
+            )
+        except (StorageError, OSError) as exc:
+            log.warning("cannot sweep local directories of deleted topics: %s", exc)
 
     def _partitions_changed(self, name: str, children: list[str]) -> None:
         for child in children:
@@ -533,6 +562,7 @@ class Agent:
                 self._retry_delay.pop(key, None)
                 if key in self.offline and (
                     state is None
+                    or state.deleting
                     or self.agent_id not in state.replicas
                     or key in self.partitions.partitions
                 ):

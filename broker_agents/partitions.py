@@ -429,6 +429,37 @@ class PartitionManager:
         if self.on_disk_failure is not None:
             await self.on_disk_failure(key, exc)
 
+    async def sweep_stray(self, topics: dict[str, str]) -> int:
+        """Remove local partition directories of deleted incarnations: those whose
+        ``partition.metadata`` names an id that ``topics`` (name -> current id, every topic
+        that exists) does not give their topic. Run once at start-up, for directories left by
+        deletes that happened while this agent was down. Hosted partitions and directories
+        without the file (from before topic ids) are left alone. Returns how many went."""
+        async with self._lock:
+            hosted = {self.directory(t, i) for t, i in self.partitions}
+
+            def sweep() -> list[Path]:
+                gone: list[Path] = []
+                if not self.data_dir.exists():
+                    return gone
+                for d in self.data_dir.iterdir():
+                    name, sep, index = d.name.rpartition("-")
+                    if not sep or not index.isdigit() or d in hosted or not d.is_dir():
+                        continue
+                    try:
+                        found = read_topic_id(d)
+                    except StorageError:
+                        continue  # unreadable: not ours to judge
+                    if found is not None and topics.get(name) != found:
+                        fileio.fs.remove_tree(d)
+                        gone.append(d)
+                return gone
+
+            gone = await asyncio.to_thread(sweep)
+            for d in gone:
+                log.info("%s: left by a deleted topic; removed", d)
+            return len(gone)
+
     def forbid(self, topic_id: str) -> None:
         """Never open a partition of incarnation ``topic_id`` again (it is being deleted);
         ``apply`` closes hosted ones as their states arrive, ``remove_topic`` all at once."""

@@ -573,18 +573,13 @@ class Tiering:
     async def _announce(self, p: Partition) -> None:
         """Put an empty snapshot for a partition with nothing committed yet (create-only: a
         leader's real snapshot always wins), so replay and Spark read the topic as existing
-        and empty rather than unknown. Best effort, tried again at the next pass."""
+        and empty rather than unknown. A failure fails the pass (retried with its backoff)."""
         assert self.store is not None
         if p.role == "closed" or p.topic_id in self.partitions.removed_ids:
             return
         key = snapshot_key(p.topic, p.index, self.config.s3_prefix)
-        try:
+        with contextlib.suppress(ObjectExistsError):
             await self.store.put_if_absent(key, self._snapshot(p, Manifest()).encode())
-        except ObjectExistsError:
-            pass
-        except StrataError as exc:
-            log.warning("empty manifest snapshot %s not written: %s", key, exc)
-            return
         self._announced.add((p.topic_id, p.index))
 
     async def _commit(self, p: Partition, entry: SegmentEntry) -> Manifest:

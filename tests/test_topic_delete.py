@@ -5,7 +5,8 @@ over HTTP (the local runtime process), a real ZooKeeper, real Spark.
   Spark see the new topic only, and the old topic id's objects leave the bucket;
 * the controller killed -9 in the middle of step 5 (a proxy in front of moto holds the second
   ``DeleteObjects`` of segment keys): the next controller finishes the delete;
-* a delete without re-create: replay and Spark raise, the group's offsets are gone;
+* a delete without re-create, one replica down meanwhile: replay and Spark raise, the
+  group's offsets are gone, the returning replica drops its copy;
 * a producer and a consumer running across the delete and the re-create.
 """
 
@@ -446,9 +447,16 @@ def test_delete_without_create_again_leaves_nothing(
     asyncio.run(group_reads(stack.bootstrap, 3_000))
     wait("tiered", lambda: tiered(stack, old.topic_id, split))
     assert len(replayed(stack)) == 3_000
+    # one replica is down through the whole delete: it does not hold the delete up, and
+    # removes its copy of the deleted topic when it comes back
+    stack.cluster.stop(3)
+    down = tmp_path / "data" / "agent-3"
+    assert sorted(d.name for d in down.glob(f"{TOPIC}-*")) == ["t-0", "t-1", "t-2"]
 
     stack.admin.delete_topic(TOPIC)
     wait("the delete completed", lambda: deleted(stack))
+    stack.cluster.start_agent(3, *stack.configs, env=s3.env())
+    wait("the returning agent's stray copy removed", lambda: not list(down.glob(f"{TOPIC}-*")))
 
     with pytest.raises(UnknownTopicOrPartitionError):
         list(replay(TOPIC, archive=stack.archive()))

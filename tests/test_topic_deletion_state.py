@@ -4,6 +4,7 @@ shapes that carry topic ids, the partition directory's id file, replay's choice 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from pathlib import Path
@@ -14,7 +15,9 @@ from hypothesis import strategies as st
 
 from broker_agents.deletion.state import ORDER, TRANSITIONS, DeletionEvent, next_step
 from broker_agents.groups import IllegalTransitionError
+from broker_agents.partitions import PartitionManager
 from sdk.replay import Archive, ArchiveConfig, replay
+from storage.codec import encode_batch
 from storage.errors import (
     CorruptSegmentError,
     InconsistentTopicIdError,
@@ -24,6 +27,7 @@ from storage.errors import (
     for_code,
     from_wire,
 )
+from storage.metadata import PartitionState, TopicConfig
 from storage.metadata.groups import CommittedOffset, TopicCommits, decode_offsets, encode_offsets
 from storage.metadata.models import DeletionStep, TopicDeletion, TopicSpec
 from storage.tier.manifest import Manifest
@@ -168,3 +172,56 @@ def test_replay_reads_one_incarnation_and_a_topic_without_snapshots_is_unknown(
     with pytest.raises(UnknownTopicOrPartitionError, match="gone"):
         archive.incarnation("t", "gone")
     assert list(replay("t", archive=archive)) == []  # exists, nothing tiered: empty, no error
+
+
+# ---------------------------------------------------------------- an agent's partitions
+
+
+def _state(topic_id: str, **changes: object) -> PartitionState:
+    state = PartitionState(
+        leader=1, leader_epoch=0, replicas=[1], isr=[1], controller_epoch=1, topic_id=topic_id
+    )
+    return state.model_copy(update=changes)
+
+
+def test_an_agent_never_reopens_another_incarnations_log(tmp_path: Path) -> None:
+    """A real ``PartitionManager`` on real files: the old incarnation's log, left on disk by an
+    agent that was down while the topic was deleted, is dropped, not reopened, when the new
+    incarnation's state arrives; in a running agent, a state of a new id replaces the hosted
+    log; a ``deleting`` state closes it and deletes the directory for good."""
+    config = TopicConfig()
+    directory = tmp_path / "t-0"
+
+    async def run() -> None:
+        pm = PartitionManager(1, tmp_path)
+        await pm.apply("t", 0, _state("old"), config)
+        pm.hosted("t", 0).log.append(encode_batch([b"a", b"b", b"c"]), leader_epoch=0)  # type: ignore[union-attr]
+        await pm.close()  # the agent goes down; its directory stays
+        assert read_topic_id(directory) == "old"
+
+        pm = PartitionManager(1, tmp_path)  # back, and the topic is a new one now
+        assert await pm.sweep_stray({"t": "old"}) == 0  # still the current incarnation: kept
+        await pm.apply("t", 0, _state("new"), config)
+        p = pm.hosted("t", 0)
+        assert p is not None and p.topic_id == "new" and p.log.log_end_offset == 0
+        assert read_topic_id(directory) == "new"
+        p.log.append(encode_batch([b"x"]), leader_epoch=0)
+
+        await pm.apply("t", 0, _state("newer"), config)  # re-created again, while running
+        p = pm.hosted("t", 0)
+        assert p is not None and p.topic_id == "newer" and p.log.log_end_offset == 0
+
+        await pm.apply("t", 0, _state("newer", deleting=True, leader=-1), config)
+        assert pm.hosted("t", 0) is None and not directory.exists()
+        assert pm.latest.get(("t", 0)) is None
+        pm.forbid("newer")
+        await pm.apply("t", 0, _state("newer"), config)  # a late state of the deleted one
+        assert pm.hosted("t", 0) is None and not directory.exists()
+
+        await pm.apply("t", 1, _state("last"), config)
+        await pm.close()
+        pm = PartitionManager(1, tmp_path)  # down while "last" was deleted: the sweep
+        assert await pm.sweep_stray({}) == 1 and not (tmp_path / "t-1").exists()
+        await pm.close()
+
+    asyncio.run(run())
