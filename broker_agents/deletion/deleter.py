@@ -225,6 +225,7 @@ class TopicDeleter:
                     "leader": -1,
                     "leader_epoch": state.leader_epoch + 1,
                     "isr": [],
+                    "incarnations": {},
                     "adding": [],
                     "removing": [],
                     "deleting": True,

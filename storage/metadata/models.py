@@ -177,6 +177,7 @@ class PartitionState(BaseModel):
             if stamp:
                 out[r] = stamp
         return out
+
     #: the incarnation of the topic this partition belongs to ("" in states written before
     #: topic ids were carried here: the topic spec's id applies)
     topic_id: str = ""
