@@ -34,6 +34,7 @@ from sdk.replay import Archive, ArchiveConfig, replay
 from storage.errors import TopicDeletionInProgressError, UnknownTopicOrPartitionError
 from storage.metadata import TopicSpec
 from storage.metadata.groups import CommittedOffset, TopicCommits, decode_offsets, encode_offsets
+from storage.tier import ObjectStore, ObjectStoreConfig
 from tests.cluster import Cluster
 from tests.faulty_proxy import FaultyProxy
 from tests.harness import ProcessGroup, S3Target, ZooKeeperChroot, metric_value, scrape_metrics
@@ -228,6 +229,37 @@ def offsets_znode(zk: KazooClient) -> TopicCommits | None:
     if zk.exists(f"/groups/g/offsets/{TOPIC}") is None:
         return None
     return decode_offsets(zk.get(f"/groups/g/offsets/{TOPIC}")[0])
+
+
+# ---------------------------------------------------------------- DeleteObjects
+
+
+def test_objects_are_deleted_in_batches_and_counted_page_by_page(
+    s3: S3Target, s3_credentials: S3Target
+) -> None:
+    for i in range(23):
+        s3.client.put_object(Bucket=s3.bucket, Key=f"topics/x/id/0/{i:05d}.seg", Body=b"x")
+    s3.client.put_object(Bucket=s3.bucket, Key="topics/x/other/0/00000.seg", Body=b"x")
+
+    async def run() -> tuple[int, list[str], int]:
+        store = ObjectStore(
+            ObjectStoreConfig(bucket=s3.bucket, endpoint_url=s3.endpoint_url, region=s3.region)
+        )
+        try:
+            total = await store.count("topics/x/id/", page_keys=5)  # five pages, one short
+            page = await store.list_keys("topics/x/id/", max_keys=10)
+            with pytest.raises(ValueError, match="at most 1000"):
+                await store.delete_many([f"k{i}" for i in range(1001)])
+            await store.delete_many([*page, "topics/x/id/0/not-there.seg"])  # missing: fine
+            rest = await store.count("topics/x/id/", page_keys=5)
+            return total, page, rest
+        finally:
+            store.close()
+
+    total, page, rest = asyncio.run(run())
+    assert (total, len(page), rest) == (23, 10, 13)
+    assert keys(s3, "topics/x/id/")[0] == "topics/x/id/0/00010.seg"  # the first ten went
+    assert keys(s3, "topics/x/other/") == ["topics/x/other/0/00000.seg"]  # another prefix: kept
 
 
 # ---------------------------------------------------------------- Spark

@@ -532,13 +532,13 @@ class ObjectStore:
 
         return await self._call(f"LIST {prefix}", run)
 
-    async def count(self, prefix: str) -> int:
+    async def count(self, prefix: str, *, page_keys: int = 1000) -> int:
         """How many objects are under ``prefix`` (page by page, each with its deadline)."""
         total, after = 0, ""
         while True:
-            page = await self.list_keys(prefix, after=after)
+            page = await self.list_keys(prefix, max_keys=page_keys, after=after)
             total += len(page)
-            if len(page) < 1000:
+            if len(page) < page_keys:
                 return total
             after = page[-1]
 
