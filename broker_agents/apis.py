@@ -29,10 +29,10 @@ from storage.codec import check_batch, iter_batches
 from storage.errors import (
     CorruptBatchError,
     FencedLeaderEpochError,
+    InconsistentTopicIdError,
     InvalidFilterError,
     InvalidRecordError,
     InvalidRequestError,
-    InconsistentTopicIdError,
     InvalidTopicError,
     NotEnoughReplicasAfterAppendError,
     NotEnoughReplicasError,
