@@ -200,9 +200,7 @@ class Apis:
                     parts.append(
                         m.PartitionMetadata(err, p, st.leader, st.leader_epoch, st.replicas, st.isr)
                     )
-            topics.append(
-                m.TopicMetadata(0, name, parts, spec.config.delay_max_ms, spec.topic_id)
-            )
+            topics.append(m.TopicMetadata(0, name, parts, spec.config.delay_max_ms, spec.topic_id))
         return m.MetadataResponse(agents, view.controller_id, topics)
 
     # ---- Produce ----------------------------------------------------------------------------

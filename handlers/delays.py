@@ -147,7 +147,7 @@ class DelayAdmin:
                     return False  # no forward of this lane has reached the due time
                 if intent.zxid > czxid:
                     return True  # the forwards from before the cancel are complete
-                committed = (await groups.get_offsets(SCHEDULER_GROUP, topic))[0].get(lane)
+                committed = (await groups.visible_offsets(SCHEDULER_GROUP, topic)).get(lane)
                 if committed is not None and committed.offset >= intent.b:
                     return True  # so is this one
                 if time.monotonic() > deadline:
@@ -214,7 +214,7 @@ class DelayAdmin:
                 tps = [TopicPartition(topic, p) for p in range(lanes)]
                 ends = await consumer.end_offsets(tps)
                 starts = await consumer.beginning_offsets(tps)
-                committed, _ = await groups.get_offsets(SCHEDULER_GROUP, topic)
+                committed = await groups.visible_offsets(SCHEDULER_GROUP, topic)
                 pending = 0
                 for tp in tps:
                     c = committed.get(tp.partition)

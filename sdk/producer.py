@@ -1174,7 +1174,9 @@ class Producer:
                 request = ProduceRequest(
                     acks=-1,
                     timeout_ms=self.config.request_timeout_ms,
-                    topics=[ProduceTopic(t, parts) for t, parts in topics.items()],
+                    topics=[
+                        ProduceTopic(t, parts, cluster.topic_id(t)) for t, parts in topics.items()
+                    ],
                 )
                 try:
                     response: ProduceResponse = await cluster.send(leader, request, channel=channel)

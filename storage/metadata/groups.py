@@ -317,6 +317,12 @@ class GroupStore:
                 out[topic] = commits.offsets
         return out
 
+    async def visible_offsets(self, group_id: str, topic: str) -> TopicOffsets:
+        """The group's committed offsets of ``topic`` that may be handed out now
+        (``TopicCommits.visible``): none of another incarnation or of a topic being deleted."""
+        commits, _ = await self.get_offsets(group_id, topic)
+        return commits.visible(await self.topic_spec(topic))
+
     async def topic_spec(self, topic: str) -> TopicSpec | None:
         """The topic's spec (None: no such topic), read from ZooKeeper."""
         try:
