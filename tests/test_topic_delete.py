@@ -7,7 +7,8 @@ over HTTP (the local runtime process), a real ZooKeeper, real Spark.
   ``DeleteObjects`` of segment keys): the next controller finishes the delete;
 * a delete without re-create, one replica down meanwhile: replay and Spark raise, the
   group's offsets are gone, the returning replica drops its copy;
-* a producer and a consumer running across the delete and the re-create.
+* a producer and a consumer running across the delete and the re-create;
+* raw Produce, Fetch and OffsetCommit requests that name a deleted incarnation's id.
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ from infra.local_runtime import command, wait_for_listening
 from sdk import Consumer, Producer, TopicPartition
 from sdk.admin import SyncAdmin, TopicDescription
 from sdk.replay import Archive, ArchiveConfig, replay
-from storage.errors import TopicDeletionInProgressError, UnknownTopicOrPartitionError
+from storage.codec import decode_batches, encode_batch
+from storage.errors import (
+    InconsistentTopicIdError,
+    TopicDeletionInProgressError,
+    UnknownTopicIdError,
+    UnknownTopicOrPartitionError,
+)
 from storage.metadata import TopicSpec
 from storage.metadata.groups import CommittedOffset, TopicCommits, decode_offsets, encode_offsets
+from storage.protocol import messages as m
 from storage.tier import ObjectStore, ObjectStoreConfig
-from tests.cluster import Cluster
+from tests.cluster import AgentHandle, Cluster, WireClient
 from tests.faulty_proxy import FaultyProxy
 from tests.harness import ProcessGroup, S3Target, ZooKeeperChroot, metric_value, scrape_metrics
 
@@ -661,3 +669,110 @@ def test_running_producer_and_consumer_never_touch_the_old_incarnation(
         for o, v in old_part:  # each old record is what the producer was told it stored
             assert acks[v][:2] == (p, o) and acks[v][2] <= fenced_at
         assert new_part == new_log[p]  # the whole new topic, from offset 0, nothing else
+
+
+# ---------------------------------------------------------------- the wire, by topic id
+
+
+async def wire_calls(agent: AgentHandle, topic_id: str | None, value: bytes) -> dict[str, Any]:
+    """A Produce, a Fetch from offset 0 and an OffsetCommit for partition 0 of the topic, each
+    naming ``topic_id``: each one's error code, and what was stored or read."""
+    client = await WireClient.connect(agent.host, agent.port)
+    try:
+        produced = await client.call(
+            m.ApiKey.PRODUCE,
+            m.ProduceRequest(
+                -1,
+                10_000,
+                [m.ProduceTopic(TOPIC, [m.ProducePartition(0, encode_batch([value]))], topic_id)],
+            ),
+        )
+        fetched = await client.call(
+            m.ApiKey.FETCH,
+            m.FetchRequest(
+                -1,
+                0,
+                1,
+                1 << 20,
+                0,
+                [m.FetchTopic(TOPIC, [m.FetchPartition(0, 0, 1 << 20, -1)], topic_id)],
+            ),
+        )
+        committed = await client.call(
+            m.ApiKey.OFFSET_COMMIT,
+            m.OffsetCommitRequest(
+                "g",
+                -1,
+                "",
+                None,
+                [m.OffsetCommitTopic(TOPIC, [m.OffsetCommitPartition(0, 1, None)], topic_id)],
+            ),
+        )
+    finally:
+        await client.close()
+    p = produced.topics[0].partitions[0]
+    f = fetched.topics[0].partitions[0]
+    return {
+        "produce": p.error_code,
+        "offset": p.base_offset if p.error_code == 0 else None,
+        "fetch": f.error_code,
+        "values": []
+        if not f.records
+        else [r["value"] for r in decode_batches(f.records).to_pylist()],
+        "commit": committed.topics[0].partitions[0].error_code,
+    }
+
+
+def test_requests_naming_a_deleted_incarnation_are_refused_on_the_wire(
+    processes: ProcessGroup,
+    zk_chroot: ZooKeeperChroot,
+    zk_client: KazooClient,
+    tmp_path: Path,
+) -> None:
+    """What an agent answers a client still holding a deleted incarnation's topic id (KIP-516):
+    ``INCONSISTENT_TOPIC_ID`` once the name has a new incarnation, ``UNKNOWN_TOPIC_ID`` once no
+    topic has it; nothing is written to, read from or committed for either incarnation."""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    agent = cluster.start_agent(1)
+    runtime = processes.start(command(zk_chroot.connect_string), name="admin", cwd=ROOT)
+    admin = SyncAdmin(wait_for_listening(runtime.popen, runtime.log_path), timeout=10)
+
+    def create_and_lead() -> str:
+        topic_id = wait("the name free", lambda: try_create(admin))
+        cluster.wait_for_leaders(TOPIC)
+        assert cluster.metadata([TOPIC]).topics[0].topic_id == topic_id
+        return str(topic_id)
+
+    old = create_and_lead()
+    assert asyncio.run(wire_calls(agent, old, b"old")) == {
+        "produce": 0, "offset": 0, "fetch": 0, "values": [b"old"], "commit": 0,
+    }  # fmt: skip
+    admin.delete_topic(TOPIC)
+    new = create_and_lead()
+    assert new != old
+
+    stale = asyncio.run(wire_calls(agent, old, b"stale"))
+    code = InconsistentTopicIdError.code
+    assert stale == {"produce": code, "offset": None, "fetch": code, "values": [], "commit": code}
+    assert offsets_znode(zk_client) is None  # the old commit went with the old topic; none since
+    assert asyncio.run(wire_calls(agent, new, b"new")) == {
+        "produce": 0, "offset": 0, "fetch": 0, "values": [b"new"], "commit": 0,
+    }  # fmt: skip
+    committed = offsets_znode(zk_client)
+    assert committed is not None and committed.topic_id == new
+
+    admin.delete_topic(TOPIC)
+    wait("the delete completed", lambda: zk_client.exists(f"/topics/{TOPIC}") is None)
+    gone = asyncio.run(wire_calls(agent, new, b"gone"))
+    code = UnknownTopicIdError.code
+    assert gone == {"produce": code, "offset": None, "fetch": code, "values": [], "commit": code}
+    assert zk_client.exists(f"/groups/g/offsets/{TOPIC}") is None
+    by_name = asyncio.run(wire_calls(agent, None, b"by name"))  # a client without ids
+    assert (by_name["produce"], by_name["fetch"]) == (UnknownTopicOrPartitionError.code,) * 2
+
+
+def try_create(admin: SyncAdmin) -> str | None:
+    try:
+        return admin.create_topic(TOPIC, 1, 1).topic_id
+    except TopicDeletionInProgressError:
+        return None
