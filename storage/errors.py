@@ -240,7 +240,7 @@ class TopicDeletionInProgressError(StrataError):
     """The topic name is being deleted; it can be created again once the delete completes
     (``docs/operations.md``, *Deleting a topic*)."""
 
-    code = 1010
+    code = 1030
     retriable = True
 
 

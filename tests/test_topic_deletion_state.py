@@ -96,7 +96,7 @@ def test_topic_id_errors_are_retriable_kafka_codes_and_decode_to_their_classes()
     for cls, code in (
         (UnknownTopicIdError, 100),
         (InconsistentTopicIdError, 103),
-        (TopicDeletionInProgressError, 1010),
+        (TopicDeletionInProgressError, 1030),
     ):
         assert cls.code == code and cls.retriable
         assert for_code(code) is cls
