@@ -738,10 +738,11 @@ def test_requests_naming_a_deleted_incarnation_are_refused_on_the_wire(
     admin = SyncAdmin(wait_for_listening(runtime.popen, runtime.log_path), timeout=10)
 
     def create_and_lead() -> str:
-        topic_id = wait("the name free", lambda: try_create(admin))
+        topic_id = str(wait("the name free", lambda: try_create(admin)))
         cluster.wait_for_leaders(TOPIC)
         assert cluster.metadata([TOPIC]).topics[0].topic_id == topic_id
-        return str(topic_id)
+        wait("the leader serving", lambda: asyncio.run(fetch_error(agent, topic_id)) == 0)
+        return topic_id
 
     old = create_and_lead()
     assert asyncio.run(wire_calls(agent, old, b"old")) == {
@@ -769,6 +770,14 @@ def test_requests_naming_a_deleted_incarnation_are_refused_on_the_wire(
     assert zk_client.exists(f"/groups/g/offsets/{TOPIC}") is None
     by_name = asyncio.run(wire_calls(agent, None, b"by name"))  # a client without ids
     assert (by_name["produce"], by_name["fetch"]) == (UnknownTopicOrPartitionError.code,) * 2
+
+
+async def fetch_error(agent: AgentHandle, topic_id: str) -> int:
+    fetch = m.FetchRequest(
+        -1, 0, 1, 1 << 20, 0, [m.FetchTopic(TOPIC, [m.FetchPartition(0, 0, 1 << 20)], topic_id)]
+    )
+    resp = await WireClient.call_once(agent.host, agent.port, m.ApiKey.FETCH, fetch)
+    return int(resp.topics[0].partitions[0].error_code)
 
 
 def try_create(admin: SyncAdmin) -> str | None:
