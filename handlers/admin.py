@@ -209,14 +209,7 @@ class TopicAdmin:
 
     async def delete_topic(self, name: str) -> TopicDescription:
         """Step 1 of a delete: mark the topic (the controller does the rest)."""
-
-        def mark(spec: TopicSpec) -> TopicSpec:
-            if spec.deletion is not None:
-                return spec  # already being deleted
-            now = int(time.time() * 1000)
-            return respec(spec, deletion=TopicDeletion(requested_ms=now, updated_ms=now))
-
-        return await self._describe(await self._update(name, mark, deleting_ok=True))
+        return await self._describe(await self.store.mark_deleted(name, CAS_ATTEMPTS))
 
     async def create_partitions(self, name: str, count: int) -> TopicDescription:
         def grow(spec: TopicSpec) -> TopicSpec:
@@ -237,13 +230,11 @@ class TopicAdmin:
 
         return await self._describe(await self._update(name, alter))
 
-    async def _update(
-        self, name: str, change: Callable[[TopicSpec], TopicSpec], *, deleting_ok: bool = False
-    ) -> TopicSpec:
+    async def _update(self, name: str, change: Callable[[TopicSpec], TopicSpec]) -> TopicSpec:
         """Compare-and-set the topic spec with ``change`` applied, re-reading on conflict."""
         for attempt in range(CAS_ATTEMPTS):
             spec, stat = await self.store.get_topic(name)
-            if spec.deletion is not None and not deleting_ok:
+            if spec.deletion is not None:
                 raise deleting_error(spec)
             new = change(spec)
             if new == spec:

@@ -4,7 +4,12 @@ over the same ZooKeeper records as the admin API (``handlers/admin.py``).
 Like the admin API, these write topic specs only (``/topics/<name>``); the controller
 creates the partition states. They apply the same rules (``storage.metadata.topic_rules``:
 the replication factor's default of min(3, live agents), min.insync.replicas against it) and
-Kafka's dotted config names, which are Strata's. Not supported: explicit replica assignments
+Kafka's dotted config names, which are Strata's. DeleteTopics marks the topic as the admin
+API does (``MetadataStore.mark_deleted``, step 1 of ``docs/operations.md``'s delete) and the
+controller deletes it; from then on the topic is unknown to Kafka clients
+(``UNKNOWN_TOPIC_OR_PARTITION``, as in KRaft Kafka), and creating the name again is refused
+with ``TOPIC_ALREADY_EXISTS`` until the delete completes (as Kafka refuses a name marked for
+deletion). Not supported: explicit replica assignments
 (``INVALID_REQUEST``; the controller places replicas), broker configs (DescribeConfigs of a
 broker answers an empty list).
 """
@@ -85,8 +90,7 @@ class KafkaTopicAdmin:
         results = []
         for name in req["topic_names"]:
             try:
-                await self.store.get_topic(validate_topic_name(name))  # unknown: an error
-                await self.store.delete_topic(name)
+                await self.store.mark_deleted(validate_topic_name(name))  # unknown: an error
                 results.append({"name": name, "error_code": 0})
             except StrataError as exc:
                 results.append({"name": name, "error_code": code_of(exc)})
@@ -109,6 +113,8 @@ class KafkaTopicAdmin:
     async def _grow(self, name: str, count: int, validate_only: bool) -> None:
         for _ in range(CAS_ATTEMPTS):
             spec, stat = await self.store.get_topic(name)
+            if spec.deletion is not None:
+                raise UnknownTopicOrPartitionError(f"topic {name!r} is being deleted")
             if count <= spec.partitions:
                 raise InvalidPartitionsError(
                     f"topic {name!r} has {spec.partitions} partitions; the new count must be"
@@ -135,6 +141,8 @@ class KafkaTopicAdmin:
                 if r["resource_type"] != TOPIC_RESOURCE:
                     raise InvalidRequestError(f"config resource type {r['resource_type']}")
                 spec, _ = await self.store.get_topic(validate_topic_name(r["resource_name"]))
+                if spec.deletion is not None:
+                    raise UnknownTopicOrPartitionError(f"topic {spec.name!r} is being deleted")
             except StrataError as exc:
                 code = code_of(exc)
                 if isinstance(exc, UnknownTopicOrPartitionError):

@@ -13,6 +13,8 @@ StorageError
 LogClosedError                              NOT_LEADER_OR_FOLLOWER (6, retriable)
 MetadataUnavailableError                    REQUEST_TIMED_OUT (7, retriable)
 InvalidOffsetError                          INVALID_REQUEST (42)
+TopicDeletionInProgressError                UNKNOWN_TOPIC_OR_PARTITION (3, retriable:
+                                            the name is being deleted)
 anything else of Strata's own               UNKNOWN_SERVER_ERROR (-1)
 ==========================================  ==============================================
 """
@@ -25,11 +27,13 @@ from storage.errors import (
     MetadataUnavailableError,
     StorageError,
     StrataError,
+    TopicDeletionInProgressError,
     for_code,
 )
 
 UNKNOWN_SERVER_ERROR = -1
 NONE = 0
+UNKNOWN_TOPIC_OR_PARTITION = 3
 MESSAGE_TOO_LARGE = 10
 INVALID_REQUEST = 42
 KAFKA_STORAGE_ERROR = 56
@@ -52,6 +56,8 @@ def kafka_code(code: int) -> int:
         return REQUEST_TIMED_OUT
     if issubclass(cls, InvalidOffsetError):
         return INVALID_REQUEST
+    if issubclass(cls, TopicDeletionInProgressError):
+        return UNKNOWN_TOPIC_OR_PARTITION
     return UNKNOWN_SERVER_ERROR
 
 

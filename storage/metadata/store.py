@@ -21,6 +21,7 @@ version and writes with it, so two controllers (or two admins) racing cannot bot
 from __future__ import annotations
 
 import contextlib
+import time
 
 from kazoo.protocol.states import ZnodeStat
 
@@ -36,6 +37,7 @@ from storage.metadata.models import (
     AgentRegistration,
     ControllerInfo,
     PartitionState,
+    TopicDeletion,
     TopicSpec,
     dump,
     load,
@@ -184,6 +186,31 @@ class MetadataStore:
     async def update_topic(self, spec: TopicSpec, version: int) -> None:
         """Compare-and-set the topic spec (``VersionConflictError`` if it changed)."""
         await self.zk.set(topic_path(spec.name), dump(spec), version)
+
+    async def mark_deleted(self, name: str, attempts: int = 5) -> TopicSpec:
+        """Step 1 of a delete (``docs/operations.md``, *Deleting a topic*): write ``deletion``
+        into the spec, compare-and-set, re-reading on a conflict (``attempts`` times, then
+        ``VersionConflictError``); the controller does the rest. Returns the spec written, or
+        the spec as it is when the topic is being deleted already. The admin API and the
+        Kafka listener's DeleteTopics both delete through here."""
+        for _ in range(attempts):
+            spec, stat = await self.get_topic(name)
+            if spec.deletion is not None:
+                return spec
+            now = int(time.time() * 1000)
+            new = TopicSpec.build(
+                **{**dict(spec), "deletion": TopicDeletion(requested_ms=now, updated_ms=now)}
+            )
+            try:
+                await self.update_topic(new, stat.version)
+                return new
+            except NodeNotFoundError:
+                raise UnknownTopicOrPartitionError(f"unknown topic {name!r}") from None
+            except VersionConflictError:
+                continue
+        raise VersionConflictError(
+            f"topic {name!r} changed under {attempts} attempts in a row; try again"
+        )
 
     async def ack_removal(self, name: str, topic_id: str, agent_id: int) -> bool:
         """Record that ``agent_id`` holds nothing of ``name``'s incarnation ``topic_id`` any
