@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 from kazoo.client import KazooClient
 
+from broker_agents.kafka.admin import KafkaTopicAdmin
 from infra.local_runtime import command, wait_for_listening
 from sdk import Consumer, Producer, TopicPartition
 from sdk.admin import SyncAdmin, TopicDescription
@@ -35,11 +36,12 @@ from sdk.replay import Archive, ArchiveConfig, replay
 from storage.codec import decode_batches, encode_batch
 from storage.errors import (
     InconsistentTopicIdError,
+    TopicAlreadyExistsError,
     TopicDeletionInProgressError,
     UnknownTopicIdError,
     UnknownTopicOrPartitionError,
 )
-from storage.metadata import TopicSpec
+from storage.metadata import AsyncZooKeeper, MetadataStore, TopicConfig, TopicSpec
 from storage.metadata.groups import CommittedOffset, TopicCommits, decode_offsets, encode_offsets
 from storage.protocol import messages as m
 from storage.tier import ObjectStore, ObjectStoreConfig
@@ -233,10 +235,10 @@ def replayed(stack: Stack) -> list[bytes]:
         return []
 
 
-def offsets_znode(zk: KazooClient) -> TopicCommits | None:
-    if zk.exists(f"/groups/g/offsets/{TOPIC}") is None:
+def offsets_znode(zk: KazooClient, group: str = "g") -> TopicCommits | None:
+    if zk.exists(f"/groups/{group}/offsets/{TOPIC}") is None:
         return None
-    return decode_offsets(zk.get(f"/groups/g/offsets/{TOPIC}")[0])
+    return decode_offsets(zk.get(f"/groups/{group}/offsets/{TOPIC}")[0])
 
 
 # ---------------------------------------------------------------- DeleteObjects
@@ -723,6 +725,40 @@ async def wire_calls(agent: AgentHandle, topic_id: str | None, value: bytes) -> 
     }
 
 
+TXN_GROUP = "gt"
+
+
+async def txn_offset_commit(agent: AgentHandle, producer_id: int, topic_id: str | None) -> int:
+    """A TxnOffsetCommit of offset 1 of partition 0 for ``TXN_GROUP``: its error code."""
+    resp = await WireClient.call_once(
+        agent.host,
+        agent.port,
+        m.ApiKey.TXN_OFFSET_COMMIT,
+        m.TxnOffsetCommitRequest(
+            "tx",
+            TXN_GROUP,
+            producer_id,
+            0,
+            -1,
+            "",
+            None,
+            [m.OffsetCommitTopic(TOPIC, [m.OffsetCommitPartition(0, 1, None)], topic_id)],
+        ),
+    )
+    return int(resp.topics[0].partitions[0].error_code)
+
+
+async def commit_marker(agent: AgentHandle, producer_id: int) -> int:
+    """The commit marker of ``producer_id``'s transaction for ``TXN_GROUP``: the group's code."""
+    resp = await WireClient.call_once(
+        agent.host,
+        agent.port,
+        m.ApiKey.WRITE_TXN_MARKERS,
+        m.WriteTxnMarkersRequest([m.TxnMarker(producer_id, 0, 1, 1, [], [TXN_GROUP])]),
+    )
+    return int(resp.markers[0].groups[0].error_code)
+
+
 def test_requests_naming_a_deleted_incarnation_are_refused_on_the_wire(
     processes: ProcessGroup,
     zk_chroot: ZooKeeperChroot,
@@ -731,7 +767,9 @@ def test_requests_naming_a_deleted_incarnation_are_refused_on_the_wire(
 ) -> None:
     """What an agent answers a client still holding a deleted incarnation's topic id (KIP-516):
     ``INCONSISTENT_TOPIC_ID`` once the name has a new incarnation, ``UNKNOWN_TOPIC_ID`` once no
-    topic has it; nothing is written to, read from or committed for either incarnation."""
+    topic has it; nothing is written to, read from or committed for either incarnation. The
+    same for transactional offsets (TxnOffsetCommit), and offsets parked for an incarnation
+    deleted before their commit marker are dropped by it."""
     cluster = Cluster(processes, zk_chroot, tmp_path / "data")
     agent = cluster.start_agent(1)
     runtime = processes.start(command(zk_chroot.connect_string), name="admin", cwd=ROOT)
@@ -748,9 +786,18 @@ def test_requests_naming_a_deleted_incarnation_are_refused_on_the_wire(
     assert asyncio.run(wire_calls(agent, old, b"old")) == {
         "produce": 0, "offset": 0, "fetch": 0, "values": [b"old"], "commit": 0,
     }  # fmt: skip
+    assert asyncio.run(txn_offset_commit(agent, 7001, old)) == 0  # parked until its marker
     admin.delete_topic(TOPIC)
     new = create_and_lead()
     assert new != old
+    # the old incarnation's parked transactional offsets are dropped by their commit marker
+    assert asyncio.run(commit_marker(agent, 7001)) == 0
+    assert offsets_znode(zk_client, TXN_GROUP) is None
+    assert asyncio.run(txn_offset_commit(agent, 7002, old)) == InconsistentTopicIdError.code
+    assert asyncio.run(txn_offset_commit(agent, 7003, new)) == 0
+    assert asyncio.run(commit_marker(agent, 7003)) == 0
+    in_txn = offsets_znode(zk_client, TXN_GROUP)
+    assert in_txn is not None and in_txn.topic_id == new and in_txn.offsets[0].offset == 1
 
     stale = asyncio.run(wire_calls(agent, old, b"stale"))
     code = InconsistentTopicIdError.code
@@ -768,6 +815,7 @@ def test_requests_naming_a_deleted_incarnation_are_refused_on_the_wire(
     code = UnknownTopicIdError.code
     assert gone == {"produce": code, "offset": None, "fetch": code, "values": [], "commit": code}
     assert zk_client.exists(f"/groups/g/offsets/{TOPIC}") is None
+    assert asyncio.run(txn_offset_commit(agent, 7004, new)) == UnknownTopicIdError.code
     by_name = asyncio.run(wire_calls(agent, None, b"by name"))  # a client without ids
     assert (by_name["produce"], by_name["fetch"]) == (UnknownTopicOrPartitionError.code,) * 2
 
@@ -785,3 +833,73 @@ def try_create(admin: SyncAdmin) -> str | None:
         return admin.create_topic(TOPIC, 1, 1).topic_id
     except TopicDeletionInProgressError:
         return None
+    except TopicAlreadyExistsError:  # the delete completed between the create and its re-read
+        return None
+
+
+# ---------------------------------------------------------------- Kafka's DeleteTopics
+
+
+def test_kafka_delete_topics_marks_the_topic_for_the_controller(zk_chroot: ZooKeeperChroot) -> None:
+    """The Kafka listener's DeleteTopics deletes as the admin API does: it marks the spec
+    (step 1) and leaves the rest to the controller (none runs here, so the mark stays, and the
+    topic's node with it). A second delete answers again without a new mark; growing or
+    describing the topic meanwhile answers UNKNOWN_TOPIC_OR_PARTITION, as for a topic that
+    does not exist."""
+    unknown = UnknownTopicOrPartitionError.code
+
+    async def run() -> None:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        try:
+            store = MetadataStore(zk)
+            await store.init()
+            spec = TopicSpec.build(
+                name=TOPIC,
+                partitions=2,
+                replication_factor=1,
+                config=TopicConfig(),
+                topic_id="0" * 31 + "1",
+                created_ms=int(time.time() * 1000),
+            )
+            await store.create_topic(spec)
+            kafka = KafkaTopicAdmin(store)
+
+            async def delete(name: str) -> list[dict[str, Any]]:
+                got = await kafka.delete_topics({"topic_names": [name], "timeout_ms": 1000}, 3)
+                return list(got["responses"])
+
+            assert await delete(TOPIC) == [{"name": TOPIC, "error_code": 0}]
+            marked, _ = await store.get_topic(TOPIC)
+            assert marked.deletion is not None and marked.topic_id == spec.topic_id
+            assert await delete(TOPIC) == [{"name": TOPIC, "error_code": 0}]
+            again, _ = await store.get_topic(TOPIC)
+            assert again.deletion == marked.deletion
+            assert await delete("no-such-topic") == [
+                {"name": "no-such-topic", "error_code": unknown}
+            ]
+
+            grow = await kafka.create_partitions(
+                {
+                    "topics": [{"name": TOPIC, "count": 4, "assignments": None}],
+                    "timeout_ms": 1000,
+                    "validate_only": False,
+                },
+                1,
+            )
+            assert [r["error_code"] for r in grow["results"]] == [unknown]
+            described = await kafka.describe_configs(
+                {
+                    "resources": [
+                        {"resource_type": 2, "resource_name": TOPIC, "configuration_keys": None}
+                    ]
+                },
+                3,
+            )
+            assert [r["error_code"] for r in described["results"]] == [unknown]
+            after, _ = await store.get_topic(TOPIC)
+            assert after.partitions == 2 and after.deletion == marked.deletion
+        finally:
+            await zk.stop()
+
+    asyncio.run(run())

@@ -28,7 +28,14 @@ from storage.errors import (
     from_wire,
 )
 from storage.metadata import PartitionState, TopicConfig
-from storage.metadata.groups import CommittedOffset, TopicCommits, decode_offsets, encode_offsets
+from storage.metadata.groups import (
+    CommittedOffset,
+    GroupTxnState,
+    PendingTxnOffsets,
+    TopicCommits,
+    decode_offsets,
+    encode_offsets,
+)
 from storage.metadata.models import DeletionStep, TopicDeletion, TopicSpec
 from storage.tier.manifest import Manifest
 from storage.tier.snapshot import ManifestSnapshot, snapshot_key
@@ -121,6 +128,15 @@ def test_committed_offsets_carry_their_topic_id_and_old_znodes_still_read() -> N
     assert commits.visible(deleting) == {}  # a topic being deleted reports nothing
     assert commits.visible(None) == {}  # a deleted topic's leftovers: nothing
     assert legacy.visible(None) == legacy.offsets  # committed by name before the topic exists
+
+
+def test_parked_transactional_offsets_carry_their_topic_ids_and_old_znodes_still_read() -> None:
+    parked = PendingTxnOffsets(3, {("t", 0): CommittedOffset(5, None, 10)}, {"t": "abc"})
+    state = GroupTxnState({7: parked}, {7: (2, 99)})
+    assert GroupTxnState.decode(state.encode()) == state
+    legacy = GroupTxnState.decode(b'{"pending":{"7":[3,[["t",0,5,null,10]]]},"tokens":{}}')
+    assert legacy.pending == {7: PendingTxnOffsets(3, {("t", 0): CommittedOffset(5, None, 10)})}
+    assert legacy.pending[7].topic_ids == {}  # parked before ids were kept: by name
 
 
 def test_snapshots_carry_the_topic_creation_time() -> None:

@@ -899,7 +899,8 @@ class GroupCoordinator:
         """Park a transaction's offsets until its marker (checked like a commit: generation,
         member; a producer epoch older than the one parked is fenced). A topic being deleted,
         or named with another incarnation's id, is refused as in ``offset_commit``; the
-        incarnation the offsets go to is the topic's current one when the marker lands."""
+        incarnation each topic's offsets are for is parked with them, and a commit marker that
+        finds the topic deleted (or created again) since drops them."""
         error = 0
         refused: dict[str, int] = {}
         try:
@@ -914,9 +915,10 @@ class GroupCoordinator:
                 self._member(group, req.member_id, req.group_instance_id, req.generation_id)
                 if group.phase == Phase.COMPLETING_REBALANCE:
                     raise RebalanceInProgressError(f"group {group.group_id!r} is rebalancing")
+            topic_ids: dict[str, str] = {}
             for t in req.topics:
                 try:
-                    await self._incarnation(t)
+                    topic_ids[t.name] = await self._incarnation(t)
                 except (
                     UnknownTopicOrPartitionError,
                     UnknownTopicIdError,
@@ -938,9 +940,14 @@ class GroupCoordinator:
                         f" group {group.group_id!r} (epoch {before.producer_epoch} parked)"
                     )
                 merged = dict(before.offsets) if before is not None else {}
+                ids = dict(before.topic_ids) if before is not None else {}
+                for topic, topic_id in topic_ids.items():
+                    if ids.get(topic, topic_id) != topic_id:  # the topic was created again
+                        merged = {tp: c for tp, c in merged.items() if tp[0] != topic}
+                    ids[topic] = topic_id
                 merged.update(offsets)
                 pending = dict(group.txn.pending)
-                pending[req.producer_id] = PendingTxnOffsets(req.producer_epoch, merged)
+                pending[req.producer_id] = PendingTxnOffsets(req.producer_epoch, merged, ids)
                 await self._write_txn(group, GroupTxnState(pending, dict(group.txn.tokens)), {})
             self.commits_received += len(offsets)
         except StrataError as exc:
@@ -987,7 +994,8 @@ class GroupCoordinator:
                 if marker.committed and parked is not None:
                     for (topic, p), c in parked.offsets.items():
                         changes.setdefault(topic, {})[p] = c
-                await self._write_txn(group, GroupTxnState(pending, tokens), changes)
+                ids = parked.topic_ids if parked is not None else {}
+                await self._write_txn(group, GroupTxnState(pending, tokens), changes, ids)
             return 0
         except StrataError as exc:
             return exc.code
@@ -997,17 +1005,22 @@ class GroupCoordinator:
         group: Group,
         state: GroupTxnState,
         changes: dict[str, dict[int, CommittedOffset]],
+        topic_ids: dict[str, str] | None = None,
     ) -> None:
         """Write the group's transactional state, and with it ``changes`` to the committed
         offsets, in one ZooKeeper transaction (``group.lock`` held). Committed offsets go to
-        the topic's current incarnation (another incarnation's stored ones are replaced); a
-        topic being deleted gets none (its offsets are being removed)."""
+        the topic's current incarnation (another incarnation's stored ones are replaced), and
+        only when they were sent for it (``topic_ids``: the incarnation each topic's offsets
+        were sent for); a topic being deleted, or deleted and created again since, gets none."""
         try:
             writes: dict[str, tuple[TopicCommits, int]] = {}
             for topic, more in changes.items():
                 spec = await self._topic(topic)
+                sent_for = (topic_ids or {}).get(topic, "")
                 if spec is not None and spec.deletion is not None:
                     continue
+                if sent_for and (spec is None or spec.topic_id != sent_for):
+                    continue  # that incarnation is gone: its offsets went with it
                 cached = group.offsets.get(topic)
                 if cached is None:
                     cached = await self.store.get_offsets(group.group_id, topic)

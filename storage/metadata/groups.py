@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import base64
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -191,10 +191,12 @@ def decode_offsets(data: bytes) -> TopicCommits:
 
 @dataclass(frozen=True, slots=True)
 class PendingTxnOffsets:
-    """A producer's transactional offsets in a group, waiting for its transaction's marker."""
+    """A producer's transactional offsets in a group, waiting for its transaction's marker,
+    and the incarnation (topic id; "" by name) each topic's offsets were sent for."""
 
     producer_epoch: int
     offsets: dict[tuple[str, int], CommittedOffset]
+    topic_ids: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -215,6 +217,7 @@ class GroupTxnState:
                             [t, part, c.offset, c.metadata, c.commit_ms]
                             for (t, part), c in p.offsets.items()
                         ],
+                        p.topic_ids,
                     ]
                     for pid, p in self.pending.items()
                 },
@@ -234,6 +237,7 @@ class GroupTxnState:
                         (str(t), int(p)): CommittedOffset(int(o), md, int(ms))
                         for t, p, o, md, ms in v[1]
                     },
+                    {str(t): str(i) for t, i in (v[2] if len(v) > 2 else {}).items()},
                 )
                 for pid, v in raw.get("pending", {}).items()
             }
