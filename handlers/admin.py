@@ -172,19 +172,21 @@ class TopicAdmin:
             topic_id=uuid.uuid4().hex,
             created_ms=int(time.time() * 1000),
         )
-        try:
-            await self.store.create_topic(spec)
-        except TopicAlreadyExistsError:
+        for _ in range(CAS_ATTEMPTS):
             try:
-                existing, _ = await self.store.get_topic(name)
-            except UnknownTopicOrPartitionError:
-                raise TopicAlreadyExistsError(
-                    f"topic {name!r} was created meanwhile, or its delete just completed; try again"
-                ) from None
-            if existing.deletion is not None:
-                raise deleting_error(existing) from None
-            raise
-        return await self._describe(spec)
+                await self.store.create_topic(spec)
+                return await self._describe(spec)
+            except TopicAlreadyExistsError:
+                try:
+                    existing, _ = await self.store.get_topic(name)
+                except UnknownTopicOrPartitionError:
+                    continue  # the name's delete completed between the two: it is free now
+                if existing.deletion is not None:
+                    raise deleting_error(existing) from None
+                raise
+        raise TopicAlreadyExistsError(
+            f"topic {name!r} appeared and vanished {CAS_ATTEMPTS} times in a row; try again"
+        )
 
     async def list_topics(self) -> tuple[list[str], list[str]]:
         """(topics, topics being deleted)."""

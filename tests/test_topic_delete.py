@@ -36,7 +36,6 @@ from sdk.replay import Archive, ArchiveConfig, replay
 from storage.codec import decode_batches, encode_batch
 from storage.errors import (
     InconsistentTopicIdError,
-    TopicAlreadyExistsError,
     TopicDeletionInProgressError,
     UnknownTopicIdError,
     UnknownTopicOrPartitionError,
@@ -832,8 +831,6 @@ def try_create(admin: SyncAdmin) -> str | None:
     try:
         return admin.create_topic(TOPIC, 1, 1).topic_id
     except TopicDeletionInProgressError:
-        return None
-    except TopicAlreadyExistsError:  # the delete completed between the create and its re-read
         return None
 
 
