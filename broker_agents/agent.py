@@ -30,6 +30,7 @@ from broker_agents.kafka.admin import KafkaTopicAdmin
 from broker_agents.kafka.apis import KafkaApis
 from broker_agents.kafka.codec import KafkaCodec
 from broker_agents.partitions import PartitionManager
+from broker_agents.rebalancer import Rebalancer, RebalanceSettings
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
 from broker_agents.server import AgentServer
@@ -171,7 +172,22 @@ class Agent:
             self.view,
             DeleterSettings(batch_objects=config.topic_delete_batch_size, prefix=config.s3_prefix),
         )
-        self.controller = Controller(self.agent_id, self.zk, self.store, self.view, self.deleter)
+        self.controller = Controller(
+            self.agent_id,
+            self.zk,
+            self.store,
+            self.view,
+            self.deleter,
+            Rebalancer(
+                self.store,
+                RebalanceSettings(
+                    auto=config.auto_rebalance_enable,
+                    delay_ms=config.auto_rebalance_delay_ms,
+                    max_moves=config.rebalance_max_concurrent_moves,
+                    replace_after_ms=config.agent_replace_after_ms,
+                ),
+            ),
+        )
         self.fetchers = ReplicaFetchers(self.agent_id, self.partitions, self.view, config)
         self.registration: AgentRegistration | None = None
         #: partitions whose local log cannot be opened here (published in the registration)

@@ -98,6 +98,16 @@ class AgentConfig(_Config):
     transactional_id_expiration_ms: int = Field(
         7 * 24 * 3600 * 1000, alias="transactional.id.expiration.ms", ge=1000
     )
+    # balancing and replacement (docs/operations.md, broker_agents.rebalancer): with
+    # auto.rebalance.enable the controller evens out replicas and preferred leaders once the
+    # live agents have not changed for auto.rebalance.delay.ms; an agent dead for
+    # agent.replace.after.ms (-1: never) has its replicas re-created on live agents
+    auto_rebalance_enable: bool = Field(False, alias="auto.rebalance.enable")
+    auto_rebalance_delay_ms: int = Field(10_000, alias="auto.rebalance.delay.ms", ge=0)
+    rebalance_max_concurrent_moves: int = Field(
+        8, alias="rebalance.max.concurrent.moves", ge=1, le=10_000
+    )
+    agent_replace_after_ms: int = Field(-1, alias="agent.replace.after.ms", ge=-1)
     # deleting topics (docs/operations.md): segment objects per DeleteObjects request
     topic_delete_batch_size: int = Field(1000, alias="topic.delete.batch.size", ge=1, le=1000)
 

@@ -22,6 +22,10 @@ While in charge, the controller reconciles on every change of ``/agents`` or ``/
   controller treats the agent as dead: it loses leadership to another in-sync replica and
   leaves the ISR (Kafka's offline replicas). It is a replica again once it opens the log.
 
+* a reassignment in progress (``adding``/``removing``) completes once every added replica is
+  in the ISR: the removed ones go, and leadership goes to the first replica (the preferred
+  leader) if it is in sync; ``broker_agents.rebalancer`` starts such moves (balancing,
+  decommission, replacement) at the end of each pass;
 * a topic marked for deletion is left out of all of the above; while in charge the
   controller runs its delete, step by step (``broker_agents.deletion``: a task under the
   controller's term, so the next controller resumes it where this one stopped).
@@ -50,6 +54,7 @@ from storage.metadata.store import CONTROLLER
 
 if TYPE_CHECKING:
     from broker_agents.deletion import TopicDeleter
+    from broker_agents.rebalancer import Rebalancer
     from broker_agents.view import ClusterView
 
 log = logging.getLogger(__name__)
@@ -63,12 +68,14 @@ class Controller:
         store: MetadataStore,
         view: ClusterView,
         deleter: TopicDeleter | None = None,
+        rebalancer: Rebalancer | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.zk = zk
         self.store = store
         self.view = view
         self.deleter = deleter
+        self.rebalancer = rebalancer
         self.epoch: int | None = None
         self._wake = asyncio.Event()
         self.elections_won = 0
@@ -159,6 +166,8 @@ class Controller:
             for key in reg.offline:
                 offline.setdefault(key, set()).add(agent_id)
         deleting = set()
+        seen: dict[tuple[str, int], tuple[PartitionState, int]] = {}
+        replication: dict[str, int] = {}
         for name in await store.list_topics():
             try:
                 spec, _ = await store.get_topic(name)
@@ -170,9 +179,12 @@ class Controller:
                 deleting.add(name)  # its delete owns it: no states, no elections
                 continue
             states = await store.partition_states(name)
+            replication[name] = spec.replication_factor
             start = zlib.crc32(name.encode())
             for p in range(spec.partitions):
                 current = states.get(p)
+                if current is not None:
+                    seen[(name, p)] = current
                 usable = live
                 if (name, p) in offline:
                     usable = [a for a in live if a not in offline[(name, p)]]
@@ -197,6 +209,8 @@ class Controller:
                     )
         if self.deleter is not None:
             self.deleter.track(deleting)
+        if self.rebalancer is not None:
+            await self.rebalancer.step(seen, replication, live, leaving, self.epoch or 0)
 
     def _incarnations(self) -> dict[int, str]:
         return {a: reg.incarnation for a, reg in self.view.agents.items()}
@@ -340,7 +354,12 @@ class Controller:
             "removing": [],
             "controller_epoch": self.epoch or 0,
         }
-        if state.leader in state.removing:
+        preferred = replicas[0]
+        if preferred != state.leader and preferred in isr and preferred in live:
+            # the first replica is the preferred leader: a move hands leadership to it
+            update["leader"] = preferred
+            update["leader_epoch"] = state.leader_epoch + 1
+        elif state.leader in state.removing:
             update["leader"] = next(r for r in replicas if r in isr)
             update["leader_epoch"] = state.leader_epoch + 1
         try:

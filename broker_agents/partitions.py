@@ -334,7 +334,7 @@ class PartitionManager:
     async def _open_log(
         self, topic: str, partition: int, config: TopicConfig, role: str, topic_id: str
     ) -> PartitionLog:
-        """Open the local log; a leader whose disk is behind the object tier starts at its end.
+        """Open the local log; one whose disk is behind the object tier starts at its end.
 
         After a disk error (``_disk_error``) the log is opened again only once the data
         directory has room for the largest batch, and after a failed fsync it is first cut
@@ -364,7 +364,9 @@ class PartitionManager:
                     f" back before {need} are"
                 )
         start = 0
-        if role == "leader" and self.tier_start_offset is not None:
+        if self.tier_start_offset is not None:
+            # a leader must not serve a gap; a follower need not copy what the bucket holds
+            # (a new replica, e.g. a move, catches up on the untiered tail only)
             start = await self.tier_start_offset(topic, partition)
         plog = await asyncio.to_thread(
             PartitionLog.open, directory, config.log_config(), start_offset=start

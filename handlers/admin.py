@@ -40,6 +40,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from handlers.cluster import CLUSTER_ROUTES
 from handlers.delays import ROUTES as DELAY_ROUTES
 from handlers.groups import ROUTES as GROUP_ROUTES
 from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
@@ -351,6 +352,7 @@ ROUTER = Router(
         Route("POST", "/topics/{name}/partitions", _create_partitions),
         Route("PATCH", "/topics/{name}/configs", _alter_configs),
         *GROUP_ROUTES,
+        *CLUSTER_ROUTES,
         *DELAY_ROUTES,
         *RETRY_ROUTES,
     ],

@@ -75,12 +75,20 @@ retry_app = typer.Typer(
 dlq_app = typer.Typer(
     help="Dead-letter topics: count, peek, redrive back to a topic.", no_args_is_help=True
 )
+agents_app = typer.Typer(
+    help="Agents: replica and leader counts, decommission.", no_args_is_help=True
+)
+cluster_app = typer.Typer(
+    help="Balancing replicas and preferred leaders across the agents.", no_args_is_help=True
+)
 local_app = typer.Typer(help="The local stack: moto S3, ZooKeeper, agents, admin API.", no_args_is_help=True)  # fmt: skip
 app.add_typer(topics_app, name="topics")
 app.add_typer(groups_app, name="groups")
 app.add_typer(delays_app, name="delays")
 app.add_typer(retry_app, name="retry")
 app.add_typer(dlq_app, name="dlq")
+app.add_typer(agents_app, name="agents")
+app.add_typer(cluster_app, name="cluster")
 app.add_typer(local_app, name="local")
 
 out = Console(soft_wrap=True)
@@ -375,6 +383,118 @@ def topics_delete(
         out.print(f"deleted topic [bold]{name}[/]")
     else:
         out.print(f"deleting topic [bold]{name}[/] (in the background; see topics describe)")
+
+
+@topics_app.command("reassign")
+def topics_reassign(
+    name: str,
+    partition: int,
+    replicas: Annotated[str, typer.Option(help="Agent ids, the preferred leader first: 4,1,2")],
+) -> None:
+    """Move a partition onto other agents; the new replicas catch up before old ones go."""
+    ctx = _ctx()
+    try:
+        ids = [int(x) for x in replicas.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--replicas {replicas!r}: comma-separated agent ids") from None
+    with _errors():
+        state = ctx.admin().reassign_partition(name, partition, ids)
+    if ctx.json:
+        ctx.emit(state)
+    else:
+        out.print(
+            f"{name}-{partition}: moving to {ids} (adding {state['adding']},"
+            f" removing {state['removing']})"
+        )
+
+
+# ---------------------------------------------------------------- agents and balancing
+
+
+@agents_app.command("list")
+def agents_list() -> None:
+    """Agents with their replica and leader counts."""
+    ctx = _ctx()
+    with _errors():
+        agents = ctx.admin().list_agents()
+    if ctx.json:
+        ctx.emit({"agents": agents})
+        return
+    table = Table("agent", "address", "alive", "replicas", "leaders", "decommissioning")
+    for a in agents:
+        address = f"{a['host']}:{a['port']}" if a["alive"] else "-"
+        table.add_row(
+            str(a["agent_id"]),
+            address,
+            "yes" if a["alive"] else "no",
+            str(a["replicas"]),
+            str(a["leaders"]),
+            "yes" if a["decommissioning"] else "",
+        )
+    out.print(table)
+
+
+@agents_app.command("decommission")
+def agents_decommission(
+    agent_id: int,
+    undo: Annotated[bool, typer.Option("--undo", help="Let the agent hold replicas again")] = False,
+) -> None:
+    """Drain an agent: its replicas move to the others; then it can be stopped for good."""
+    ctx = _ctx()
+    with _errors():
+        admin = ctx.admin()
+        entry = admin.recommission_agent(agent_id) if undo else admin.decommission_agent(agent_id)
+    if ctx.json:
+        ctx.emit(entry)
+    elif undo:
+        out.print(f"agent {agent_id} may hold replicas again")
+    else:
+        out.print(
+            f"decommissioning agent {agent_id}: {entry['replicas']} replicas to move"
+            " (see agents list)"
+        )
+
+
+@cluster_app.command("rebalance")
+def cluster_rebalance(
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show the plan only")] = False,
+) -> None:
+    """Spread replicas and preferred leaders evenly; the controller moves a few at a time."""
+    ctx = _ctx()
+    with _errors():
+        plan = ctx.admin().rebalance(dry_run=dry_run)
+    if ctx.json:
+        ctx.emit(plan)
+        return
+    table = Table("partition", "replicas now", "after", "copies", title="moves")
+    for m in plan["moves"]:
+        table.add_row(
+            f"{m['topic']}-{m['partition']}",
+            ",".join(map(str, m["before"])),
+            ",".join(map(str, m["after"])),
+            ",".join(map(str, m["copies"])) or "-",
+        )
+    out.print(table)
+    counts = Table("agent", "replicas", "preferred leaders", title="after the plan")
+    for a, n in plan["replicas"].items():
+        counts.add_row(a, str(n), str(plan["preferred_leaders"].get(a, 0)))
+    out.print(counts)
+    verb = "would move" if dry_run else "moving"
+    out.print(f"{verb} {len(plan['moves'])} partition(s)")
+
+
+@cluster_app.command("elect-leaders")
+def cluster_elect_leaders(
+    topic: Annotated[list[str] | None, typer.Option(help="Only these topics")] = None,
+) -> None:
+    """Move leadership to each partition's first replica (its preferred leader) if in sync."""
+    ctx = _ctx()
+    with _errors():
+        ctx.admin().elect_preferred_leaders(topic or None)
+    if ctx.json:
+        ctx.emit({"requested": topic or "all"})
+    else:
+        out.print(f"preferred-leader election requested for {', '.join(topic or ['all topics'])}")
 
 
 # ---------------------------------------------------------------- produce

@@ -491,6 +491,34 @@ class SyncAdmin:
     def redrives(self) -> list[dict[str, Any]]:
         return list(self._http.request("GET", "/dlq/redrives")["tasks"])
 
+    # ---- cluster: agents, balancing, reassignment (docs/operations.md) --------------------
+    def list_agents(self) -> list[dict[str, Any]]:
+        """Live agents and dead ones still holding replicas: replica and leader counts, and
+        whether each is being decommissioned."""
+        return list(self._http.request("GET", "/agents")["agents"])
+
+    def decommission_agent(self, agent_id: int) -> dict[str, Any]:
+        """Move every replica off ``agent_id`` (then it can be stopped for good)."""
+        return dict(self._http.request("POST", f"/agents/{int(agent_id)}/decommission"))
+
+    def recommission_agent(self, agent_id: int) -> dict[str, Any]:
+        """Undo :meth:`decommission_agent`: the agent may hold replicas again."""
+        return dict(self._http.request("DELETE", f"/agents/{int(agent_id)}/decommission"))
+
+    def rebalance(self, dry_run: bool = False) -> dict[str, Any]:
+        """The moves that spread replicas and preferred leaders evenly; carried out by the
+        controller (a few at a time) unless ``dry_run``."""
+        return dict(self._http.request("GET" if dry_run else "POST", "/cluster/rebalance"))
+
+    def elect_preferred_leaders(self, topics: list[str] | None = None) -> None:
+        """Move leadership to each partition's first replica where it is in sync."""
+        self._http.request("POST", "/cluster/preferred-leaders", {"topics": topics})
+
+    def reassign_partition(self, topic: str, partition: int, replicas: list[int]) -> dict[str, Any]:
+        """Move ``topic``'s ``partition`` onto ``replicas`` (the first: preferred leader)."""
+        path = f"/topics/{urllib.parse.quote(topic, safe='')}/partitions/{int(partition)}"
+        return dict(self._http.request("POST", path + "/reassignment", {"replicas": replicas}))
+
     def close(self) -> None:
         """Nothing to release (a connection per request); for symmetry with ``Admin``."""
 
@@ -629,6 +657,26 @@ class Admin:
     async def delays_status(self) -> dict[str, Any]:
         result: dict[str, Any] = await self._call(self._sync.delays_status)
         return result
+
+    async def list_agents(self) -> list[dict[str, Any]]:
+        return list(await self._call(self._sync.list_agents))
+
+    async def decommission_agent(self, agent_id: int) -> dict[str, Any]:
+        return dict(await self._call(self._sync.decommission_agent, agent_id))
+
+    async def recommission_agent(self, agent_id: int) -> dict[str, Any]:
+        return dict(await self._call(self._sync.recommission_agent, agent_id))
+
+    async def rebalance(self, dry_run: bool = False) -> dict[str, Any]:
+        return dict(await self._call(self._sync.rebalance, dry_run))
+
+    async def elect_preferred_leaders(self, topics: list[str] | None = None) -> None:
+        await self._call(self._sync.elect_preferred_leaders, topics)
+
+    async def reassign_partition(
+        self, topic: str, partition: int, replicas: list[int]
+    ) -> dict[str, Any]:
+        return dict(await self._call(self._sync.reassign_partition, topic, partition, replicas))
 
     async def close(self) -> None:
         self._sync.close()
