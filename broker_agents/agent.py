@@ -26,6 +26,7 @@ from broker_agents.controller import Controller
 from broker_agents.deletion import DeleterSettings, LocalRemoval, TopicDeleter
 from broker_agents.disk import DiskGuard
 from broker_agents.groups.coordinator import CoordinatorSettings, GroupCoordinator
+from broker_agents.identity import advertised_host
 from broker_agents.kafka.admin import KafkaTopicAdmin
 from broker_agents.kafka.apis import KafkaApis
 from broker_agents.kafka.codec import KafkaCodec
@@ -279,7 +280,7 @@ class Agent:
                 kafka_host = self.config.kafka_advertised_host or kafka_host
             self.registration = AgentRegistration(
                 agent_id=self.agent_id,
-                host=self.config.advertised_host or host,
+                host=advertised_host(host, self.config.advertised_host),
                 port=port,
                 started_ms=int(time.time() * 1000),
                 incarnation=self.partitions.incarnation,

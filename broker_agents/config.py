@@ -12,7 +12,8 @@ from storage.protocol import DEFAULT_MAX_FRAME
 
 
 class AgentConfig(_Config):
-    agent_id: int = Field(alias="agent.id", ge=0, le=1_000_000)
+    # -1: the id stored in data.dir, or a new one from ZooKeeper (broker_agents.identity)
+    agent_id: int = Field(-1, alias="agent.id", ge=-1, le=1_000_000)
     listen_host: str = Field("127.0.0.1", alias="listen.host")
     listen_port: int = Field(0, alias="listen.port", ge=0, le=65535)
     advertised_host: str | None = Field(None, alias="advertised.host")

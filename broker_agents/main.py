@@ -23,6 +23,7 @@ from pathlib import Path
 
 from broker_agents.agent import Agent
 from broker_agents.config import AgentConfig
+from broker_agents.identity import resolve_agent_id
 from broker_agents.metrics import AgentMetrics
 from storage import jsonlog
 from storage.wal import crashfs
@@ -74,7 +75,9 @@ def give_back_freed_memory() -> None:
 
 def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p = argparse.ArgumentParser(description="Run a Strata broker agent")
-    p.add_argument("--agent-id", type=int, required=True)
+    p.add_argument(
+        "--agent-id", type=int, default=None, help="default: stored in the data dir, or allocated"
+    )
     p.add_argument("--listen", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
     p.add_argument("--zookeeper", required=True, help="host:port[/chroot]")
     p.add_argument("--data-dir", type=Path, required=True)
@@ -85,7 +88,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     args = p.parse_args(argv)
     host, _, port = args.listen.rpartition(":")
     values: dict[str, object] = {
-        "agent.id": args.agent_id,
+        "agent.id": -1 if args.agent_id is None else args.agent_id,
         "listen.host": host or "127.0.0.1",
         "listen.port": int(port),
         "zookeeper.connect": args.zookeeper,
@@ -141,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     jsonlog.configure()
     keep_freed_memory()
     crashfs.install_from_env()  # tests and fault drills only: off unless STRATA_CRASHFS is set
-    asyncio.run(_main(parse_args(argv)))
+    config = parse_args(argv)
+    if config.agent_id < 0:
+        agent_id = resolve_agent_id(None, config.data_dir, config.zookeeper)
+        config = config.model_copy(update={"agent_id": agent_id})
+    asyncio.run(_main(config))
     return 0
 
 

@@ -95,18 +95,36 @@ def test_least_privilege_roles(cfn: dict[str, Any]) -> None:
         assert "S3Prefix" in text or s.get("Condition"), s
 
 
-def test_agents_run_as_long_lived_services_with_a_wal_volume(cfn: dict[str, Any]) -> None:
-    services = _of_type(cfn, "AWS::ECS::Service")
-    assert len([name for name in services if name.startswith("Agent")]) == 3
+def test_agents_run_as_one_service_of_agent_count_tasks_with_a_wal_volume(
+    cfn: dict[str, Any],
+) -> None:
+    services = {k: v for k, v in _of_type(cfn, "AWS::ECS::Service").items() if "Agent" in k}
+    assert list(services) == ["AgentService"]
+    assert services["AgentService"]["Properties"]["DesiredCount"] == {"Ref": "AgentCount"}
+    assert cfn["Parameters"]["AgentCount"]["Type"] == "Number"
     agents = {
         k: v for k, v in _of_type(cfn, "AWS::ECS::TaskDefinition").items() if k.startswith("Agent")
     }
-    for td in agents.values():
-        props = td["Properties"]
-        assert props["Volumes"] == [{"Name": "wal"}]
-        container = props["ContainerDefinitions"][0]
-        assert container["MountPoints"][0]["SourceVolume"] == "wal"
-        assert {"Ref": "ZooKeeperConnect"} in container["Command"]
+    assert list(agents) == ["AgentTaskDefinition"]
+    props = agents["AgentTaskDefinition"]["Properties"]
+    assert props["Volumes"] == [{"Name": "wal"}]
+    container = props["ContainerDefinitions"][0]
+    assert container["MountPoints"][0]["SourceVolume"] == "wal"
+    command = container["Command"]
+    assert {"Ref": "ZooKeeperConnect"} in command
+    # identical tasks: no agent id (allocated, kept on the volume), replacement on
+    assert "--agent-id" not in command
+    assert "auto.rebalance.enable=true" in command
+    assert any("agent.replace.after.ms" in str(c) for c in command)
+    # the agent parses this command line
+    from broker_agents.main import parse_args
+
+    args = [
+        c if isinstance(c, str) else re.sub(r"\$\{[^}]+\}", "1", str(c.get("Fn::Sub", "")))
+        for c in command[3:]
+    ]
+    args[args.index("--zookeeper") + 1] = "127.0.0.1:2181"
+    assert parse_args(args).agent_id == -1
 
 
 def test_the_delay_scheduler_runs_as_a_fargate_service_with_no_bucket_access(
