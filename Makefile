@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-venv bench-compare build-AdminFunction image lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-rebalance bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -80,7 +80,11 @@ bench-compare: bench-venv
 bench-latency: bench-venv
 	$(PY) -m bench.latency_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-compare
+# produce p99 while a reassignment copies 1 GiB between agents, against the same load alone
+bench-rebalance: bench-venv
+	$(PY) -m bench.rebalance_bench --write-docs $(BENCH_ARGS)
+
+bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-rebalance bench-compare
 
 # `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
 build-AdminFunction:

@@ -306,6 +306,67 @@ def test_http_errors_have_the_error_body(stack: Stack) -> None:
         assert got["error"]["retriable"] is False
 
 
+def test_cluster_routes_check_their_input_and_keep_requests(stack: Stack, topic: str) -> None:
+    """Agents, decommission, rebalance plan, preferred leaders, reassignment: bad input gets a
+    typed 4xx and writes nothing; good requests land where the controller reads them."""
+    with SyncAdmin(stack.url) as admin:
+        listed = {a["agent_id"]: a for a in admin.list_agents()}
+        assert {1, 2, 3} <= set(listed) and all(listed[a]["alive"] for a in (1, 2, 3))
+
+        entry = admin.decommission_agent(2)
+        assert entry["decommissioning"] and stack.zk.exists("/admin/decommission/2")
+        assert not admin.recommission_agent(2)["decommissioning"]
+        assert not stack.zk.exists("/admin/decommission/2")
+
+        assert admin.rebalance(dry_run=True)["moves"] == []  # no partition states: nothing
+        assert not stack.zk.exists("/admin/rebalance")
+        admin.elect_preferred_leaders([topic])
+        assert json.loads(stack.zk.get("/admin/preferred_leaders")[0]) == [topic]
+        admin.elect_preferred_leaders()  # all topics: the pending request widens to all
+        assert json.loads(stack.zk.get("/admin/preferred_leaders")[0]) == []
+        stack.zk.delete("/admin/preferred_leaders")
+
+        admin.create_topic(topic, 2)
+        with pytest.raises(errors.UnknownTopicOrPartitionError):
+            admin.reassign_partition(topic, 0, [1, 2])  # no state yet (no controller here)
+    cases = [
+        ("POST", "/agents/x/decommission", None, 400, "InvalidRequestError"),
+        ("POST", "/agents/99/decommission", None, 400, "InvalidRequestError"),
+        ("POST", "/cluster/preferred-leaders", b'{"topics": ["a/b"]}', 400, "InvalidTopicError"),
+        ("POST", "/cluster/preferred-leaders", b'{"topic": "x"}', 400, "InvalidRequestError"),
+        (
+            "POST",
+            f"/topics/{topic}/partitions/0/reassignment",
+            b'{"replicas": [1, 1]}',
+            400,
+            "InvalidReplicationFactorError",
+        ),
+        (
+            "POST",
+            f"/topics/{topic}/partitions/0/reassignment",
+            b'{"replicas": [7]}',
+            400,
+            "InvalidReplicationFactorError",
+        ),
+        (
+            "POST",
+            f"/topics/{topic}/partitions/9/reassignment",
+            b'{"replicas": [1]}',
+            400,
+            "InvalidPartitionsError",
+        ),
+        ("POST", f"/topics/{topic}/partitions/0/reassignment", b'{"replicas": []}', 400, None),
+        ("POST", "/topics/nope/partitions/0/reassignment", b'{"replicas": [1]}', 404, None),
+    ]
+    for method, path, body, status, kind in cases:
+        headers = {"content-type": "application/json"} if body else {}
+        got_status, _, got = http(stack.url, method, path, body, headers)
+        assert got_status == status, (path, body, got)
+        if kind is not None:
+            assert got["error"]["type"] == kind, (path, got)
+    assert not stack.zk.exists("/admin/decommission/99")
+
+
 def test_admin_client_errors_without_a_server() -> None:
     with pytest.raises(errors.NetworkError) as refused:
         SyncAdmin(f"http://127.0.0.1:{free_port()}", timeout=2).list_topics()
