@@ -50,6 +50,8 @@ from storage.metadata import (
     SessionState,
     TopicSpec,
 )
+from storage.metadata.reassignment import Event as ReassignmentEvent
+from storage.metadata.reassignment import next_phase, phase_of
 from storage.metadata.store import CONTROLLER
 
 if TYPE_CHECKING:
@@ -338,12 +340,15 @@ class Controller:
     async def _advance_reassignment(
         self, name: str, p: int, state: PartitionState, version: int, live: list[int]
     ) -> None:
-        """Finish a reassignment once every added replica is in the ISR."""
+        """Finish a reassignment once every added replica is in the ISR
+        (``storage.metadata.reassignment``)."""
         if state.leader not in live:
+            next_phase(phase_of(state), ReassignmentEvent.LEADER_LOST)
             await self._maybe_elect(name, p, state, version, live, False)
             return
         if not all(r in state.isr for r in state.adding):
             return  # still catching up
+        next_phase(phase_of(state), ReassignmentEvent.CAUGHT_UP)
         replicas = [r for r in state.replicas if r not in state.removing]
         isr = [r for r in state.isr if r not in state.removing]
         update: dict[str, object] = {

@@ -4,8 +4,18 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from storage.metadata.balance import plan
 from storage.metadata.models import PartitionState
+from storage.metadata.reassignment import (
+    TRANSITIONS,
+    Event,
+    IllegalTransitionError,
+    Phase,
+    next_phase,
+    phase_of,
+)
 
 Key = tuple[str, int]
 
@@ -121,3 +131,24 @@ def test_plans_are_deterministic_and_never_place_two_replicas_on_one_agent() -> 
         assert p1.moves == p2.moves
         for m in p1.moves:
             assert len(set(m.after)) == len(m.after) == min(rf, len(agents))
+
+
+@pytest.mark.parametrize(("phase", "event"), list(itertools.product(Phase, Event)))
+def test_every_reassignment_phase_event_pair_is_a_transition_or_an_error(
+    phase: Phase, event: Event
+) -> None:
+    if (phase, event) in TRANSITIONS:
+        assert next_phase(phase, event) == TRANSITIONS[(phase, event)]
+    else:
+        with pytest.raises(IllegalTransitionError):
+            next_phase(phase, event)
+
+
+def test_only_catching_up_or_a_cancel_ends_a_move() -> None:
+    assert {k for k, v in TRANSITIONS.items() if v == Phase.STABLE} == {
+        (Phase.STABLE, Event.REORDER),
+        (Phase.MOVING, Event.CAUGHT_UP),
+        (Phase.MOVING, Event.CANCEL),
+    }
+    assert phase_of(_state([1, 2])) == Phase.STABLE
+    assert phase_of(_state([3, 1, 2], adding=[3], removing=[2])) == Phase.MOVING

@@ -43,6 +43,7 @@ from storage.metadata.models import (
     load,
     validate_topic_name,
 )
+from storage.metadata.reassignment import Event, next_phase, phase_of
 from storage.metadata.transactions import TRANSACTIONS
 from storage.metadata.zk import AsyncZooKeeper
 
@@ -304,8 +305,9 @@ class MetadataStore:
         """Start moving ``name-partition`` onto ``target`` (the controller completes it).
 
         The replica set grows to ``target`` plus the current replicas; once every new replica
-        has caught up (is in the ISR) the controller drops the others — and moves leadership if
-        the leader is one of them. Nothing is lost: old replicas stay until new ones have it all.
+        has caught up (is in the ISR) the controller drops the others and hands leadership to
+        the first replica of ``target`` if it is in sync. Nothing is lost: old replicas stay
+        until new ones have it all. Phases: ``storage.metadata.reassignment``.
         """
         if not target or len(set(target)) != len(target):
             raise InvalidReplicationFactorError(f"bad target replica list {target}")
@@ -319,13 +321,29 @@ class MetadataStore:
                 if state.adding
                 else state.replicas
             )
+            adding = [r for r in target if r not in base]
+            removing = [r for r in base if r not in target]
+            if adding or removing:
+                event = Event.REQUEST
+            else:
+                event = Event.CANCEL if state.adding or state.removing else Event.REORDER
+            phase = next_phase(phase_of(state), event)
+            replicas = list(target) + [r for r in base if r not in target]
+            isr = [r for r in state.isr if r in replicas]  # a cancel drops the added ones
+            if not isr or state.leader not in replicas:
+                raise InvalidReplicationFactorError(
+                    f"{target}: cancelling would leave no in-sync replica or drop the leader"
+                )
             new = state.model_copy(
                 update={
-                    "replicas": list(target) + [r for r in base if r not in target],
-                    "adding": [r for r in target if r not in base],
-                    "removing": [r for r in base if r not in target],
+                    "replicas": replicas,
+                    "isr": isr,
+                    "incarnations": {r: v for r, v in state.incarnations.items() if r in isr},
+                    "adding": adding,
+                    "removing": removing,
                 }
             )
+            assert phase_of(new) == phase, (state, new)
             try:
                 await self.cas_partition_state(name, partition, new, version)
                 return new
