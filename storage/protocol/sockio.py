@@ -38,6 +38,8 @@ import numpy as np
 
 from storage.protocol.frames import read_size
 
+#: at most this much of a response is queued in the transport at once (see ``send``)
+TRANSPORT_CHUNK = 1 << 20
 #: most buffers one ``sendmsg`` takes (Linux IOV_MAX)
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 STAGE_BYTES = 64 << 10
@@ -162,36 +164,64 @@ class FrameStream(asyncio.BufferedProtocol):
     async def send(self, parts: list[Any]) -> int:
         """Write every buffer of ``parts`` in order; returns the bytes sent.
 
-        One ``sendmsg`` (scatter-gather, no join) when the transport has nothing queued; what
-        the kernel does not take at once goes through the transport's buffer (copied), and
-        the call waits while that buffer is over its high-water mark. One sender at a time
-        per connection (callers that share one hold a lock).
+        ``sendmsg`` (scatter-gather, no join) whenever the transport has nothing queued; what
+        the kernel does not take goes through the transport's buffer at most
+        ``TRANSPORT_CHUNK`` bytes at a time, each time once the buffer has drained below its
+        low-water mark. (Handing a whole large response to the transport at once cost a join
+        of all of it and then, in Python 3.11's selector transport, a memmove of everything
+        still queued after every partial send: quadratic in the response's size; a 54 MB Kafka
+        fetch answer spent most of its ~1 s there.) One sender at a time per connection
+        (callers that share one hold a lock).
         """
         assert self.transport is not None
         views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
         total = sum(len(v) for v in views)
         i = 0
-        if not self.transport.get_write_buffer_size() and not self.transport.is_closing():
-            while i < len(views):
-                batch = views[i : i + IOV_MAX]
-                try:
-                    sent = self.sock.sendmsg(batch)
-                except (BlockingIOError, InterruptedError):
+        while i < len(views):
+            if self.transport.is_closing():
+                break
+            if not self.transport.get_write_buffer_size():
+                i = self._send_direct(views, i)
+                if i >= len(views):
                     break
-                full = sent < sum(len(v) for v in batch)
-                while sent:
-                    if sent >= len(views[i]):
-                        sent -= len(views[i])
-                        i += 1
-                    else:
-                        views[i] = views[i][sent:]
-                        sent = 0
-                if full:
-                    break  # the kernel took less than offered: its buffer is full
-        if i < len(views):
-            self.transport.writelines(views[i:])
+            chunk: list[memoryview] = []
+            size = 0
+            while i < len(views) and size < TRANSPORT_CHUNK:
+                v = views[i]
+                if size + len(v) > TRANSPORT_CHUNK:
+                    cut = TRANSPORT_CHUNK - size
+                    chunk.append(v[:cut])
+                    views[i] = v[cut:]
+                    size += cut
+                    break
+                chunk.append(v)
+                size += len(v)
+                i += 1
+            self.transport.writelines(chunk)
+            await self._writable.wait()
         await self._writable.wait()
         return total
+
+    def _send_direct(self, views: list[memoryview], i: int) -> int:
+        """``sendmsg`` from ``views[i]`` on while the kernel takes everything offered; returns
+        the index of the first buffer not (wholly) sent (``views[i]`` trimmed to its rest)."""
+        while i < len(views):
+            batch = views[i : i + IOV_MAX]
+            try:
+                sent = self.sock.sendmsg(batch)
+            except (BlockingIOError, InterruptedError):
+                return i
+            full = sent < sum(len(v) for v in batch)
+            while sent:
+                if sent >= len(views[i]):
+                    sent -= len(views[i])
+                    i += 1
+                else:
+                    views[i] = views[i][sent:]
+                    sent = 0
+            if full:
+                return i  # the kernel took less than offered: its buffer is full
+        return i
 
     async def _wait(self, partial: Any, expected: int) -> None:
         if self._eof:
