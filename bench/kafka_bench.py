@@ -134,6 +134,10 @@ def kafka_consume(bootstrap: str, topic: str, n: int) -> float:
         }
     )
     try:
+        # the partitions' leaders known before the assignment, as in a running consumer (the
+        # SDK's is started before its clock too): else librdkafka waits for its 500 ms
+        # offset-query timer before it asks where the partitions begin
+        consumer.list_topics(topic, timeout=10)
         consumer.assign(
             [ck.TopicPartition(topic, p, ck.OFFSET_BEGINNING) for p in range(PARTITIONS)]
         )

@@ -198,3 +198,31 @@ def test_a_truncated_summary_is_corrupt_at_every_cut() -> None:
     for cut in range(len(raw)):
         with pytest.raises(CorruptBatchError):
             sm.parse(raw[:cut], 0, cut, 3)
+
+
+_tag_lists = st.lists(st.lists(st.sampled_from(["a", "b", "é", "x" * 30]), max_size=3), min_size=1)
+_header_lists = st.lists(
+    st.lists(st.tuples(st.sampled_from(["k", "region"]), st.binary(max_size=3)), max_size=3),
+    min_size=1,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_tag_lists, _header_lists)
+def test_few_tags_and_headers_counted_one_by_one_give_the_columnar_summary(
+    tags: list[list[str]], headers: list[list[tuple[str, bytes]]]
+) -> None:
+    """Up to ``SMALL`` elements take the plain-Python count: the same summary as the columnar
+    count, and as the record-by-record reference."""
+    n = min(len(tags), len(headers))
+    tags, headers = tags[:n], headers[:n]
+    saved = sm.SMALL
+    try:
+        sm.SMALL = 1 << 30
+        small = _summary(encode_batch([b"v"] * n, tags=tags, headers=headers))
+        sm.SMALL = -1
+        columnar = _summary(encode_batch([b"v"] * n, tags=tags, headers=headers))
+    finally:
+        sm.SMALL = saved
+    assert small == columnar
+    assert summary_as_dict(small) == reference_summary(n, tags, headers)

@@ -144,6 +144,56 @@ def _header_stats(
     return {key_names[i]: KeySummary(int(key_records[i]), listed.get(i)) for i in range(k)}
 
 
+#: at most this many tags and headers (all records together) are counted in plain Python
+SMALL = 64
+
+
+def _small_stats(
+    n: int,
+    tag_offsets: Any,
+    tag_values: pa.Array | None,
+    header_offsets: Any,
+    header_pairs: pa.Array | None,
+) -> tuple[int, dict[bytes, int] | None, dict[bytes, KeySummary] | None]:
+    """``_tag_stats`` and ``_header_stats`` for few elements, counted one by one."""
+    untagged = n
+    tags: dict[bytes, int] | None = {}
+    if tag_values is not None and len(tag_values):
+        offs = np.asarray(tag_offsets).tolist()
+        names = [t.encode() for t in tag_values.to_pylist()]
+        counts: dict[bytes, int] = {}
+        for i in range(n):
+            mine = set(names[offs[i] : offs[i + 1]])
+            untagged -= bool(mine)
+            for t in mine:
+                counts[t] = counts.get(t, 0) + 1
+        tags = counts if len(counts) <= MAX_TAGS else None
+    headers: dict[bytes, KeySummary] | None = {}
+    if header_pairs is not None and len(header_pairs):
+        offs = np.asarray(header_offsets).tolist()
+        keys = [k.encode() for k in header_pairs.field("key").to_pylist()]
+        values = header_pairs.field("value").cast(pa.binary()).to_pylist()
+        carriers: dict[bytes, int] = {}
+        pairs: dict[bytes, dict[bytes, int]] = {}
+        for i in range(n):
+            lo, hi = offs[i], offs[i + 1]
+            for key in set(keys[lo:hi]):
+                carriers[key] = carriers.get(key, 0) + 1
+            for key, value in set(zip(keys[lo:hi], values[lo:hi], strict=True)):
+                per = pairs.setdefault(key, {})
+                per[value] = per.get(value, 0) + 1
+        if len(carriers) > MAX_HEADER_KEYS:
+            headers = None
+        else:
+            headers = {
+                key: KeySummary(
+                    count, pairs[key] if len(pairs[key]) <= MAX_VALUES_PER_KEY else None
+                )
+                for key, count in carriers.items()
+            }
+    return untagged, tags, headers
+
+
 def _tag_section(tags: Mapping[bytes, int]) -> int:
     return sum(_ENTRY.size + len(t) for t in tags)
 
@@ -165,11 +215,35 @@ def build(
     header_pairs: pa.Array | None,
 ) -> Summary:
     """The summary of ``n`` records from their tag and header lists as the body lays them out:
-    int32[n+1] list offsets starting at 0 and the child values (None: every list empty)."""
-    untagged, tags = _tag_stats(tag_offsets, tag_values, n, MAX_TAGS)
+    int32[n+1] list offsets starting at 0 and the child values (None: every list empty).
+
+    Up to ``SMALL`` tags and headers in all are counted in plain Python (``_small_stats``):
+    the columnar counting's fixed cost (~1 ms of dictionary encodes and bincounts) is what a
+    one-record batch of the retry router or the delay scheduler paid for its summary."""
+    elements = (0 if tag_values is None else len(tag_values)) + (
+        0 if header_pairs is None else len(header_pairs)
+    )
+    if elements <= SMALL:
+        untagged, tags, headers = _small_stats(
+            n, tag_offsets, tag_values, header_offsets, header_pairs
+        )
+    else:
+        untagged, tags = _tag_stats(tag_offsets, tag_values, n, MAX_TAGS)
+        headers = _header_stats(
+            header_offsets, header_pairs, n, MAX_HEADER_KEYS, MAX_VALUES_PER_KEY
+        )
+    return _bounded(n, untagged, tags, headers)
+
+
+def _bounded(
+    n: int,
+    untagged: int,
+    tags: dict[bytes, int] | None,
+    headers: dict[bytes, KeySummary] | None,
+) -> Summary:
+    """The summary, with sections over ``MAX_SECTION_BYTES`` not listed."""
     if tags is not None and _tag_section(tags) > MAX_SECTION_BYTES:
         tags = None
-    headers = _header_stats(header_offsets, header_pairs, n, MAX_HEADER_KEYS, MAX_VALUES_PER_KEY)
     if headers is not None and _header_section(headers) > MAX_SECTION_BYTES:
         headers = {key: KeySummary(ks.records, None) for key, ks in headers.items()}
         if _header_section(headers) > MAX_SECTION_BYTES:
