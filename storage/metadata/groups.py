@@ -91,7 +91,9 @@ def txn_path(group_id: str) -> str:
 
 
 class MemberRecord(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True, extra="allow"
+    )  # fields of newer versions kept: see models.py
 
     member_id: str
     group_instance_id: str | None = None
@@ -109,7 +111,9 @@ class MemberRecord(BaseModel):
 class GroupRecord(BaseModel):
     """``/groups/<group>/state``: what a new coordinator needs to take the group over."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True, extra="allow"
+    )  # fields of newer versions kept: see models.py
 
     group_id: str
     generation: int = 0

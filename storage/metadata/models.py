@@ -2,6 +2,13 @@
 
 Topic configs accept Kafka's dotted names (``retention.ms``, ``min.insync.replicas``); a bad
 name or value raises ``InvalidConfigError`` / ``InvalidTopicError`` with the reason.
+
+**Mixed versions.** During a rolling upgrade, agents of two versions read and rewrite the same
+znodes. The stored models (agent registrations, the controller, topic specs, partition states,
+group and transaction records) therefore keep fields they do not know (``extra="allow"``):
+an older agent reads a newer agent's registration or state, and a compare-and-set rewrite by
+an older controller carries the newer fields along instead of dropping them. What a request
+sends is checked strictly elsewhere (the admin API's bodies, ``TopicConfig``'s keys).
 """
 
 from __future__ import annotations
@@ -114,7 +121,9 @@ class TopicSpec(BaseModel):
     delete is asked for until the topic node goes (``docs/operations.md``).
     """
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True, extra="allow"
+    )  # fields of newer versions kept: see models.py
 
     name: str
     partitions: int = Field(ge=1, le=MAX_PARTITIONS)
@@ -143,7 +152,9 @@ class PartitionState(BaseModel):
     leader bumps ``leader_epoch``, the fencing token agents check before acting as leader.
     """
 
-    model_config = ConfigDict(frozen=True, extra="ignore")  # newer agents may add fields
+    model_config = ConfigDict(
+        frozen=True, extra="allow"
+    )  # fields of newer versions kept: see models.py
 
     leader: int  # -1: offline
     leader_epoch: int
@@ -188,7 +199,9 @@ class PartitionState(BaseModel):
 class AgentRegistration(BaseModel):
     """``/agents/<id>`` (ephemeral): where an agent listens."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True, extra="allow"
+    )  # fields of newer versions kept: see models.py
 
     agent_id: int = Field(ge=0)
     host: str
@@ -211,7 +224,9 @@ class AgentRegistration(BaseModel):
 class ControllerInfo(BaseModel):
     """``/controller`` (ephemeral): who is the controller, and its epoch."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True, extra="allow"
+    )  # fields of newer versions kept: see models.py
 
     agent_id: int
     epoch: int

@@ -55,7 +55,9 @@ def txn_path(txn_id: str) -> str:
 class TxnRecord(BaseModel):
     """``/transactions/<id>``: what a new coordinator needs to take the id over."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(
+        frozen=True, extra="allow"
+    )  # fields of newer versions kept: see models.py
 
     producer_id: int
     epoch: int = Field(ge=0, le=0x7FFF)
