@@ -520,10 +520,12 @@ def main(argv: list[str] | None = None) -> int:
                 config=BotoConfig(read_timeout=120, s3={"addressing_style": "path"}),
             )
             store = tier_store(endpoint, defaults)
-            try:
-                asyncio.run(warm(store, keys[0]))
-                nbytes, tier_runs, plain_runs = asyncio.run(
-                    tier_rounds(
+
+            async def measured() -> tuple[int, list[float], list[float]]:
+                # one event loop for the store's whole life (its aioboto3 client lives on it)
+                try:
+                    await warm(store, keys[0])
+                    return await tier_rounds(
                         store,
                         keys,
                         manifest,
@@ -531,7 +533,11 @@ def main(argv: list[str] | None = None) -> int:
                         lambda: read_plain(plain_client, keys, sizes),
                         args.rounds,
                     )
-                )
+                finally:
+                    await store.close()
+
+            try:
+                nbytes, tier_runs, plain_runs = asyncio.run(measured())
                 if nbytes != committed:
                     raise SystemExit(f"tier read returned {nbytes} bytes, {committed} committed")
                 return {
@@ -545,7 +551,6 @@ def main(argv: list[str] | None = None) -> int:
                     "ratio": max(tier_runs) / max(plain_runs),
                 }
             finally:
-                store.close()
                 plain_client.close()
 
         on_moto = compare(moto.endpoint_url)

@@ -269,6 +269,7 @@ class Agent:
         try:
             await self.store.init()
             self.zk.add_state_listener(self._on_session)
+            await self.tiering.start()
             host, port = await self.server.start(self.config.listen_host, self.config.listen_port)
             kafka_host: str | None = None
             kafka_port: int | None = None

@@ -290,6 +290,11 @@ class Tiering:
         return None
 
     # ---- the loops ------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Before the agent serves: the object store's client made (``ObjectStore.start``)."""
+        if self.store is not None:
+            await self.store.start()
+
     async def run(self) -> None:
         if not self.enabled:
             return
@@ -302,7 +307,7 @@ class Tiering:
             if self.reader is not None:
                 await self.reader.close()
             if self.store is not None:
-                self.store.close()
+                await self.store.close()
 
     def _leaders(self) -> list[Partition]:
         if not self.partitions.session_ok:

@@ -98,7 +98,7 @@ def test_lost_put_reply_is_retried_into_the_same_key_and_recognised(
             assert await store.get_range("k", -88, 0) == body[-88:]  # "bytes=-88"
             assert await store.get_range("k", 10, 20) == body[10:20]
         finally:
-            store.close()
+            await store.close()
 
     with FaultyProxy(upstream.hostname, upstream.port) as proxy:
         asyncio.run(run(proxy))

@@ -105,7 +105,7 @@ def test_sequential_read_returns_the_stored_batches_with_few_large_gets(
             return got, store.requests.get("GET", 0), watch
         finally:
             await reader.close()
-            store.close()
+            await store.close()
 
     got, gets, watch = asyncio.run(run())
     assert got == segs[0][0] + segs[1][0]
@@ -131,7 +131,7 @@ def test_reads_survive_s3_faults_byte_for_byte(s3: S3Target, s3_credentials: S3T
             return await _read_all(reader, [("seg-f", entry)], 40 << 10, [])
         finally:
             await reader.close()
-            store.close()
+            await store.close()
 
     with FaultyProxy(upstream.hostname, upstream.port, seed=11) as proxy:
         proxy.set_faults({"reset": 2, "slowdown": 2, "pass": 3})
@@ -163,7 +163,7 @@ def test_a_corrupted_batch_is_a_typed_error_and_the_reader_serves_the_rest(
             assert bytes(fifth) == data[positions[5] : positions[6]]
         finally:
             await reader.close()
-            store.close()
+            await store.close()
 
     asyncio.run(run())
 
@@ -232,7 +232,7 @@ def test_one_get_streams_each_segment_and_an_idle_stream_closes(
             )
         finally:
             await reader.close()
-            store.close()
+            await store.close()
 
     got, first_half, total, reserved = asyncio.run(run())
     assert got == data
@@ -274,7 +274,7 @@ def test_streams_waiting_for_slots_are_bounded_and_misses_past_the_bound_still_r
             return [bytes(o) for o in outs], most
         finally:
             await reader.close()
-            store.close()
+            await store.close()
 
     outs, most = asyncio.run(run())
     assert outs == [data for data, _, _ in segs]
@@ -305,7 +305,7 @@ def test_the_whole_object_stream_brings_the_footer_for_later_lookups(
             return out, bytes(middle), ts, store.requests.get("GET", 0), len(reader._positions)
         finally:
             await reader.close()
-            store.close()
+            await store.close()
 
     out, middle, ts, gets, remembered = asyncio.run(run())
     assert out == data
@@ -332,6 +332,6 @@ def test_a_whole_object_get_of_the_wrong_size_is_refused(
                 await reader.read("seg-l", entry, 0, 1 << 20)
         finally:
             await reader.close()
-            store.close()
+            await store.close()
 
     asyncio.run(run())

@@ -263,7 +263,7 @@ def test_objects_are_deleted_in_batches_and_counted_page_by_page(
             rest = await store.count("topics/x/id/", page_keys=5)
             return total, page, rest
         finally:
-            store.close()
+            await store.close()
 
     total, page, rest = asyncio.run(run())
     assert (total, len(page), rest) == (23, 10, 13)

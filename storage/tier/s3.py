@@ -1,17 +1,24 @@
-"""The object-store adapter: the one boundary between Strata and boto3/botocore.
+"""The object-store adapter: the one boundary between Strata and the S3 client libraries.
 
-Why boto3 in a thread pool and not aioboto3: no aioboto3 release pins an aiobotocore that
-accepts the botocore this project is locked to (1.44.x), and pinning an older botocore would
-drag boto3 and moto back with it. So each S3 call runs as a blocking boto3 call on a bounded
-``ThreadPoolExecutor`` and the event loop awaits it.
+Every call but one goes through **aioboto3** (aiobotocore under it): an asyncio client on the
+agent's event loop, no thread per request. The exception is the streamed read of tiered
+segments (``read_into``, the hot path of catch-up reads): it runs a blocking boto3 ``GET``
+on a bounded thread pool so that the body is received with ``recv_into`` straight into the
+reader's cache buffers (``_receiver``), which ``make bench-tier`` holds at >= 0.8 of plain
+GETs; aiohttp hands a body out as freshly allocated chunks (one copy more per byte), and an
+aiohttp version of this path has not been measured against it yet. Both clients come from
+one lock: boto3 and botocore pinned to the versions the latest aioboto3 supports. Uploads
+measured on both (``docs/benchmarks.md``, *aioboto3*).
 
 Rules every call follows:
 
-* **Deadline.** Each attempt has ``request_timeout`` seconds (``asyncio.wait_for`` on the loop
-  side; botocore's ``connect_timeout``/``read_timeout`` on the thread side, so an abandoned
-  thread also gives up). botocore's own retries are off: this module owns the retry policy.
+* **Deadline.** Each attempt has ``request_timeout`` seconds (``asyncio.wait_for``; and
+  botocore's ``connect_timeout``/``read_timeout`` on both clients, so an abandoned streamed
+  read's thread also gives up). botocore's own retries are off: this module owns the retry
+  policy.
 * **Retries.** Throttling (503 SlowDown, 429, 500/502/504, ``RequestTimeout``), timeouts and
-  connection errors (refused, reset, closed, broken responses) are retried up to
+  connection errors (refused, reset, closed, broken responses; aiohttp's client errors) are
+  retried up to
   ``max_attempts`` times with exponential backoff and full jitter (``Backoff``, injectable).
 * **Batches.** ``delete_many`` removes up to 1,000 keys per ``DeleteObjects`` request (a
   deleted topic's segments, ``broker_agents.deletion``); keys the store reports as failed are
@@ -34,8 +41,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import aioboto3
+import aiohttp
 import boto3
 import botocore.exceptions
+from aiobotocore.config import AioConfig
 from botocore.config import Config as BotoConfig
 
 from storage.errors import ObjectExistsError, ObjectNotFoundError, ObjectStoreError
@@ -203,6 +213,7 @@ def _translate(exc: BaseException, what: str) -> ObjectStoreError:
         | botocore.exceptions.ConnectionError
         | botocore.exceptions.HTTPClientError
         | botocore.exceptions.ResponseStreamingError
+        | aiohttp.ClientError
         | ConnectionError,
     )
     return out
@@ -223,11 +234,15 @@ class ObjectStore:
         self._backoff = backoff or Backoff(config.backoff_base, config.backoff_max)
         self._sleep = sleep
         self._pool = ThreadPoolExecutor(config.max_workers, thread_name_prefix="s3")
+        #: boto3, for the streamed reads only (see the module docstring)
         self._client: Any = self._new_client(config.request_timeout)
+        self._session = aioboto3.Session()
+        self._clients = contextlib.AsyncExitStack()
+        self._aio: Any = None
         # CompleteMultipartUpload: the store assembles the whole object before it answers
         # (S3 may take many seconds, moto much longer), so its socket read timeout cannot be
         # the per-request one; its attempt deadline still scales with the object's size
-        self._slow_client: Any = None
+        self._slow_aio: Any = None
         self.requests: dict[str, int] = {}
 
     def _new_client(self, read_timeout: float) -> Any:
@@ -245,21 +260,52 @@ class ObjectStore:
             ),
         )
 
-    def close(self) -> None:
+    async def _new_aio(self, read_timeout: float) -> Any:
+        config = self.config
+        return await self._clients.enter_async_context(
+            self._session.client(
+                "s3",
+                endpoint_url=config.endpoint_url,
+                region_name=config.region,
+                config=AioConfig(
+                    connect_timeout=config.connect_timeout,
+                    read_timeout=read_timeout,
+                    retries={"total_max_attempts": 1},
+                    max_pool_connections=config.max_workers,
+                    s3={"addressing_style": "path"},
+                ),
+            )
+        )
+
+    async def _aio_client(self) -> Any:
+        if self._aio is None:
+            self._aio = await self._new_aio(self.config.request_timeout)
+        return self._aio
+
+    async def start(self) -> None:
+        """Make the aioboto3 client now: botocore loads the S3 service model as it does, a few
+        hundred milliseconds in which the event loop runs nothing else (so: before serving)."""
+        await self._aio_client()
+
+    async def close(self) -> None:
+        """Release both clients (the aioboto3 one on the loop it was made on)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
-        if self._slow_client is not None:
-            self._slow_client.close()
+        self._aio = self._slow_aio = None
+        await self._clients.aclose()
 
-    async def _call(self, what: str, fn: Callable[[], T], *, attempt_s: float | None = None) -> T:
-        loop = asyncio.get_running_loop()
+    async def _acall(
+        self, what: str, make: Callable[[Any], Awaitable[T]], *, attempt_s: float | None = None
+    ) -> T:
+        """``make(client)`` (an aioboto3 call) with the deadline, retries and typed errors."""
         deadline = attempt_s or self.config.request_timeout
         attempt = 0
         while True:
             op = what.split(" ", 1)[0]
             self.requests[op] = self.requests.get(op, 0) + 1
             try:
-                return await asyncio.wait_for(loop.run_in_executor(self._pool, fn), deadline)
+                client = await self._aio_client()
+                return await asyncio.wait_for(make(client), deadline)
             except (ObjectStoreError, asyncio.CancelledError):
                 raise
             except Exception as exc:
@@ -276,19 +322,19 @@ class ObjectStore:
     # ---- operations ---------------------------------------------------------------------------
     async def put_if_absent(self, key: str, body: bytes) -> None:
         """Create ``key`` with ``body``; ``ObjectExistsError`` if the key exists (HTTP 412)."""
-
-        def put() -> None:
-            self._client.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*")
-
-        await self._call(f"PUT {key}", put, attempt_s=self._timeout_for(len(body)))
+        await self._acall(
+            f"PUT {key}",
+            lambda c: c.put_object(Bucket=self.bucket, Key=key, Body=body, IfNoneMatch="*"),
+            attempt_s=self._timeout_for(len(body)),
+        )
 
     async def put(self, key: str, body: bytes) -> None:
         """Create or overwrite ``key`` (manifest snapshots; segments use ``put_if_absent``)."""
-
-        def put() -> None:
-            self._client.put_object(Bucket=self.bucket, Key=key, Body=body)
-
-        await self._call(f"PUT {key}", put, attempt_s=self._timeout_for(len(body)))
+        await self._acall(
+            f"PUT {key}",
+            lambda c: c.put_object(Bucket=self.bucket, Key=key, Body=body),
+            attempt_s=self._timeout_for(len(body)),
+        )
 
     async def put_multipart_if_absent(
         self, key: str, size: int, read_part: Callable[[int, int], Awaitable[bytes]]
@@ -299,9 +345,9 @@ class ObjectStore:
         unfinished multipart upload is invisible to readers and expires by bucket lifecycle).
         """
         part_bytes = self.config.multipart_part_bytes
-        created = await self._call(
+        created = await self._acall(
             f"POST {key} create-multipart",
-            lambda: self._client.create_multipart_upload(Bucket=self.bucket, Key=key),
+            lambda c: c.create_multipart_upload(Bucket=self.bucket, Key=key),
         )
         upload_id = created["UploadId"]
         parts = []
@@ -309,8 +355,8 @@ class ObjectStore:
             for number, start in enumerate(range(0, size, part_bytes), start=1):
                 body = await read_part(start, min(size, start + part_bytes))
 
-                def upload(body: bytes = body, number: int = number) -> Any:
-                    return self._client.upload_part(
+                def upload(c: Any, body: bytes = body, number: int = number) -> Awaitable[Any]:
+                    return c.upload_part(  # type: ignore[no-any-return]
                         Bucket=self.bucket,
                         Key=key,
                         UploadId=upload_id,
@@ -318,17 +364,17 @@ class ObjectStore:
                         Body=body,
                     )
 
-                result = await self._call(
+                result = await self._acall(
                     f"PUT {key} part {number}", upload, attempt_s=self._timeout_for(len(body))
                 )
                 parts.append({"ETag": result["ETag"], "PartNumber": number})
                 del body
-            if self._slow_client is None:
-                self._slow_client = self._new_client(self._timeout_for(5 << 30))
-            slow = self._slow_client
-            await self._call(
+            if self._slow_aio is None:
+                self._slow_aio = await self._new_aio(self._timeout_for(5 << 30))
+            slow = self._slow_aio
+            await self._acall(
                 f"POST {key} complete-multipart",
-                lambda: slow.complete_multipart_upload(
+                lambda _c: slow.complete_multipart_upload(
                     Bucket=self.bucket,
                     Key=key,
                     UploadId=upload_id,
@@ -341,9 +387,9 @@ class ObjectStore:
             )
         except BaseException:
             with contextlib.suppress(Exception):
-                await self._call(
+                await self._acall(
                     f"DELETE {key} abort-multipart",
-                    lambda: self._client.abort_multipart_upload(
+                    lambda c: c.abort_multipart_upload(
                         Bucket=self.bucket, Key=key, UploadId=upload_id
                     ),
                 )
@@ -355,14 +401,14 @@ class ObjectStore:
         # a suffix range is "bytes=-N"; "bytes=-N-" is malformed and S3 answers the whole object
         rng = f"bytes={start}" if start < 0 else f"bytes={start}-{end - 1}"
 
-        def get() -> bytes:
-            data: bytes = self._client.get_object(Bucket=self.bucket, Key=key, Range=rng)[
-                "Body"
-            ].read()
+        async def get(c: Any) -> bytes:
+            resp = await c.get_object(Bucket=self.bucket, Key=key, Range=rng)
+            async with resp["Body"] as body:
+                data: bytes = await body.read()
             return data
 
         size = end - start if start >= 0 else -start
-        return await self._call(f"GET {key} {rng}", get, attempt_s=self._timeout_for(size))
+        return await self._acall(f"GET {key} {rng}", get, attempt_s=self._timeout_for(size))
 
     async def read_into(
         self,
@@ -482,9 +528,7 @@ class ObjectStore:
             _finish(body)
 
     async def delete(self, key: str) -> None:
-        await self._call(
-            f"DELETE {key}", lambda: self._client.delete_object(Bucket=self.bucket, Key=key)
-        )
+        await self._acall(f"DELETE {key}", lambda c: c.delete_object(Bucket=self.bucket, Key=key))
 
     async def delete_many(self, keys: Sequence[str]) -> None:
         """Delete up to ``MAX_DELETE_KEYS`` keys with one ``DeleteObjects`` request.
@@ -500,15 +544,15 @@ class ObjectStore:
         while pending:
             batch = [{"Key": k} for k in pending]
 
-            def run(batch: list[dict[str, str]] = batch) -> list[dict[str, Any]]:
-                resp = self._client.delete_objects(
+            async def run(c: Any, batch: list[dict[str, str]] = batch) -> list[dict[str, Any]]:
+                resp = await c.delete_objects(
                     Bucket=self.bucket, Delete={"Objects": batch, "Quiet": True}
                 )
                 errors: list[dict[str, Any]] = resp.get("Errors", [])
                 return errors
 
             what = f"DELETEOBJECTS {len(pending)} keys from {pending[0]}"
-            errors = await self._call(what, run, attempt_s=self._timeout_for(len(pending) * 200))
+            errors = await self._acall(what, run, attempt_s=self._timeout_for(len(pending) * 200))
             if not errors:
                 return
             pending = [str(e.get("Key")) for e in errors]
@@ -523,14 +567,14 @@ class ObjectStore:
         """Up to ``max_keys`` keys under ``prefix`` in key order, from after ``after``: one
         LIST request (so a caller walking a huge prefix holds one page at a time)."""
 
-        def run() -> list[str]:
+        async def run(c: Any) -> list[str]:
             extra = {"StartAfter": after} if after else {}
-            resp = self._client.list_objects_v2(
+            resp = await c.list_objects_v2(
                 Bucket=self.bucket, Prefix=prefix, MaxKeys=max_keys, **extra
             )
             return [str(o["Key"]) for o in resp.get("Contents", [])]
 
-        return await self._call(f"LIST {prefix}", run)
+        return await self._acall(f"LIST {prefix}", run)
 
     async def count(self, prefix: str, *, page_keys: int = 1000) -> int:
         """How many objects are under ``prefix`` (page by page, each with its deadline)."""
@@ -545,16 +589,15 @@ class ObjectStore:
     async def list(self, prefix: str) -> list[tuple[str, int, float]]:
         """(key, size, last-modified epoch seconds) of every object under ``prefix``."""
 
-        def run() -> list[tuple[str, int, float]]:
+        async def run(c: Any) -> list[tuple[str, int, float]]:
             out = []
-            for page in self._client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix
-            ):
+            pages = c.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+            async for page in pages:
                 for o in page.get("Contents", []):
                     out.append((o["Key"], int(o["Size"]), o["LastModified"].timestamp()))
             return out
 
-        return await self._call(f"LIST {prefix}", run, attempt_s=self.config.request_timeout * 3)
+        return await self._acall(f"LIST {prefix}", run, attempt_s=self.config.request_timeout * 3)
 
     def _timeout_for(self, size: int) -> float:
         # a large transfer gets extra time at a pessimistic 8 MB/s, never less than the base
