@@ -17,13 +17,14 @@ agent, and the old id's replicas are re-created elsewhere (``agent.replace.after
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from pathlib import Path
 
 from kazoo.client import KazooClient
 
 from storage.errors import InvalidConfigError
+from storage.wal import fileio
+from storage.wal.fileio import write_file_atomically
 
 log = logging.getLogger(__name__)
 
@@ -45,18 +46,9 @@ def stored_id(data_dir: Path) -> int | None:
 
 
 def store_id(data_dir: Path, agent_id: int) -> None:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    tmp = data_dir / (ID_FILE + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(f"{agent_id}\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, data_dir / ID_FILE)
-    fd = os.open(data_dir, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fileio.fs.make_dirs(data_dir)
+    write_file_atomically(data_dir / ID_FILE, f"{agent_id}\n".encode())
+    fileio.fs.fsync_dir(data_dir)
 
 
 def allocate_id(zookeeper: str, timeout_s: float = 10.0) -> int:
