@@ -152,6 +152,7 @@ def write_floor(root: Path, options: dict[str, str]) -> tuple[int, int, int]:
         with pa.OSFile(str(out / f"{i:05d}.arrow"), "wb") as sink:
             writer = None
             for batch in reader.read(part):
+                assert isinstance(batch, pa.RecordBatch)
                 if writer is None:
                     writer = pa.ipc.new_file(sink, batch.schema)
                 writer.write_batch(batch)
@@ -238,6 +239,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "strata": strata_scan,
             "floor": floor_scan,
             "spark_parquet": spark_parquet_scan,
+            "strata_value": strata_value_scan,
             "pyarrow_parquet": parquet_scan,
         }
         for scan in readers.values():  # warm-up: JVM, Python workers, page cache

@@ -37,7 +37,8 @@ Theory of operation:
   summary rules it out is not decoded, one whose summary says every record matches is not
   filtered, and only the rest are filtered with Arrow kernels.
 * **Storage.** ``pyarrow.fs`` (``S3FileSystem`` with request/connect timeouts and a bounded
-  retry strategy; or a local directory for ``file://`` endpoints, which benchmarks use). Its
+  retry strategy; or a local directory for ``file://`` endpoints, which benchmarks use, whose
+  ranges are memory-mapped rather than copied). Its
   ``OSError``s become ``ObjectNotFoundError`` / ``ObjectStoreError`` in :class:`Archive` only.
 
 The Spark data source (``spark/``) runs the same planning on its driver and the same reads on
@@ -129,7 +130,8 @@ class Archive:
         self.bytes_read = 0
         self.requests = 0
         endpoint = config.endpoint_url
-        if endpoint is not None and endpoint.startswith("file://"):
+        self._local = endpoint is not None and endpoint.startswith("file://")
+        if endpoint is not None and self._local:
             self._fs: Any = pafs.LocalFileSystem()
             self._root = f"{endpoint[len('file://') :].rstrip('/')}/{config.bucket}/"
         else:
@@ -161,8 +163,15 @@ class Archive:
         """Bytes ``[start, end)`` of ``key`` (``bytes`` or a ``pyarrow.Buffer``)."""
         self.requests += 1
         try:
-            with self._fs.open_input_file(self._path(key)) as f:
-                buf = f.read_at(end - start, start)
+            if self._local:
+                # a local directory: the page cache's bytes, mapped, not copied (segment
+                # objects are written once and never rewritten in place)
+                with pa.memory_map(self._path(key)) as f:
+                    f.seek(start)
+                    buf = f.read_buffer(end - start)
+            else:
+                with self._fs.open_input_file(self._path(key)) as f:
+                    buf = f.read_at(end - start, start)
         except OSError as exc:
             raise self._translate(exc, f"GET {key} bytes={start}-{end - 1}") from None
         if len(buf) != end - start:
@@ -265,10 +274,42 @@ class SegmentRead:
     filter: str | None = None  # a storage.filters expression (canonical text); None: all rows
     #: aborted transactions to drop: (producer id, first offset, end offset), from the footer
     aborted: tuple[tuple[int, int, int], ...] = ()
+    #: only rows whose key is one of these (None: every key; a null key never matches)
+    keys: tuple[bytes, ...] | None = None
 
     @property
     def nbytes(self) -> int:
         return self.byte_end - self.byte_start
+
+
+@dataclass(slots=True)
+class ReadStats:
+    """What reads did, summed over tasks: the evidence of pushdown below the plan.
+
+    ``batches`` counts the data batches met in the bytes read (control batches and aborted
+    transactions' batches not included); ``batches_skipped`` those never decoded (outside the
+    offsets or times, or ruled out by their tag/header summary); ``batches_dropped`` those
+    decoded whose every row was filtered out (keys, rows' tags/headers, times).
+    ``segments_skipped`` counts task reads of which no row was returned. ``bytes_out`` is the
+    size of the Arrow data handed on (``pyarrow`` ``nbytes``).
+    """
+
+    tasks: int = 0
+    segments_skipped: int = 0
+    bytes_read: int = 0
+    batches: int = 0
+    batches_skipped: int = 0
+    batches_decoded: int = 0
+    batches_dropped: int = 0
+    rows: int = 0
+    bytes_out: int = 0
+
+    def add(self, other: ReadStats) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 @dataclass(slots=True)
@@ -361,20 +402,22 @@ def plan(
     filter: Filter | None = None,
     read_committed: bool = True,
     topic_id: str | None = None,
+    keys: Iterable[bytes] | None = None,
 ) -> tuple[list[SegmentRead], PlanReport]:
     """The read tasks for ``topic`` within ``bounds``, in (partition, offset) order.
 
     ``manifests`` (partition -> (topic_id, manifest)) overrides the bucket's snapshots (the
     Spark driver passes ZooKeeper's when told to); else the snapshots of one incarnation are
-    read (``topic_id``'s, or the newest: ``Archive.incarnation``). ``filter`` goes with every
-    task. With ``read_committed`` every task of a segment with aborted transactions carries
-    their list (its footer is read for it).
+    read (``topic_id``'s, or the newest: ``Archive.incarnation``). ``filter`` and ``keys`` go
+    with every task. With ``read_committed`` every task of a segment with aborted
+    transactions carries their list (its footer is read for it).
     """
     if manifests is None:
         manifests = {
             p: (s.topic_id, s.manifest) for p, s in archive.incarnation(topic, topic_id).items()
         }
     report = PlanReport()
+    key_tuple = None if keys is None else tuple(sorted(set(keys)))
     tasks: list[SegmentRead] = []
     prefix = archive.config.prefix
     for partition in sorted(manifests):
@@ -433,6 +476,7 @@ def plan(
                         bounds.max_ts,
                         None if filter is None else filter.text,
                         footer.aborted if wants_aborted and footer is not None else (),
+                        key_tuple,
                     )
                 )
     report.tasks = len(tasks)
@@ -458,30 +502,50 @@ def _splits(footer: Footer | None, lo: int, hi: int, split_bytes: int) -> list[t
 # ---- reading --------------------------------------------------------------------------------
 
 
-def read_segment(archive: Archive, task: SegmentRead) -> Iterator[pa.RecordBatch]:
-    """The wanted rows of ``task`` as record batches of ``codec.SCHEMA``, in offset order."""
-    buf = archive.get_range(task.key, task.byte_start, task.byte_end)
+def read_segment(
+    archive: Archive, task: SegmentRead, stats: ReadStats | None = None, *, buf: Any = None
+) -> Iterator[pa.RecordBatch]:
+    """The wanted rows of ``task`` as record batches of ``codec.SCHEMA``, in offset order.
+
+    ``stats``, if given, is added to (see :class:`ReadStats`). ``buf``: the task's bytes if
+    the caller fetched them already (a prefetch); otherwise one ranged GET.
+    """
+    st = ReadStats() if stats is None else stats
+    if buf is None:
+        buf = archive.get_range(task.key, task.byte_start, task.byte_end)
+    st.tasks += 1
+    st.bytes_read += task.nbytes
+    rows_before = st.rows
     start, end, min_ts, max_ts = task.start_offset, task.end_offset, task.min_ts, task.max_ts
     filt = None if task.filter is None else _parsed(task.filter)
+    keys = None if task.keys is None else _key_set(task.keys)
     aborted = aborted_ranges(task.aborted)
     for h, pos in iter_batches(buf):
         if h.is_control:
             continue  # a transaction marker: never a record for the application
         if aborted and is_aborted(aborted, h):
             continue
-        if start is not None and h.next_offset <= start:
-            continue
         if end is not None and h.base_offset >= end:
             break
+        st.batches += 1
+        if start is not None and h.next_offset <= start:
+            st.batches_skipped += 1
+            continue
         if min_ts is not None and h.max_timestamp < min_ts:
+            st.batches_skipped += 1
             continue
         verdict = Verdict.WHOLE if filt is None else classify(filt, buf, pos, h)
         if verdict is Verdict.SKIP:
+            st.batches_skipped += 1
             continue
         batch = decode_batch(buf, pos)
+        st.batches_decoded += 1
         mask = None
         if filt is not None and verdict is Verdict.DECODE:
             mask = pa.array(filt.mask(batch))
+        if keys is not None:
+            in_keys = pc.is_in(batch.column(2), value_set=keys)
+            mask = in_keys if mask is None else pc.and_(mask, in_keys)
         if (start is not None and h.base_offset < start) or (
             end is not None and h.next_offset > end
         ):
@@ -501,7 +565,17 @@ def read_segment(archive: Archive, task: SegmentRead) -> Iterator[pa.RecordBatch
         if mask is not None:
             batch = batch.filter(mask)
         if batch.num_rows:
+            st.rows += batch.num_rows
             yield batch
+        else:
+            st.batches_dropped += 1
+    if st.rows == rows_before:
+        st.segments_skipped += 1
+
+
+@functools.lru_cache(maxsize=64)
+def _key_set(keys: tuple[bytes, ...]) -> pa.Array:
+    return pa.array(keys, pa.binary())
 
 
 @functools.lru_cache(maxsize=64)
@@ -509,9 +583,9 @@ def _parsed(text: str) -> Filter:
     return parse(text)
 
 
-def segment_table(archive: Archive, task: SegmentRead) -> pa.Table:
+def segment_table(archive: Archive, task: SegmentRead, stats: ReadStats | None = None) -> pa.Table:
     """``read_segment`` as one table (chunks point into the ranged GET's buffer)."""
-    return pa.Table.from_batches(list(read_segment(archive, task)), schema=SCHEMA)
+    return pa.Table.from_batches(list(read_segment(archive, task, stats)), schema=SCHEMA)
 
 
 def constant_int32(value: int, n: int) -> pa.Array:
@@ -528,6 +602,18 @@ def constant_string(value: str, n: int) -> pa.Array:
 # ---- the SDK's replay iterator --------------------------------------------------------------
 
 
+def combined_filter(
+    tags: Iterable[str] | None = None, filter: str | Filter | None = None
+) -> Filter | None:
+    """Rows carrying one of ``tags`` AND matching ``filter`` (``docs/filters.md``; raises
+    ``InvalidFilterError``); None if neither is given."""
+    chosen = as_filter(filter)
+    if tags is not None:
+        by_tag = Filter(Tag(frozenset(tags)))
+        chosen = by_tag if chosen is None else Filter(conjunction([by_tag.expr, chosen.expr]))
+    return chosen
+
+
 def replay(
     topic: str,
     *,
@@ -541,6 +627,7 @@ def replay(
     split_bytes: int = DEFAULT_SPLIT_BYTES,
     isolation_level: str = "read_committed",
     topic_id: str | None = None,
+    stats: ReadStats | None = None,
 ) -> Iterator[pa.Table]:
     """Tables of ``topic``'s committed history (``REPLAY_SCHEMA``), read from the object tier.
 
@@ -548,7 +635,10 @@ def replay(
     of them; with ``tags``, only rows carrying at least one of them; with ``filter`` (an
     expression over tags and headers, ``docs/filters.md``; ``InvalidFilterError`` if it does
     not parse), only rows that match it. Tags and filter are pushed down to the batches'
-    summaries. One table per segment (or byte range of a large one), partition by partition,
+    summaries; ``keys`` is applied to every decoded batch, before the other row filters.
+    ``stats``, if given, is added to (:class:`ReadStats`: batches skipped by their summaries,
+    segments of which nothing was returned). One table per segment (or byte range of a large
+    one), partition by partition,
     each in offset order; empty tables are not yielded. ``archive`` defaults to
     ``ArchiveConfig.from_env()``. ``isolation_level`` ``read_committed`` (the default) drops
     the records of aborted transactions; ``read_uncommitted`` keeps them. Transaction
@@ -569,10 +659,7 @@ def replay(
         min_ts=start_ms,
         max_ts=end_ms,
     )
-    chosen = as_filter(filter)
-    if tags is not None:
-        by_tag = Filter(Tag(frozenset(tags)))
-        chosen = by_tag if chosen is None else Filter(conjunction([by_tag.expr, chosen.expr]))
+    chosen = combined_filter(tags, filter)
     tasks, _ = plan(
         archive,
         topic,
@@ -581,12 +668,12 @@ def replay(
         filter=chosen,
         read_committed=isolation_level == "read_committed",
         topic_id=topic_id,
+        keys=keys,
     )
-    key_set = None if keys is None else pa.array(list(keys), pa.binary())
     for task in tasks:
-        table = segment_table(archive, task)
-        if key_set is not None and table.num_rows:
-            table = table.filter(pc.is_in(table.column("key"), value_set=key_set))
+        table = segment_table(archive, task, stats)
+        if stats is not None:
+            stats.bytes_out += table.nbytes
         if table.num_rows:
             yield table.add_column(
                 0, REPLAY_SCHEMA.field(0), [constant_int32(task.partition, table.num_rows)]
@@ -599,7 +686,9 @@ __all__ = [
     "ArchiveConfig",
     "Bounds",
     "PlanReport",
+    "ReadStats",
     "SegmentRead",
+    "combined_filter",
     "plan",
     "read_segment",
     "replay",

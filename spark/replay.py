@@ -28,15 +28,16 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from sdk.replay import Archive, ArchiveConfig, SegmentRead, plan, read_segment
+from sdk.replay import Archive, ArchiveConfig, SegmentRead, combined_filter, plan, read_segment
 
 
 def _publisher(target: str, archive_config: ArchiveConfig, producer_config: dict[str, Any]) -> Any:
     def publish(job: tuple[int, list[SegmentRead]]) -> tuple[int, int]:
         from sdk import Producer
+        from spark.source import executor_archive
 
         source, tasks = job
-        archive = Archive(archive_config)
+        archive = executor_archive(archive_config)
         count = 0
 
         async def run() -> None:
@@ -94,10 +95,14 @@ def replay(
     end_offset: int | None = None,
     partitions: list[int] | None = None,
     producer_config: dict[str, Any] | None = None,
+    keys: list[bytes] | None = None,
+    tags: list[str] | None = None,
+    filter: str | None = None,
 ) -> dict[int, int]:
     """Publish ``topic``'s records in the range into ``to_topic``; returns records per source
     partition. Bounds: timestamps ``[start_ms, end_ms)``, offsets ``[start_offset,
-    end_offset)`` in every partition."""
+    end_offset)`` in every partition. ``keys``, ``tags`` and ``filter`` keep only matching
+    records, as ``sdk.replay.replay`` does (pushed down to the batches' summaries)."""
     from spark.source import Options, manifests_for
 
     options = {**source_options, "topic": topic}
@@ -119,6 +124,8 @@ def replay(
         opts.bounds,
         split_bytes=opts.split_bytes,
         manifests=manifests_for(opts, archive),
+        filter=combined_filter(tags, filter if filter is not None else opts.parsed_filter),
+        keys=keys,
     )
     jobs: dict[int, list[SegmentRead]] = {}
     for task in tasks:
@@ -152,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-offset", type=int, help="in every partition (inclusive)")
     ap.add_argument("--to-offset", type=int, help="in every partition (exclusive)")
     ap.add_argument("--partitions", help="comma-separated source partitions (default all)")
+    ap.add_argument("--keys", help="comma-separated keys (UTF-8): only records with one of them")
+    ap.add_argument("--tags", help="comma-separated tags: only records carrying one of them")
+    ap.add_argument("--filter", help="a filter over tags and headers (docs/filters.md)")
     ap.add_argument("--bucket", default=os.environ.get("STRATA_BUCKET"))
     ap.add_argument("--endpoint", default=os.environ.get("AWS_ENDPOINT_URL"))
     ap.add_argument("--prefix", default=os.environ.get("STRATA_S3_PREFIX", ""))
@@ -182,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             start_offset=args.from_offset,
             end_offset=args.to_offset,
             partitions=[int(p) for p in args.partitions.split(",")] if args.partitions else None,
+            keys=[k.encode() for k in args.keys.split(",")] if args.keys is not None else None,
+            tags=[t.strip() for t in args.tags.split(",")] if args.tags is not None else None,
+            filter=args.filter,
         )
     finally:
         session.stop()

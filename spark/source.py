@@ -40,11 +40,14 @@ Theory of operation (user-facing details in ``docs/spark.md``):
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import datetime as dt
 import functools
 import json
+import os
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow as pa
@@ -71,6 +74,7 @@ from sdk.replay import (
     ArchiveConfig,
     Bounds,
     PlanReport,
+    ReadStats,
     SegmentRead,
     constant_int32,
     constant_string,
@@ -78,12 +82,21 @@ from sdk.replay import (
     read_segment,
 )
 from storage import filters as record_filters
+from storage.codec import SCHEMA as CODEC_SCHEMA
 from storage.tier.manifest import Manifest
 
-SCHEMA_DDL = (
-    "topic string, partition int, offset bigint, timestamp timestamp, key binary, "
-    "value binary, headers array<struct<key:string,value:binary>>, tags array<string>"
+#: (column, Spark DDL type) of the source's schema, in order
+COLUMNS = (
+    ("topic", "string"),
+    ("partition", "int"),
+    ("offset", "bigint"),
+    ("timestamp", "timestamp"),
+    ("key", "binary"),
+    ("value", "binary"),
+    ("headers", "array<struct<key:string,value:binary>>"),
+    ("tags", "array<string>"),
 )
+SCHEMA_DDL = ", ".join(f"{name} {ddl}" for name, ddl in COLUMNS)
 HEADERS = pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))
 ARROW_SCHEMA = pa.schema(
     [
@@ -97,7 +110,7 @@ ARROW_SCHEMA = pa.schema(
         ("tags", pa.list_(pa.string())),
     ]
 )
-TARGET_BATCH_BYTES = 8 << 20
+ALL_COLUMNS = tuple(ARROW_SCHEMA.names)
 DEFAULT_OPEN_COST = 4 << 20  # Spark's spark.sql.files.openCostInBytes
 
 
@@ -126,6 +139,9 @@ class Options:
     filter: str | None = None  # canonical text of option filter / tags (None: every record)
     read_committed: bool = True  # option isolation.level
     topic_id: str | None = None  # pins one incarnation of the topic name
+    columns: tuple[str, ...] = tuple(name for name, _ in COLUMNS)  # option columns
+    keys: tuple[bytes, ...] | None = None  # option keys (and pushed-down key filters)
+    read_report: str | None = None  # option readReport: a directory for executors' ReadStats
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -167,6 +183,9 @@ class Options:
             if o.get("tags") is not None
             else record_filters.as_filter(o.get("filter"))
         )
+        keys = None
+        if o.get("keys") is not None:
+            keys = tuple(sorted({k.strip().encode() for k in o["keys"].split(",")}))
         return cls(
             topic,
             archive,
@@ -182,11 +201,26 @@ class Options:
             None if chosen is None else chosen.text,
             isolation == "read_committed",
             o.get("topicid") or None,
+            _columns(o.get("columns")),
+            keys,
+            o.get("readreport"),
         )
 
     @property
     def parsed_filter(self) -> record_filters.Filter | None:
         return None if self.filter is None else record_filters.parse(self.filter)
+
+
+def _columns(raw: str | None) -> tuple[str, ...]:
+    """Option ``columns``: a comma-separated subset of the schema (kept in schema order)."""
+    names = [name for name, _ in COLUMNS]
+    if raw is None or not raw.strip():
+        return tuple(names)
+    wanted = {c.strip().lower() for c in raw.split(",") if c.strip()}
+    unknown = wanted - set(names)
+    if unknown:
+        raise ValueError(f"option columns: no column {sorted(unknown)} (columns: {names})")
+    return tuple(n for n in names if n in wanted)
 
 
 def _offsets(raw: str | None, open_word: str) -> dict[int, int]:
@@ -305,37 +339,80 @@ def executor_archive(config: ArchiveConfig) -> Archive:
     return Archive(config)
 
 
-def read_tasks(archive: Archive, tasks: Sequence[SegmentRead]) -> Iterator[pa.RecordBatch]:
-    """Arrow batches in ``ARROW_SCHEMA`` for ``tasks`` (about ``TARGET_BATCH_BYTES`` each)."""
-    for task in tasks:
-        pending: list[pa.RecordBatch] = []
-        size = 0
-        for batch in read_segment(archive, task):
-            pending.append(batch)
-            size += batch.nbytes
-            if size >= TARGET_BATCH_BYTES:
-                yield _spark_batch(task, pending)
-                pending, size = [], 0
-        if pending:
-            yield _spark_batch(task, pending)
+@functools.cache
+def _prefetcher() -> concurrent.futures.ThreadPoolExecutor:
+    """One thread per Python worker that fetches the next segment read's bytes while the
+    current one is decoded (``pyarrow.fs`` releases the GIL while it waits on S3)."""
+    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="strata-prefetch")
 
 
-def _spark_batch(task: SegmentRead, batches: list[pa.RecordBatch]) -> pa.RecordBatch:
-    b = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
+def read_tasks(
+    archive: Archive,
+    tasks: Sequence[SegmentRead],
+    columns: Sequence[str] = ALL_COLUMNS,
+    stats: ReadStats | None = None,
+) -> Iterator[pa.RecordBatch]:
+    """Arrow batches of ``columns`` (``ARROW_SCHEMA``'s, in its order) for ``tasks``.
+
+    Each decoded codec batch is handed on as it is (columns pointing into the ranged GET's
+    buffer, only ``timestamp`` rewritten in microseconds): gathering them into bigger batches
+    copied every byte once more and cost about a fifth of the Python time (``docs/spark.md``).
+    The next task's bytes are fetched while the current task's are decoded. ``stats`` is
+    added to, including ``bytes_out`` (the Arrow bytes handed to Spark).
+    """
+    st = ReadStats() if stats is None else stats
+    schema = pa.schema([ARROW_SCHEMA.field(c) for c in columns])
+    pending: concurrent.futures.Future[Any] | None = None
+    for i, task in enumerate(tasks):
+        buf = (
+            archive.get_range(task.key, task.byte_start, task.byte_end)
+            if pending is None
+            else pending.result()
+        )
+        pending = None
+        if i + 1 < len(tasks):
+            nxt = tasks[i + 1]
+            pending = _prefetcher().submit(archive.get_range, nxt.key, nxt.byte_start, nxt.byte_end)
+        for batch in read_segment(archive, task, st, buf=buf):
+            out = _spark_batch(task, batch, schema)
+            st.bytes_out += out.nbytes
+            yield out
+
+
+def _spark_batch(task: SegmentRead, b: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
     n = b.num_rows
-    return pa.RecordBatch.from_arrays(
-        [
-            constant_string(task.topic, n),
-            constant_int32(task.partition, n),
-            b.column(0),
-            b.column(1).cast(ARROW_SCHEMA.field("timestamp").type),
-            b.column(2),
-            b.column(3),
-            b.column(4).cast(HEADERS),
-            b.column(5).cast(ARROW_SCHEMA.field("tags").type),
-        ],
-        schema=ARROW_SCHEMA,
-    )
+    arrays = []
+    for name in schema.names:
+        if name == "topic":
+            arrays.append(constant_string(task.topic, n))
+        elif name == "partition":
+            arrays.append(constant_int32(task.partition, n))
+        else:
+            arrays.append(b.column(_CODEC_INDEX[name]).cast(schema.field(name).type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+_CODEC_INDEX = {name: i for i, name in enumerate(CODEC_SCHEMA.names)}
+
+
+def _report_reads(directory: str | None, stats: ReadStats) -> None:
+    """Option ``readReport``: each read task's ``ReadStats`` as one JSON file in ``directory``
+    (executors' counters; the tests sum them)."""
+    if directory:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"read-{uuid.uuid4().hex}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(stats.as_dict(), f)
+        os.replace(path + ".tmp", path)
+
+
+def read_partition(opts: Options, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    """What a Spark task runs: ``read_tasks`` of the partition, then the read report."""
+    assert isinstance(partition, SegmentPartition)
+    stats = ReadStats()
+    if partition.tasks:
+        yield from read_tasks(executor_archive(opts.archive), partition.tasks, opts.columns, stats)
+    _report_reads(opts.read_report, stats)
 
 
 # ---- the data source --------------------------------------------------------------------------
@@ -349,7 +426,10 @@ class StrataDataSource(DataSource):
         return "strata"
 
     def schema(self) -> str:
-        return SCHEMA_DDL
+        """Every column, or those of option ``columns`` (Spark 4.3's Python data sources are
+        not told which columns a query uses, so the source cannot prune them by itself)."""
+        wanted = _columns(self.options.get("columns"))
+        return ", ".join(f"{name} {ddl}" for name, ddl in COLUMNS if name in wanted)
 
     def reader(self, schema: StructType) -> DataSourceReader:
         opts = Options.parse(self.options)
@@ -376,6 +456,7 @@ class StrataReader(DataSourceReader):
             manifests=manifests_for(self.opts, archive),
             filter=self.opts.parsed_filter,
             read_committed=self.opts.read_committed,
+            keys=self.opts.keys,
         )
         _write_report(self.opts.plan_report, report)
         if not tasks:
@@ -383,9 +464,7 @@ class StrataReader(DataSourceReader):
         return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, SegmentPartition)
-        if partition.tasks:
-            yield from read_tasks(executor_archive(self.opts.archive), partition.tasks)
+        return read_partition(self.opts, partition)
 
 
 class StrataPushdownReader(StrataReader):
@@ -394,6 +473,11 @@ class StrataPushdownReader(StrataReader):
 
     def pushFilters(self, filters: list[Filter]) -> Iterator[Filter]:
         for f in filters:
+            by_key = _push_keys(f)
+            if by_key is not None:
+                keys = by_key if self.opts.keys is None else set(self.opts.keys) & by_key
+                self.opts = replace(self.opts, keys=tuple(sorted(keys)))
+                continue
             narrowed = _push(self.bounds, f)
             if narrowed is None:
                 yield f
@@ -401,6 +485,22 @@ class StrataPushdownReader(StrataReader):
             self.bounds, exact = narrowed
             if not exact:
                 yield f
+
+
+def _push_keys(f: Filter) -> set[bytes] | None:
+    """The keys ``key = x`` / ``key IN (...)`` allows (applied exactly by the reads)."""
+    if getattr(f, "attribute", None) != ("key",):
+        return None
+    value = getattr(f, "value", None)
+    if isinstance(f, EqualTo) and isinstance(value, bytes | bytearray):
+        return {bytes(value)}
+    if (
+        isinstance(f, In)
+        and isinstance(value, tuple | list)
+        and all(isinstance(v, bytes | bytearray) for v in value)
+    ):
+        return {bytes(v) for v in value}
+    return None
 
 
 def _push(bounds: Bounds, f: Filter) -> tuple[Bounds, bool] | None:
@@ -513,13 +613,13 @@ class StrataStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             manifests=manifests_for(self.opts, archive),
             filter=self.opts.parsed_filter,
             read_committed=self.opts.read_committed,
+            keys=self.opts.keys,
         )
         _write_report(self.opts.plan_report, report)
         return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, SegmentPartition)
-        yield from read_tasks(executor_archive(self.opts.archive), partition.tasks)
+        return read_partition(self.opts, partition)
 
     def commit(self, end: dict[str, int]) -> None:
         pass
