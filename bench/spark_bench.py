@@ -184,7 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rows = args.partitions * args.segments * args.batches * args.records
         archive = Archive(ArchiveConfig(bucket="bucket", endpoint_url=f"file://{work}"))
         parquet_bytes = write_parquet(work, archive)
-        options = {"topic": TOPIC, "bucket": "bucket", "endpoint": f"file://{work}"}
+        options = {"topic": TOPIC, "bucket": "bucket", "endpoint": f"file://{work}", **args.option}
         spark_partitions, floor_batches, floor_bytes = write_floor(work, options)
         prepared = time.perf_counter() - started
 
@@ -321,6 +321,11 @@ def render(r: dict[str, Any]) -> str:
     )
 
 
+class _Merge(argparse.Action):
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest), **values})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Strata Spark scan benchmark")
     parser.add_argument("--partitions", type=int, default=4)
@@ -330,6 +335,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
+    parser.add_argument(
+        "--option",
+        type=lambda kv: dict([kv.split("=", 1)]),
+        action=_Merge,
+        default={},
+        help="an extra strata source option, name=value (the floor follows its partitions)",
+    )
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
     r = run(args)

@@ -585,3 +585,164 @@ def test_spark_and_replay_over_tiered_aborted_transactions_return_committed_reco
     replay_committed = replayed()
     assert len(replay_committed) == len(committed) and set(replay_committed) == committed
     assert sorted(replayed(isolation_level="read_uncommitted")) == sorted(committed | aborted)
+
+
+def _chunk_tag(i: int) -> str:
+    return f"t{(i // 1000) % 6}"  # one tag per run of 1000 records: whole batches share it
+
+
+async def _produce_chunks(bootstrap: str, topic: str, partitions: int, total: int) -> None:
+    """Records ``i`` in ``[0, total)`` on every partition, one ``send_batch`` (so one stored
+    batch or more, never shared with another run) per run of 1000 records; record ``i`` is
+    tagged ``_chunk_tag(i)``."""
+    config = {"bootstrap.servers": bootstrap, "acks": 1, "linger.ms": 5, "batch.size": 256 * 1024}
+    async with Producer(config) as producer:
+        for lo in range(0, total, 1000):
+            for p in range(partitions):
+                await producer.send_batch(
+                    topic,
+                    [_value(p, i) for i in range(lo, lo + 1000)],
+                    keys=[_key(i) for i in range(lo, lo + 1000)],
+                    tags=[[_chunk_tag(i)] for i in range(lo, lo + 1000)],
+                    partition=p,
+                    timestamp_ms=[_ts(i) for i in range(lo, lo + 1000)],
+                )
+            await producer.flush()
+
+
+def _read_stats(directory: Path) -> dict[str, int]:
+    """The executors' read reports (option ``readReport``), summed; the files are removed."""
+    total: dict[str, int] = {}
+    for path in directory.glob("read-*.json"):
+        for name, value in json.loads(path.read_text()).items():
+            total[name] = total.get(name, 0) + value
+        path.unlink()
+    return total
+
+
+def _arrow(rows: list[Any]) -> pa.Table:
+    return pa.Table.from_pylist(
+        [
+            {
+                "partition": r["partition"],
+                "offset": r["offset"],
+                "key": bytes(r["key"]),
+                "tags": list(r["tags"]),
+            }
+            for r in rows
+        ]
+    )
+
+
+def _ids(table: pa.Table) -> list[tuple[int, int]]:
+    parts, offsets = table.column("partition").to_pylist(), table.column("offset").to_pylist()
+    return sorted(zip(parts, offsets, strict=True))
+
+
+def test_columns_keys_and_tags_are_pushed_down_to_the_reads(
+    spark: Any,
+    processes: ProcessGroup,
+    zk_chroot: ZooKeeperChroot,
+    s3: S3Target,
+    tmp_path: Path,
+) -> None:
+    """Option ``columns`` hands Spark only the columns asked for; ``key = / IN`` filters and
+    option ``tags`` are applied by the reads — ``tags`` before decoding, by the batches'
+    summaries — and return exactly the rows of an unfiltered read filtered in pyarrow; the
+    executors' read reports show the batches and segments skipped. ``sdk.replay`` and
+    ``spark.replay`` take the same filters."""
+    import pyarrow.compute as pc
+    from pyspark.sql import functions as F
+
+    from sdk.replay import ReadStats
+    from spark.replay import replay as spark_replay
+
+    topic, parts, per = "pushdown", 2, 12_000
+    cluster = _start(
+        processes, zk_chroot, s3, tmp_path, {topic: parts, "pushed-copy": parts}, 64 * 1024
+    )
+    asyncio.run(_produce_chunks(cluster.bootstrap, topic, parts, per))
+    _wait_committed(s3, topic, dict.fromkeys(range(parts), per))
+    reads = tmp_path / "reads"
+
+    def load(**extra: str) -> Any:
+        options = _options(s3, readReport=str(reads), **extra)
+        return spark.read.format("strata").options(**options).option("topic", topic).load()
+
+    # every column vs value only: the same rows, far fewer bytes handed to Spark
+    everything = load().collect()
+    every_stats = _read_stats(reads)
+    value_only = load(columns="value")
+    assert value_only.columns == ["value"]
+    values = sorted(bytes(r["value"]) for r in value_only.collect())
+    value_stats = _read_stats(reads)
+    assert values == sorted(bytes(r["value"]) for r in everything)
+    assert value_stats["rows"] == every_stats["rows"] == parts * per
+    assert value_stats["bytes_read"] <= every_stats["bytes_read"]
+    assert value_stats["bytes_out"] < every_stats["bytes_out"] * 0.7, (value_stats, every_stats)
+
+    full = _arrow(everything)
+    assert full.num_rows == parts * per
+
+    # key = / IN: pushed down (the reads return only those rows), exact
+    wanted = [_key(3), _key(50)]
+    df = load()
+    got = _arrow(df.filter(df["key"].isin(wanted)).collect())
+    expected = full.filter(pc.is_in(full.column("key"), value_set=pa.array(wanted)))
+    assert 0 < expected.num_rows == got.num_rows
+    assert _ids(got) == _ids(expected)
+    key_stats = _read_stats(reads)
+    assert key_stats["rows"] == expected.num_rows  # filtered in the reads, not by Spark
+    df = load()
+    one = df.filter(df["key"] == _key(7)).select("partition", "offset", "key", "tags").collect()
+    assert _ids(_arrow(one)) == _ids(full.filter(pc.equal(full.column("key"), pa.scalar(_key(7)))))
+    assert _read_stats(reads)["rows"] == len(one)
+
+    # tags: batches whose summary rules the tag out are never decoded, whole segments skipped
+    flat = pc.list_flatten(full.column("tags"))
+    rows_with_t5 = pc.list_parent_indices(full.column("tags")).filter(pc.equal(flat, "t5"))
+    expected = full.take(rows_with_t5)
+    got = _arrow(load(tags="t5").collect())
+    assert 0 < expected.num_rows == got.num_rows
+    assert _ids(got) == _ids(expected)
+    tag_stats = _read_stats(reads)
+    assert tag_stats["batches_skipped"] > 0 and tag_stats["segments_skipped"] > 0, tag_stats
+    assert tag_stats["batches_decoded"] < every_stats["batches_decoded"] / 3, tag_stats
+    # tags and keys together, with Spark's array_contains applied by Spark on top
+    df = load(tags="t5 || t1")
+    both = df.filter(df["key"].isin(wanted) & F.array_contains(df["tags"], "t5")).collect()
+    assert _ids(_arrow(both)) == _ids(
+        expected.filter(pc.is_in(expected.column("key"), value_set=pa.array(wanted)))
+    )
+
+    # the SDK's replay: the same filters, the same rows, the same skipping
+    stats = ReadStats()
+    replayed = pa.concat_tables(
+        list(replay(topic, tags=["t5"], keys=wanted, archive=_archive(s3), stats=stats))
+    )
+    expected_both = expected.filter(pc.is_in(expected.column("key"), value_set=pa.array(wanted)))
+    assert _ids(replayed) == _ids(expected_both)
+    assert stats.batches_skipped > 0 and stats.segments_skipped > 0
+    assert stats.rows == expected_both.num_rows
+
+    # and Spark's replay into another topic
+    counts = spark_replay(
+        spark,
+        topic=topic,
+        to_topic="pushed-copy",
+        bootstrap=cluster.bootstrap,
+        source_options=_options(s3),
+        tags=["t5"],
+        keys=wanted,
+    )
+    by_partition = {p: 0 for p in range(parts)}
+    for p in expected_both.column("partition").to_pylist():
+        by_partition[p] += 1
+    assert counts == by_partition
+    copied = asyncio.run(_consume(cluster.bootstrap, "pushed-copy", parts, expected_both.num_rows))
+    for p in range(parts):
+        table = copied[p]
+        assert table is not None
+        want = expected_both.filter(pc.equal(expected_both.column("partition"), p))
+        offsets = sorted(want.column("offset").to_pylist())
+        assert table.column("value").to_pylist() == [_value(p, i) for i in offsets]
