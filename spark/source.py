@@ -142,6 +142,7 @@ class Options:
     columns: tuple[str, ...] = tuple(name for name, _ in COLUMNS)  # option columns
     keys: tuple[bytes, ...] | None = None  # option keys (and pushed-down key filters)
     read_report: str | None = None  # option readReport: a directory for executors' ReadStats
+    parallelism: int = 1  # option parallelism: the cores that run the read tasks
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> Options:
@@ -204,6 +205,7 @@ class Options:
             _columns(o.get("columns")),
             keys,
             o.get("readreport"),
+            int(o.get("parallelism") or os.cpu_count() or 1),
         )
 
     @property
@@ -306,29 +308,38 @@ class SegmentPartition(InputPartition):
 
 
 def pack(
-    tasks: Sequence[SegmentRead], max_bytes: int, open_cost: int = DEFAULT_OPEN_COST
+    tasks: Sequence[SegmentRead],
+    max_bytes: int,
+    open_cost: int = DEFAULT_OPEN_COST,
+    parallelism: int = 1,
 ) -> list[SegmentPartition]:
-    """Segment reads packed, in order, into Spark partitions of about ``max_bytes``.
+    """Segment reads packed, in order, into Spark partitions of about ``max_bytes`` or less.
 
     Spark's own file sources do the same with small files (``maxPartitionBytes``,
     ``openCostInBytes``): a Spark task costs tens of milliseconds before it reads a byte, so a
     topic of many small segments (rolled by ``segment.ms``) read one task per segment spends
     most of its time starting tasks. A segment read larger than ``max_bytes`` was already cut
     by ``splitBytes``; each read counts ``open_cost`` extra (its GET's fixed cost).
+
+    Sized to the cores: the number of partitions is the fewest that keep them under
+    ``max_bytes``, rounded up to a multiple of ``parallelism`` (the cores that run them) so
+    the last wave of tasks is not one task with the other cores idle, and reads are shared
+    out so that partitions carry about the same bytes (a read goes to the partition its
+    midpoint falls in).
     """
-    out: list[SegmentPartition] = []
-    current: list[SegmentRead] = []
-    size = 0
-    for t in tasks:
-        cost = t.nbytes + open_cost
-        if current and size + cost > max_bytes:
-            out.append(SegmentPartition(current))
-            current, size = [], 0
-        current.append(t)
-        size += cost
-    if current:
-        out.append(SegmentPartition(current))
-    return out
+    if not tasks:
+        return []
+    costs = [t.nbytes + open_cost for t in tasks]
+    total = sum(costs)
+    n = max(1, -(-total // max(1, max_bytes)))
+    n = min(len(tasks), -(-n // max(1, parallelism)) * max(1, parallelism))
+    target = total / n
+    out: list[list[SegmentRead]] = [[] for _ in range(n)]
+    done = 0
+    for t, cost in zip(tasks, costs, strict=True):
+        out[min(n - 1, int((done + cost / 2) // target))].append(t)
+        done += cost
+    return [SegmentPartition(p) for p in out if p]
 
 
 @functools.lru_cache(maxsize=8)
@@ -461,7 +472,9 @@ class StrataReader(DataSourceReader):
         _write_report(self.opts.plan_report, report)
         if not tasks:
             return [SegmentPartition([])]
-        return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)
+        return pack(
+            tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes, self.opts.parallelism
+        )
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.opts, partition)
@@ -616,7 +629,9 @@ class StrataStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             keys=self.opts.keys,
         )
         _write_report(self.opts.plan_report, report)
-        return pack(tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes)
+        return pack(
+            tasks, self.opts.max_partition_bytes, self.opts.open_cost_bytes, self.opts.parallelism
+        )
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return read_partition(self.opts, partition)

@@ -132,6 +132,10 @@ def test_small_segment_reads_are_packed_into_spark_partitions_in_order(archive: 
     assert len(pack(tasks, max_bytes=1, open_cost=0)) == len(tasks)  # too big: one each
     # the open cost counts per read: with one read's worth each, only 2 reads fit
     assert [len(p.tasks) for p in pack(tasks, max_bytes=3 * per, open_cost=per // 2)] == [2] * 3
+    # sized to the cores: a whole number of waves of about equal partitions
+    waves = pack(tasks, max_bytes=3 * per, open_cost=0, parallelism=4)
+    assert len(waves) == 4 and [t for p in waves for t in p.tasks] == tasks
+    assert sorted(len(p.tasks) for p in waves) == [1, 1, 2, 2]
     rows = sum(b.num_rows for p in parts for b in read_tasks(archive, p.tasks))
     assert rows == sum(t.entry.next_offset - t.entry.base_offset for t in tasks)
 
