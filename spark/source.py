@@ -391,16 +391,32 @@ def read_tasks(
 
 
 def _spark_batch(task: SegmentRead, b: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``b`` (``codec.SCHEMA``) as Spark wants it: ``topic`` and ``partition`` added (built
+    once per worker for each size, they are constant), ``timestamp`` in microseconds, and the
+    list columns only relabelled (``view``: the codec's non-null list items are the same
+    bytes as Spark's nullable ones; a ``cast`` walked and copied them)."""
     n = b.num_rows
     arrays = []
     for name in schema.names:
         if name == "topic":
-            arrays.append(constant_string(task.topic, n))
+            arrays.append(_constant_topic(task.topic, n))
         elif name == "partition":
-            arrays.append(constant_int32(task.partition, n))
+            arrays.append(_constant_partition(task.partition, n))
+        elif name == "timestamp":
+            arrays.append(b.column(1).cast(schema.field(name).type))
         else:
-            arrays.append(b.column(_CODEC_INDEX[name]).cast(schema.field(name).type))
+            arrays.append(b.column(_CODEC_INDEX[name]).view(schema.field(name).type))
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_topic(topic: str, n: int) -> pa.Array:
+    return constant_string(topic, n)
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_partition(partition: int, n: int) -> pa.Array:
+    return constant_int32(partition, n)
 
 
 _CODEC_INDEX = {name: i for i, name in enumerate(CODEC_SCHEMA.names)}
