@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=32, help="per segment")
     parser.add_argument("--records", type=int, default=1000, help="per batch")
     parser.add_argument("--size", type=int, default=1024)
-    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--dir", default=None, help="scratch directory (default: system temp)")
     parser.add_argument(
         "--option",
