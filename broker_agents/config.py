@@ -41,6 +41,11 @@ class AgentConfig(_Config):
     log_dir_min_free_bytes: int = Field(256 << 20, alias="log.dir.min.free.bytes", ge=0)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)
+    # bytes/s all replicas being added by moves (rebalance, decommission, replacement) copy
+    # together on this agent; 0: no limit (broker_agents.replication, docs/operations.md)
+    follower_replication_throttled_rate: int = Field(
+        32 << 20, alias="follower.replication.throttled.rate", ge=0
+    )
     # a filtered fetch looks at most this many bytes of batches per partition before it
     # answers with how far it got (docs/filters.md): bounds one fetch's work on a long range
     # that matches nothing

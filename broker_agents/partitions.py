@@ -67,6 +67,11 @@ class Partition:
     caught_up_at: dict[int, float] = field(default_factory=dict)
     last_fetch_leo: dict[int, int] = field(default_factory=dict)
     leader_since: float = 0.0
+    #: followers this leader is adding to the ISR (written to ZooKeeper, not yet back through
+    #: the watch): counted for the high watermark already, as Kafka's "maximal ISR" — else a
+    #: record could be acknowledged without them in the window, and one of them, in the ISR
+    #: by ZooKeeper's state, be made leader without it
+    pending_isr: set[int] = field(default_factory=set)
     #: a follower that changed leader (or epoch) must truncate by epoch before fetching
     needs_epoch_check: bool = True
     data_arrived: asyncio.Future[None] = field(
@@ -93,6 +98,7 @@ class Partition:
         self.leader_since = now
         self.follower_leo.clear()
         self.last_fetch_leo.clear()
+        self.pending_isr.clear()
         # a grace period: followers in the ISR count as caught up when leadership starts
         self.caught_up_at = {r: now for r in self.state.isr if r != self.agent_id}
         self.advance_hw()
@@ -112,7 +118,8 @@ class Partition:
         if self.role != "leader":
             return
         hw = self.log.log_end_offset
-        for r in self.state.isr:
+        self.pending_isr.difference_update(self.state.isr)
+        for r in (*self.state.isr, *self.pending_isr):
             if r != self.agent_id:
                 hw = min(hw, self.follower_leo.get(r, -1))
         if hw > self.hw:

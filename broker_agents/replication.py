@@ -13,6 +13,13 @@ below the leader's log start (retention there, ``broker_agents.retention``) rest
 follower's log at that start. Under ``fsync.policy=always`` the next
 fetch waits for the fsync of what the last one appended (``_acknowledgeable``): a fetch offset
 is what the leader counts toward acks=all.
+
+**Moves are throttled.** A replica being added by a reassignment (this agent in the state's
+``adding``: a rebalance, a decommission, a replacement) copies at most
+``follower.replication.throttled.rate`` bytes a second, all such replicas of the agent
+together (a token bucket, ``MoveThrottle``): a move of a big partition at full speed took both
+cores of a small machine and multiplied the produce p99 of everything else
+(``make bench-rebalance``). In-sync followers are never throttled.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import functools
 import logging
 import struct
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from storage.codec import iter_batches
@@ -37,6 +45,30 @@ if TYPE_CHECKING:
     from storage.metadata import MetadataStore
 
 log = logging.getLogger(__name__)
+
+
+class MoveThrottle:
+    """A token bucket of bytes a second (a second's worth of burst); spending may go into
+    debt by the one batch a fetch returns past its limit, paid back before the next."""
+
+    def __init__(self, rate: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate = rate
+        self.clock = clock
+        self.tokens = float(rate)
+        self._at = clock()
+
+    def available(self) -> int:
+        now = self.clock()
+        self.tokens = min(float(self.rate), self.tokens + (now - self._at) * self.rate)
+        self._at = now
+        return max(0, int(self.tokens))
+
+    def spend(self, nbytes: int) -> None:
+        self.tokens -= nbytes
+
+    def wait_s(self) -> float:
+        """Seconds until there is something to spend."""
+        return max(0.0, (1.0 - self.tokens) / self.rate)
 
 
 class ReplicaFetchers:
@@ -58,6 +90,8 @@ class ReplicaFetchers:
         self.view = view
         self.config = config
         self.tasks: dict[int, asyncio.Task[None]] = {}
+        rate = config.follower_replication_throttled_rate
+        self.throttle = MoveThrottle(rate) if rate > 0 else None
         self._stopped = False
 
     def update(self) -> None:
@@ -126,8 +160,16 @@ class ReplicaFetchers:
                         correlation += 1
                         await self._truncate_by_epoch(reader, writer, correlation, unchecked)
                         continue
+                    moving = self._moving(partitions)
+                    allowance = self.throttle.available() if moving and self.throttle else 0
+                    if moving and not allowance:
+                        partitions = [p for p in partitions if (p.topic, p.index) not in moving]
+                        if not partitions:
+                            assert self.throttle is not None
+                            await asyncio.sleep(self.throttle.wait_s())
+                            continue
                     correlation += 1
-                    req = self._request(partitions)
+                    req = self._request(partitions, moving, allowance)
                     writer.writelines(
                         encode_request(m.ApiKey.FETCH, correlation, f"agent-{self.agent_id}", req)
                     )
@@ -139,7 +181,10 @@ class ReplicaFetchers:
                     err = frame.error()
                     if err is not None:
                         raise err
-                    appended = self._apply(m.FetchResponse.decode(frame.body), partitions)
+                    resp = m.FetchResponse.decode(frame.body)
+                    if moving and self.throttle is not None:
+                        self.throttle.spend(_bytes_of(resp, moving))
+                    appended = self._apply(resp, partitions)
                     await self._acknowledgeable(appended)
                     backoff = 0.05
             except (
@@ -215,15 +260,29 @@ class ReplicaFetchers:
                 if r.leader_epoch == asked or p.log.latest_epoch == asked or p.log.latest_epoch < 0:
                     p.needs_epoch_check = False
 
-    def _request(self, partitions: list[Partition]) -> m.FetchRequest:
+    def _moving(self, partitions: list[Partition]) -> set[tuple[str, int]]:
+        """The partitions this agent is being added to by a move (throttled), if throttled."""
+        if self.throttle is None:
+            return set()
+        return {(p.topic, p.index) for p in partitions if self.agent_id in p.state.adding}
+
+    def _request(
+        self,
+        partitions: list[Partition],
+        moving: set[tuple[str, int]] | None = None,
+        allowance: int = 0,
+    ) -> m.FetchRequest:
         # with the topic id: a follower never appends another incarnation's batches
         by_topic: dict[tuple[str, str], list[m.FetchPartition]] = {}
+        limit = self.config.replica_fetch_max_bytes
+        moving = moving or set()
+        share = max(1, allowance // max(1, len(moving)))
         for p in partitions:
             by_topic.setdefault((p.topic, p.topic_id), []).append(
                 m.FetchPartition(
                     p.index,
                     p.log.log_end_offset,
-                    self.config.replica_fetch_max_bytes,
+                    min(limit, share) if (p.topic, p.index) in moving else limit,
                     p.state.leader_epoch,
                 )
             )
@@ -307,8 +366,11 @@ class IsrMaintenance:
     """The leader's side of the ISR: every half ``replica.lag.time.max.ms`` it drops followers
     that have not been caught up for that long and takes back followers that have reached the
     high watermark, writing the new ISR to ZooKeeper with compare-and-set (a controller that
-    changed the partition meanwhile wins; the watch brings its state). The high watermark
-    follows from the new ISR when the watch delivers it.
+    changed the partition meanwhile wins; the watch brings its state). A member being added
+    counts for the high watermark from before the write (``Partition.pending_isr``, Kafka's
+    maximal ISR): the controller may elect it as soon as ZooKeeper names it in sync, so nothing
+    may be acknowledged without it from then on. A member removed still counts until the
+    watch delivers the smaller ISR.
 
     A follower outside the ISR whose fetch brings it up to the high watermark does not wait
     for the tick: the fetch ``wake``s the check (as Kafka expands the ISR on that fetch), at
@@ -356,28 +418,48 @@ class IsrMaintenance:
             isr = p.isr_changes(now, lag)
             if isr is None:
                 continue
-            got = await self.store.get_partition_state(p.topic, p.index)
-            if got is None:
-                continue
-            current, version = got
-            if current.leader != self.agent_id or current.leader_epoch != p.state.leader_epoch:
-                continue  # not ours any more: the watch will say so
-            if sorted(current.isr) == sorted(isr):
-                continue  # already written; the watch has not brought it yet
-            agents = self.view.agents
-            # a follower shutting down is not taken back (the controller is draining it)
-            isr = [
-                r for r in isr if r in current.isr or not (r in agents and agents[r].shutting_down)
-            ]
-            if sorted(current.isr) == sorted(isr):
-                continue
-            incarnations = {a: reg.incarnation for a, reg in agents.items()}
-            new = current.model_copy(
-                update={"isr": isr, "incarnations": current.stamped(isr, incarnations)}
-            )
-            try:
-                await self.store.cas_partition_state(p.topic, p.index, new, version)
-                self.changes += 1
-                log.info("%s-%d: ISR %s -> %s", p.topic, p.index, current.isr, isr)
-            except MetadataError as exc:
-                log.info("%s-%d: ISR change lost a race (%s)", p.topic, p.index, exc)
+            # joining members count for the high watermark from now on (before the awaits
+            # below): once ZooKeeper names them in sync, the controller may make one of them
+            # leader, so no record may be acknowledged without them from then on
+            joining = {r for r in isr if r not in p.state.isr}
+            p.pending_isr |= joining
+            if not await self._write(p, isr):
+                p.pending_isr -= joining - set(p.state.isr)
+
+    async def _write(self, p: Partition, isr: list[int]) -> bool:
+        """Write ``isr`` for ``p`` (compare-and-set); whether ZooKeeper has it now."""
+        got = await self.store.get_partition_state(p.topic, p.index)
+        if got is None:
+            return False
+        current, version = got
+        if current.leader != self.agent_id or current.leader_epoch != p.state.leader_epoch:
+            return False  # not ours any more: the watch will say so
+        if sorted(current.isr) == sorted(isr):
+            return True  # already written; the watch has not brought it yet
+        agents = self.view.agents
+        # a follower shutting down is not taken back (the controller is draining it)
+        isr = [r for r in isr if r in current.isr or not (r in agents and agents[r].shutting_down)]
+        if sorted(current.isr) == sorted(isr):
+            return False
+        incarnations = {a: reg.incarnation for a, reg in agents.items()}
+        new = current.model_copy(
+            update={"isr": isr, "incarnations": current.stamped(isr, incarnations)}
+        )
+        try:
+            await self.store.cas_partition_state(p.topic, p.index, new, version)
+        except MetadataError as exc:
+            log.info("%s-%d: ISR change lost a race (%s)", p.topic, p.index, exc)
+            return False
+        self.changes += 1
+        log.info("%s-%d: ISR %s -> %s", p.topic, p.index, current.isr, isr)
+        return True
+
+
+def _bytes_of(resp: m.FetchResponse, keys: set[tuple[str, int]]) -> int:
+    """Record bytes ``resp`` carries for the partitions ``keys``."""
+    return sum(
+        len(r.records)
+        for t in resp.topics
+        for r in t.partitions
+        if (t.name, r.partition) in keys and r.records is not None
+    )

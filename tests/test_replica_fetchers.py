@@ -21,7 +21,8 @@ from broker_agents.view import ClusterView
 def test_a_fetcher_that_dies_of_a_bug_is_restarted_and_stop_ends_it() -> None:
     follower = SimpleNamespace(role="follower", state=SimpleNamespace(leader=7))
     partitions: Any = SimpleNamespace(partitions={("t", 0): follower})
-    fetchers = ReplicaFetchers(1, partitions, ClusterView(), cast(Any, None))
+    config = SimpleNamespace(follower_replication_throttled_rate=0)
+    fetchers = ReplicaFetchers(1, partitions, ClusterView(), cast(Any, config))
     fetchers.restart_delay = 0.01
     calls: list[int] = []
 
@@ -48,3 +49,24 @@ def test_a_fetcher_that_dies_of_a_bug_is_restarted_and_stop_ends_it() -> None:
 
     asyncio.run(run())
     assert calls == [7, 7]
+
+
+def test_the_move_throttle_holds_its_rate_and_pays_back_debt() -> None:
+    from broker_agents.replication import MoveThrottle
+
+    now = [0.0]
+    t = MoveThrottle(1000, clock=lambda: now[0])
+    assert t.available() == 1000  # a second's worth of burst
+    t.spend(1500)  # one batch past the allowance: debt
+    assert t.available() == 0 and t.wait_s() > 0.5
+    now[0] += t.wait_s()
+    assert t.available() >= 1
+    now[0] += 10.0  # idle: the burst is capped at a second's worth
+    assert t.available() == 1000
+    spent = 0
+    for _ in range(100):  # a greedy copier over 10 s gets about 10 s of rate
+        now[0] += 0.1
+        take = t.available()
+        t.spend(take)
+        spent += take
+    assert 9_000 <= spent <= 11_000
