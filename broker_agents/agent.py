@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import time
 from collections.abc import Callable
 
@@ -66,6 +67,7 @@ from storage.metadata.store import (
     topic_path,
 )
 from storage.protocol import messages as m
+from storage.tls import ReloadingContext, client_context, server_context
 from storage.wal import fileio
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,7 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.agent_id = config.agent_id
+        tls, peer_tls = self._tls(config)
         self.zk = AsyncZooKeeper(
             config.zookeeper,
             session_timeout=config.session_timeout_ms / 1000,
@@ -124,6 +127,7 @@ class Agent:
             self.agent_id,
             ClusterRoutes(self.partitions.latest, self.view, self.groups.coordinator_id),
             self.markers.write_txn_markers,
+            tls=peer_tls,
         )
         self.transactions = TransactionCoordinator(
             self.agent_id,
@@ -145,6 +149,8 @@ class Agent:
         )
         self.server = AgentServer(
             self.apis,
+            tls=tls if config.listener_security_protocol.tls else None,
+            handshake_timeout=config.ssl_handshake_timeout_ms / 1000,
             max_frame_bytes=config.max_frame_bytes,
             max_in_flight=config.max_in_flight_per_connection,
             max_queued_bytes=config.queued_max_request_bytes,
@@ -162,6 +168,8 @@ class Agent:
                 idle_timeout=config.connections_max_idle_ms / 1000,
                 frame_timeout=config.request_frame_timeout_ms / 1000,
                 codec=KafkaCodec(kafka),
+                tls=tls if config.kafka_security_protocol.tls else None,
+                handshake_timeout=config.ssl_handshake_timeout_ms / 1000,
             )
         self.removal = LocalRemoval(
             self.agent_id, self.partitions, self.store, self.tiering.quiesce
@@ -189,7 +197,9 @@ class Agent:
                 ),
             ),
         )
-        self.fetchers = ReplicaFetchers(self.agent_id, self.partitions, self.view, config)
+        self.fetchers = ReplicaFetchers(
+            self.agent_id, self.partitions, self.view, config, tls=peer_tls
+        )
         self.registration: AgentRegistration | None = None
         #: partitions whose local log cannot be opened here (published in the registration)
         self.offline: set[tuple[str, int]] = set()
@@ -213,6 +223,20 @@ class Agent:
         #: the topics of the first ``/topics`` listing whose spec has not been read yet
         self._unread_specs: set[str] | None = None
         self._specs_read = asyncio.Event()
+
+    @staticmethod
+    def _tls(
+        config: AgentConfig,
+    ) -> tuple[Callable[[], ssl.SSLContext] | None, Callable[[], ssl.SSLContext] | None]:
+        """The listeners' TLS context and the one agents reach each other's native listener
+        with (None where not TLS); both re-read their files when they change."""
+        interval = config.ssl_reload_check_interval_ms / 1000
+        server = client = None
+        if config.listener_security_protocol.tls or config.kafka_security_protocol.tls:
+            server = ReloadingContext(config.tls_files, server_context, check_interval=interval)
+        if config.listener_security_protocol.tls:
+            client = ReloadingContext(config.tls_files, client_context, check_interval=interval)
+        return (server.get if server else None), (client.get if client else None)
 
     def stop(self) -> None:
         """Stop gracefully (SIGTERM): first a controlled shutdown, then the process ends.

@@ -9,6 +9,7 @@ from pydantic import Field
 
 from storage.config import _Config
 from storage.protocol import DEFAULT_MAX_FRAME
+from storage.tls import ClientAuth, SecurityProtocol, TlsFiles
 
 
 class AgentConfig(_Config):
@@ -21,6 +22,27 @@ class AgentConfig(_Config):
     # when unset; advertised to Kafka clients in Metadata and FindCoordinator
     kafka_listener: str | None = Field(None, alias="kafka.listener", pattern=r"^.*:\d{1,5}$")
     kafka_advertised_host: str | None = Field(None, alias="kafka.advertised.host")
+    # ---- security (docs/security.md) --------------------------------------------------------
+    # PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL for the native listener; the Kafka listener
+    # takes kafka.listener.security.protocol (unset: the same). Agents reach each other on the
+    # native listener, so with SSL there they show ssl.certfile as a client certificate too.
+    listener_security_protocol: SecurityProtocol = Field(
+        SecurityProtocol.PLAINTEXT, alias="listener.security.protocol"
+    )
+    kafka_listener_security_protocol: SecurityProtocol | None = Field(
+        None, alias="kafka.listener.security.protocol"
+    )
+    ssl_certfile: str | None = Field(None, alias="ssl.certfile")
+    ssl_keyfile: str | None = Field(None, alias="ssl.keyfile")
+    ssl_cafile: str | None = Field(None, alias="ssl.cafile")
+    # none: no client certificates; requested: verified when shown (the CN is the principal);
+    # required: a connection without a certificate the CA signed is refused
+    ssl_client_auth: ClientAuth = Field(ClientAuth.NONE, alias="ssl.client.auth")
+    # whether an agent checks the name in another agent's certificate against its address
+    ssl_check_hostname: bool = Field(True, alias="ssl.check.hostname")
+    ssl_handshake_timeout_ms: int = Field(10_000, alias="ssl.handshake.timeout.ms", ge=100)
+    # how often the certificate files are looked at for a change (reload without restart)
+    ssl_reload_check_interval_ms: int = Field(1000, alias="ssl.reload.check.interval.ms", ge=0)
     zookeeper: str = Field(alias="zookeeper.connect")
     data_dir: Path = Field(alias="data.dir")
     session_timeout_ms: int = Field(6000, alias="zookeeper.session.timeout.ms", ge=1000)
@@ -116,6 +138,20 @@ class AgentConfig(_Config):
     agent_replace_after_ms: int = Field(-1, alias="agent.replace.after.ms", ge=-1)
     # deleting topics (docs/operations.md): segment objects per DeleteObjects request
     topic_delete_batch_size: int = Field(1000, alias="topic.delete.batch.size", ge=1, le=1000)
+
+    @property
+    def kafka_security_protocol(self) -> SecurityProtocol:
+        return self.kafka_listener_security_protocol or self.listener_security_protocol
+
+    @property
+    def tls_files(self) -> TlsFiles:
+        return TlsFiles(
+            certfile=self.ssl_certfile,
+            keyfile=self.ssl_keyfile,
+            cafile=self.ssl_cafile,
+            client_auth=self.ssl_client_auth,
+            check_hostname=self.ssl_check_hostname,
+        )
 
     @classmethod
     def from_env(cls, prefix: str = "STRATA_AGENT_") -> AgentConfig:

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -83,9 +84,17 @@ class ReplicaFetchers:
     restart_delay = 1.0
 
     def __init__(
-        self, agent_id: int, partitions: PartitionManager, view: ClusterView, config: AgentConfig
+        self,
+        agent_id: int,
+        partitions: PartitionManager,
+        view: ClusterView,
+        config: AgentConfig,
+        *,
+        tls: Callable[[], ssl.SSLContext] | None = None,
     ) -> None:
         self.agent_id = agent_id
+        #: the leaders' listener is TLS: their current client context
+        self.tls = tls
         self.partitions = partitions
         self.view = view
         self.config = config
@@ -145,8 +154,14 @@ class ReplicaFetchers:
                 continue
             try:
                 async with asyncio.timeout(5):
-                    reader, writer = await asyncio.open_connection(reg.host, reg.port)
-            except (OSError, TimeoutError):
+                    reader, writer = await asyncio.open_connection(
+                        reg.host,
+                        reg.port,
+                        ssl=self.tls() if self.tls is not None else None,
+                    )
+            except (OSError, TimeoutError) as exc:
+                if isinstance(exc, ssl.SSLError):
+                    log.warning("TLS handshake with leader %d failed: %s", leader, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue

@@ -40,6 +40,7 @@ import contextlib
 import functools
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -261,8 +262,13 @@ class AgentServer:
         idle_timeout: float = 600.0,
         frame_timeout: float = 30.0,
         codec: WireCodec | None = None,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        handshake_timeout: float = 10.0,
     ) -> None:
         self.apis = apis
+        #: TLS: the listener's current context (``storage.tls.ReloadingContext.get``)
+        self.tls = tls
+        self.handshake_timeout = handshake_timeout
         self.codec: WireCodec = codec if codec is not None else NativeCodec(apis)
         self.budget = ByteBudget(max_queued_bytes, reserve=max(max_queued_bytes // 16, 1 << 20))
         self.max_frame_bytes = max_frame_bytes
@@ -310,6 +316,11 @@ class AgentServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            if self.tls is not None:  # the handshake runs in the connection's own task
+                self._track(
+                    asyncio.create_task(self._tls_connection(sock, peer), name=f"conn:{peer}")
+                )
+                continue
             stream = FrameStream(
                 sock, max_frame=self.max_frame_bytes, size_reader=self.codec.read_size
             )
@@ -319,9 +330,43 @@ class AgentServer:
                 log.warning("connection from %s lost at once: %s", peer, exc)
                 sock.close()
                 continue
-            task = asyncio.create_task(self._on_connection(stream, peer), name=f"conn:{peer}")
-            self.connections.add(task)
-            task.add_done_callback(self._connection_closed)
+            self._track(asyncio.create_task(self._on_connection(stream, peer), name=f"conn:{peer}"))
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self.connections.add(task)
+        task.add_done_callback(self._connection_closed)
+
+    async def _tls_connection(self, sock: socket.socket, peer: Any) -> None:
+        """A TLS connection: the handshake (within ``handshake_timeout``; a peer that fails
+        it, speaks plaintext or shows a certificate the CA did not sign is dropped and
+        logged), then served like any other."""
+        assert self.tls is not None
+        stream = FrameStream(
+            sock, max_frame=self.max_frame_bytes, size_reader=self.codec.read_size, tls=True
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            # in two steps: start_tls closes the TCP transport itself if the handshake fails
+            raw, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock)
+        except OSError as exc:
+            log.warning("connection from %s lost at once: %s", peer, exc)
+            sock.close()
+            return
+        try:
+            tls = await loop.start_tls(
+                raw,
+                stream,
+                self.tls(),
+                server_side=True,
+                ssl_handshake_timeout=self.handshake_timeout,
+            )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            log.warning("TLS handshake with %s failed: %r", peer, exc)
+            raw.close()
+            return
+        assert tls is not None
+        stream.connection_made(tls)  # start_tls does not call it
+        await self._on_connection(stream, peer)
 
     def _connection_closed(self, task: asyncio.Task[None]) -> None:
         """Forget the connection; after many closes, give their memory back (once, later)."""

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import ssl
 import sys
 import time
 import uuid
@@ -57,6 +58,8 @@ class Cluster:
         self.data_root = data_root
         self.session_timeout_ms = session_timeout_ms
         self.agents: dict[int, AgentHandle] = {}
+        #: how this test's own raw requests (``metadata``) reach a TLS listener
+        self.client_ssl: ssl.SSLContext | None = None
 
     # ---- processes --------------------------------------------------------------------
     def start_agent(
@@ -169,7 +172,11 @@ class Cluster:
             try:
                 resp: m.MetadataResponse = asyncio.run(
                     WireClient.call_once(
-                        agent.host, agent.port, m.ApiKey.METADATA, m.MetadataRequest(topics)
+                        agent.host,
+                        agent.port,
+                        m.ApiKey.METADATA,
+                        m.MetadataRequest(topics),
+                        ssl=self.client_ssl,
                     )
                 )
                 return resp
@@ -211,8 +218,10 @@ class WireClient:
         self.correlation = 0
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> WireClient:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+    async def connect(
+        cls, host: str, port: int, *, ssl: ssl.SSLContext | None = None
+    ) -> WireClient:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ssl), 5)
         return cls(reader, writer)
 
     async def send(self, key: int, body: m.Message, *, version: int = 0) -> int:
@@ -243,8 +252,10 @@ class WireClient:
             await self.writer.wait_closed()
 
     @classmethod
-    async def call_once(cls, host: str, port: int, key: int, body: m.Message) -> Any:
-        client = await cls.connect(host, port)
+    async def call_once(
+        cls, host: str, port: int, key: int, body: m.Message, *, ssl: ssl.SSLContext | None = None
+    ) -> Any:
+        client = await cls.connect(host, port, ssl=ssl)
         try:
             return await client.call(key, body)
         finally:
