@@ -35,7 +35,8 @@ from broker_agents.partitions import PartitionManager
 from broker_agents.rebalancer import Rebalancer, RebalanceSettings
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
-from broker_agents.server import AgentServer
+from broker_agents.security.authenticator import Authenticator, AuthSettings
+from broker_agents.server import AgentServer, NativeCodec
 from broker_agents.tiering import Tiering
 from broker_agents.transactions import (
     ClusterRoutes,
@@ -46,6 +47,7 @@ from broker_agents.transactions import (
     find_coordinator_router,
 )
 from broker_agents.view import ClusterView
+from sdk.auth import ScramLogin
 from storage.errors import MetadataError, NodeExistsError, StorageError
 from storage.metadata import (
     AgentRegistration,
@@ -66,6 +68,7 @@ from storage.metadata.store import (
     state_path,
     topic_path,
 )
+from storage.metadata.users import UserStore
 from storage.protocol import messages as m
 from storage.tls import ReloadingContext, client_context, server_context
 from storage.wal import fileio
@@ -78,6 +81,14 @@ class Agent:
         self.config = config
         self.agent_id = config.agent_id
         tls, peer_tls = self._tls(config)
+        peer_login = None
+        if config.listener_security_protocol.sasl and config.inter_agent_sasl_username:
+            assert config.inter_agent_sasl_password is not None
+            peer_login = ScramLogin(
+                config.inter_agent_sasl_mechanism,
+                config.inter_agent_sasl_username,
+                config.inter_agent_sasl_password.get_secret_value(),
+            )
         self.zk = AsyncZooKeeper(
             config.zookeeper,
             session_timeout=config.session_timeout_ms / 1000,
@@ -128,6 +139,7 @@ class Agent:
             ClusterRoutes(self.partitions.latest, self.view, self.groups.coordinator_id),
             self.markers.write_txn_markers,
             tls=peer_tls,
+            login=peer_login,
         )
         self.transactions = TransactionCoordinator(
             self.agent_id,
@@ -147,8 +159,20 @@ class Agent:
         self.apis.handlers[m.ApiKey.FIND_COORDINATOR] = find_coordinator_router(
             self.groups.find_coordinator, self.transactions.find_coordinator
         )
+        self.auth = Authenticator(
+            UserStore(self.zk).get,
+            AuthSettings(
+                mechanisms=config.sasl_mechanisms,
+                max_concurrent=config.sasl_max_concurrent_authentications,
+                failure_delay_s=config.connection_failed_authentication_delay_ms / 1000,
+                deadline_s=config.sasl_authentication_deadline_ms / 1000,
+            ),
+        )
         self.server = AgentServer(
             self.apis,
+            codec=NativeCodec(self.apis, self.auth),
+            auth=self.auth,
+            sasl=config.listener_security_protocol.sasl,
             tls=tls if config.listener_security_protocol.tls else None,
             handshake_timeout=config.ssl_handshake_timeout_ms / 1000,
             max_frame_bytes=config.max_frame_bytes,
@@ -167,7 +191,9 @@ class Agent:
                 max_queued_bytes=config.queued_max_request_bytes,
                 idle_timeout=config.connections_max_idle_ms / 1000,
                 frame_timeout=config.request_frame_timeout_ms / 1000,
-                codec=KafkaCodec(kafka),
+                codec=KafkaCodec(kafka, self.auth),
+                auth=self.auth,
+                sasl=config.kafka_security_protocol.sasl,
                 tls=tls if config.kafka_security_protocol.tls else None,
                 handshake_timeout=config.ssl_handshake_timeout_ms / 1000,
             )
@@ -198,7 +224,7 @@ class Agent:
             ),
         )
         self.fetchers = ReplicaFetchers(
-            self.agent_id, self.partitions, self.view, config, tls=peer_tls
+            self.agent_id, self.partitions, self.view, config, tls=peer_tls, login=peer_login
         )
         self.registration: AgentRegistration | None = None
         #: partitions whose local log cannot be opened here (published in the registration)
@@ -340,6 +366,7 @@ class Agent:
             await self.server.stop()
             if self.kafka_server is not None:
                 await self.kafka_server.stop()
+            self.auth.close()
             await self.partitions.close()
             await self.zk.stop()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from storage.config import _Config
 from storage.protocol import DEFAULT_MAX_FRAME
@@ -43,6 +43,32 @@ class AgentConfig(_Config):
     ssl_handshake_timeout_ms: int = Field(10_000, alias="ssl.handshake.timeout.ms", ge=100)
     # how often the certificate files are looked at for a change (reload without restart)
     ssl_reload_check_interval_ms: int = Field(1000, alias="ssl.reload.check.interval.ms", ge=0)
+    # SASL listeners: the SCRAM mechanisms offered (credentials in ZooKeeper, /config/users)
+    sasl_enabled_mechanisms: str = Field(
+        "SCRAM-SHA-256,SCRAM-SHA-512",
+        alias="sasl.enabled.mechanisms",
+        pattern=r"^(SCRAM-SHA-(256|512))(,SCRAM-SHA-(256|512))*$",
+    )
+    # SCRAM steps at a time (a small thread pool; 4x this may wait, more are turned away)
+    sasl_max_concurrent_authentications: int = Field(
+        2, alias="sasl.max.concurrent.authentications", ge=1, le=64
+    )
+    # a failed login is answered this late, then the connection is closed (Kafka's name)
+    connection_failed_authentication_delay_ms: int = Field(
+        100, alias="connection.failed.authentication.delay.ms", ge=0
+    )
+    # a connection to a SASL listener that has not authenticated by then is closed
+    # how this agent logs in to the others' SASL listener (unneeded with SASL_SSL and a
+    # client certificate, ssl.client.auth requested or required: the certificate is its
+    # principal); the user must exist in /config/users (``strata users set``)
+    inter_agent_sasl_mechanism: str = Field(
+        "SCRAM-SHA-512", alias="inter.agent.sasl.mechanism", pattern=r"^SCRAM-SHA-(256|512)$"
+    )
+    inter_agent_sasl_username: str | None = Field(None, alias="inter.agent.sasl.username")
+    inter_agent_sasl_password: SecretStr | None = Field(None, alias="inter.agent.sasl.password")
+    sasl_authentication_deadline_ms: int = Field(
+        10_000, alias="sasl.authentication.deadline.ms", ge=100
+    )
     zookeeper: str = Field(alias="zookeeper.connect")
     data_dir: Path = Field(alias="data.dir")
     session_timeout_ms: int = Field(6000, alias="zookeeper.session.timeout.ms", ge=1000)
@@ -142,6 +168,10 @@ class AgentConfig(_Config):
     @property
     def kafka_security_protocol(self) -> SecurityProtocol:
         return self.kafka_listener_security_protocol or self.listener_security_protocol
+
+    @property
+    def sasl_mechanisms(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.sasl_enabled_mechanisms.split(",")))
 
     @property
     def tls_files(self) -> TlsFiles:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sdk.auth import ScramLogin
 from sdk.backoff import ExponentialBackoff
 from sdk.config import ClientConfig
 from sdk.connection import Connection, Spawn
@@ -103,6 +104,14 @@ class Cluster:
         files = config.tls_files
         #: TLS: the client context, re-read when its files change (``storage.tls``)
         self._tls = None if files is None else ReloadingContext(files, client_context)
+        self._login: ScramLogin | None = None
+        if config.security_protocol.sasl:
+            assert config.sasl_username is not None and config.sasl_password is not None
+            self._login = ScramLogin(
+                config.sasl_mechanism,
+                config.sasl_username,
+                config.sasl_password.get_secret_value(),
+            )
         self._backoff = backoff or ExponentialBackoff(
             config.retry_backoff_ms, config.effective_backoff_max_ms
         )
@@ -395,6 +404,7 @@ class Cluster:
                 spawn=self._spawn_reader,
                 clock=self._clock,
                 ssl_context=None if self._tls is None else self._tls.get(),
+                login=self._login,
             )
             self._pool[(address, channel)] = conn
         await conn.connect()

@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
@@ -89,6 +90,22 @@ class ClientConfig(BaseModel):
     #: check the agent's name against its certificate (Kafka's
     #: ssl.endpoint.identification.algorithm=https)
     ssl_check_hostname: bool = Field(True, alias="ssl.check.hostname")
+    #: SASL (security.protocol SASL_PLAINTEXT or SASL_SSL): SCRAM-SHA-256 or SCRAM-SHA-512
+    sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "SCRAM-SHA-512", alias="sasl.mechanism"
+    )
+    sasl_username: str | None = Field(None, alias="sasl.username", min_length=1)
+    #: never shown: the config's repr and errors print ``**********``
+    sasl_password: SecretStr | None = Field(None, alias="sasl.password")
+
+    @model_validator(mode="after")
+    def _sasl_needs_credentials(self) -> Self:
+        if self.security_protocol.sasl and (not self.sasl_username or not self.sasl_password):
+            raise InvalidConfigError(
+                f"invalid {type(self).__name__}: security.protocol {self.security_protocol}"
+                " needs sasl.username and sasl.password"
+            )
+        return self
 
     @field_validator("security_protocol", mode="before")
     @classmethod

@@ -30,7 +30,7 @@ import itertools
 import socket
 import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from storage.errors import (
@@ -45,6 +45,9 @@ from storage.protocol.schema import Message
 from storage.protocol.sockio import FrameStream
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
+Send = Callable[[Message], Awaitable[Any]]
+Login = Callable[[Send], Awaitable[None]]
+"""Authenticates a new connection with the requests it sends through ``Send``."""
 
 _API_KEY: dict[type[Message], int] = {api.request: int(api.key) for api in APIS.values()}
 _RESPONSE: dict[int, type[Message]] = {int(api.key): api.response for api in APIS.values()}
@@ -70,8 +73,12 @@ class Connection:
         spawn: Spawn | None = None,
         clock: Callable[[], float] = time.monotonic,
         ssl_context: ssl.SSLContext | None = None,
+        login: Login | None = None,
     ) -> None:
         self.host = host
+        #: SASL: run on each new connection before any other request (``sdk.auth``)
+        self.login = login
+        self._ready = False
         #: TLS (``security.protocol`` SSL or SASL_SSL): the server is verified with this
         self.ssl_context = ssl_context
         self.port = port
@@ -101,7 +108,7 @@ class Connection:
 
     @property
     def connected(self) -> bool:
-        return self._stream is not None and self._closed is None
+        return self._ready and self._closed is None
 
     @property
     def in_flight(self) -> int:
@@ -117,12 +124,12 @@ class Connection:
         return err
 
     async def connect(self) -> None:
-        if self._stream is not None and self._closed is None:
+        if self._ready and self._closed is None:
             return
         async with self._connect_lock:
             if self._closed is not None:
                 raise self._closed_error()
-            if self._stream is not None:
+            if self._ready:
                 return
             try:
                 async with asyncio.timeout(self.connect_timeout):
@@ -149,7 +156,29 @@ class Connection:
                 self._read_loop(stream),
                 f"strata-conn-read-{self.host}:{self.port}",
             )
+            if self.login is not None:
+                try:
+                    await self.login(self._send)
+                except StrataError as exc:
+                    self._fail(exc)
+                    raise
+            self._ready = True
             self.last_used = self._clock()
+
+    async def _send(self, body: Message) -> Any:
+        """One request on a connection that is not ready yet (the login's)."""
+        api_key = _API_KEY[type(body)]
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                frame = await self._exchange(api_key, body, True)
+        except TimeoutError:
+            raise RequestTimedOutError(
+                f"{type(body).__name__} to {self.host}:{self.port} got no response"
+            ) from None
+        error = frame.error()
+        if error is not None:
+            raise error
+        return _RESPONSE[api_key].decode(frame.body)
 
     async def request(
         self,

@@ -58,8 +58,9 @@ class Cluster:
         self.data_root = data_root
         self.session_timeout_ms = session_timeout_ms
         self.agents: dict[int, AgentHandle] = {}
-        #: how this test's own raw requests (``metadata``) reach a TLS listener
+        #: how this test's own raw requests (``metadata``) reach a TLS or SASL listener
         self.client_ssl: ssl.SSLContext | None = None
+        self.client_login: Any = None  # an ``sdk.auth.ScramLogin``
 
     # ---- processes --------------------------------------------------------------------
     def start_agent(
@@ -177,6 +178,7 @@ class Cluster:
                         m.ApiKey.METADATA,
                         m.MetadataRequest(topics),
                         ssl=self.client_ssl,
+                        login=self.client_login,
                     )
                 )
                 return resp
@@ -251,12 +253,30 @@ class WireClient:
         with contextlib.suppress(OSError):
             await self.writer.wait_closed()
 
+    async def login(self, login: Any) -> None:
+        """Authenticate (SASL listener) with an ``sdk.auth.ScramLogin``."""
+
+        async def send(body: m.Message) -> Any:
+            key = next(a.key for a in m.APIS.values() if isinstance(body, a.request))
+            return await self.call(key, body)
+
+        await login(send)
+
     @classmethod
     async def call_once(
-        cls, host: str, port: int, key: int, body: m.Message, *, ssl: ssl.SSLContext | None = None
+        cls,
+        host: str,
+        port: int,
+        key: int,
+        body: m.Message,
+        *,
+        ssl: ssl.SSLContext | None = None,
+        login: Any = None,
     ) -> Any:
         client = await cls.connect(host, port, ssl=ssl)
         try:
+            if login is not None:
+                await client.login(login)
             return await client.call(key, body)
         finally:
             await client.close()
