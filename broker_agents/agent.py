@@ -20,6 +20,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
+from typing import Any
 
 from broker_agents.apis import Apis
 from broker_agents.config import AgentConfig
@@ -36,6 +37,7 @@ from broker_agents.rebalancer import Rebalancer, RebalanceSettings
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
 from broker_agents.security.authenticator import Authenticator, AuthSettings
+from broker_agents.security.guard import Authorizer, Guard
 from broker_agents.server import AgentServer, NativeCodec
 from broker_agents.tiering import Tiering
 from broker_agents.transactions import (
@@ -57,6 +59,7 @@ from storage.metadata import (
     SessionState,
     TopicSpec,
 )
+from storage.metadata.acls import ACLS
 from storage.metadata.groups import GroupStore
 from storage.metadata.models import ControllerInfo, load
 from storage.metadata.store import (
@@ -168,6 +171,14 @@ class Agent:
                 deadline_s=config.sasl_authentication_deadline_ms / 1000,
             ),
         )
+        core: Any = self.apis
+        groups: Any = self.groups
+        self.authorizer: Authorizer | None = None
+        if config.authorizer_enable:
+            self.authorizer = Authorizer(config.super_user_set)
+            guard = Guard(self.authorizer, self.apis, self.groups, self.transactions)
+            self.apis.handlers.update(guard.handlers(self.apis.handlers))
+            core, groups = guard.core, guard.groups
         self.server = AgentServer(
             self.apis,
             codec=NativeCodec(self.apis, self.auth),
@@ -183,7 +194,7 @@ class Agent:
         )
         self.kafka_server: AgentServer | None = None
         if config.kafka_listener is not None:
-            kafka = KafkaApis(self.apis, self.groups, self.view, KafkaTopicAdmin(self.store))
+            kafka = KafkaApis(core, groups, self.view, KafkaTopicAdmin(self.store))
             self.kafka_server = AgentServer(
                 self.apis,
                 max_frame_bytes=config.max_frame_bytes,
@@ -443,6 +454,9 @@ class Agent:
         self.zk.watch_children(AGENTS, self._agents_watch)
         self.zk.watch_data(CONTROLLER, self._controller_changed)
         self.zk.watch_children(TOPICS, self._topics_changed)
+        if self.authorizer is not None:
+            authz = self.authorizer
+            self.zk.watch_data(ACLS, lambda data, stat: authz.update(data))
 
     def _agents_watch(self, children: list[str]) -> None:
         self._agents_generation += 1

@@ -66,6 +66,11 @@ class AgentConfig(_Config):
     )
     inter_agent_sasl_username: str | None = Field(None, alias="inter.agent.sasl.username")
     inter_agent_sasl_password: SecretStr | None = Field(None, alias="inter.agent.sasl.password")
+    # ACLs (/config/acls) checked on every request; off: everyone may do everything
+    authorizer_enable: bool = Field(False, alias="authorizer.enable")
+    # principals that skip the ACLs, ';'-separated (Kafka's form): the agents' own
+    # (inter.agent.sasl.username or their certificates' CN) belong here, and an admin's
+    super_users: str = Field("", alias="super.users")
     sasl_authentication_deadline_ms: int = Field(
         10_000, alias="sasl.authentication.deadline.ms", ge=100
     )
@@ -168,6 +173,10 @@ class AgentConfig(_Config):
     @property
     def kafka_security_protocol(self) -> SecurityProtocol:
         return self.kafka_listener_security_protocol or self.listener_security_protocol
+
+    @property
+    def super_user_set(self) -> frozenset[str]:
+        return frozenset(u.strip() for u in self.super_users.split(";") if u.strip())
 
     @property
     def sasl_mechanisms(self) -> tuple[str, ...]:

@@ -46,6 +46,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from broker_agents.security.authenticator import Authenticator, Session
+from broker_agents.security.guard import current_principal
 from storage.errors import (
     FrameTooLargeError,
     IllegalSaslStateError,
@@ -588,6 +589,8 @@ class AgentServer:
             self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
 
     async def _dispatch(self, request: Any, session: Session | None) -> Any:
+        if session is not None:
+            current_principal.set(session.principal)  # this handler task's (ACL checks)
         if session is not None and session.pending:
             if request.api_key not in self.codec.pre_auth_apis:
                 log.warning(
