@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from infra.certs import ThrowawayCA
 from sdk.auth import ScramLogin
 from storage.codec import encode_batch
 from storage.errors import (
@@ -39,6 +40,7 @@ from storage.metadata.acls import (
 )
 from storage.metadata.users import ScramCredential, UserStore
 from storage.protocol import messages as m
+from storage.tls import TlsFiles, client_context
 from tests.cluster import Cluster, WireClient, fetch_request, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
 
@@ -376,3 +378,66 @@ def test_kafka_listener_is_checked_too(
             p.send(TOPIC, b"no", partition=0).get(timeout=20)
     finally:
         p.close()
+
+
+@pytest.mark.slow
+def test_client_certificate_is_the_principal(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """mTLS: on an SSL listener with client certificates, the certificate's CN is the
+    principal the ACLs see (``User:<CN>``); no password anywhere."""
+    ca = ThrowawayCA.create(tmp_path / "ca")
+    agent_cert = ca.issue("agent-1")
+
+    async def setup() -> None:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        try:
+            await AclStore(zk).add(
+                [
+                    AclBinding(
+                        principal="User:alice",
+                        resource_type=ResourceType.TOPIC,
+                        name=TOPIC,
+                        operation=Operation.WRITE,
+                    )
+                ]
+            )
+        finally:
+            await zk.stop()
+
+    asyncio.run(setup())
+
+    def ctx(name: str) -> Any:
+        issued = ca.issue(name)
+        return client_context(
+            TlsFiles(
+                cafile=str(ca.cafile), certfile=str(issued.certfile), keyfile=str(issued.keyfile)
+            )
+        )
+
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    cluster.client_ssl = ctx("admin")
+    agent = cluster.start_agent(
+        1,
+        "listener.security.protocol=SSL",
+        f"ssl.certfile={agent_cert.certfile}",
+        f"ssl.keyfile={agent_cert.keyfile}",
+        f"ssl.cafile={ca.cafile}",
+        "ssl.client.auth=required",
+        "authorizer.enable=true",
+        "super.users=User:admin;User:agent-1",
+    )
+    cluster.create_topic(TOPIC, 1)
+    cluster.wait_for_leaders(TOPIC)
+
+    async def produce_as(name: str) -> int:
+        client = await WireClient.connect(agent.host, agent.port, ssl=ctx(name))
+        try:
+            return await _produce(client)
+        finally:
+            await client.close()
+
+    assert asyncio.run(produce_as("alice")) == 0
+    assert asyncio.run(produce_as("bob")) == TopicAuthorizationFailedError.code
+    assert "refused: User:bob may not write topic 'acl-t'" in agent.process.log_text()
