@@ -48,6 +48,7 @@ from scramp import ScramException, ScramMechanism
 from storage.errors import (
     AuthenticationFailedError,
     IllegalSaslStateError,
+    MetadataUnavailableError,
     UnsupportedSaslMechanismError,
 )
 from storage.metadata.users import DEFAULT_ITERATIONS, MECHANISMS, ScramCredential
@@ -178,6 +179,10 @@ class Authenticator:
         answer: bytes
         try:
             server, answer = await self._run(step)
+        except TimeoutError:  # the credential lookup (ZooKeeper) took too long: retriable
+            raise MetadataUnavailableError(
+                "the user's credentials could not be read in time"
+            ) from None
         except (ScramException, UnicodeDecodeError, ValueError) as exc:
             log.warning("SCRAM login from %s refused: %s", session.peer, _safe(exc))
             raise AuthenticationFailedError("authentication failed") from None
