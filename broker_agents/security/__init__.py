@@ -1,1 +1,0 @@
-"""Authentication (and later authorization) of the agents' connections (docs/security.md)."""
