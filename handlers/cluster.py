@@ -109,9 +109,9 @@ class ClusterAdmin:
         raise InvalidRequestError(f"agent {agent_id} is neither alive nor holds any replica")
 
     async def decommission(self, agent_id: int) -> dict[str, Any]:
-        await self.agent(agent_id)
+        entry = await self.agent(agent_id)  # one read of every state: its counts, as they are
         await self.requests.decommission(agent_id)
-        return await self.agent(agent_id)
+        return {**entry, "decommissioning": True}
 
     async def recommission(self, agent_id: int) -> dict[str, Any]:
         await self.requests.recommission(agent_id)
