@@ -180,7 +180,9 @@ class Cluster:
     def wait_for_leaders(
         self, topic: str, *, timeout: float = 30.0, exclude: set[int] | None = None
     ) -> dict[int, m.PartitionMetadata]:
-        """Poll Metadata until every partition of ``topic`` has a live leader (not in ``exclude``)."""
+        """Poll Metadata until every partition of ``topic`` has a live leader (not in ``exclude``)
+        and that leader serves it (ZooKeeper names a leader a moment before the agent opens the
+        partition; until then it answers NOT_LEADER)."""
         deadline = time.monotonic() + timeout
         while True:
             md = self.metadata([topic], avoid=exclude)
@@ -195,11 +197,34 @@ class Cluster:
                     and p.leader_id not in (exclude or set())
                     for p in t.partitions
                 )
+                and self._leaders_serve(topic, t.partitions)
             ):
                 return {p.partition: p for p in t.partitions}
             if time.monotonic() > deadline:
                 raise TimeoutError(f"partitions of {topic} without a live leader: {t}")
             time.sleep(0.05)
+
+
+    def _leaders_serve(self, topic: str, partitions: list[m.PartitionMetadata]) -> bool:
+        by_leader: dict[int, list[int]] = {}
+        for p in partitions:
+            by_leader.setdefault(p.leader_id, []).append(p.partition)
+        for leader, ids in by_leader.items():
+            agent = self.agents.get(leader)
+            if agent is None:
+                return True  # not one of ours (started elsewhere): Metadata is all we know
+            request = m.ListOffsetsRequest(
+                [m.ListOffsetsTopic(topic, [m.ListOffsetsPartition(i, -1) for i in ids])]
+            )
+            try:
+                resp: m.ListOffsetsResponse = asyncio.run(
+                    WireClient.call_once(agent.host, agent.port, m.ApiKey.LIST_OFFSETS, request)
+                )
+            except (OSError, TimeoutError):
+                return False
+            if any(r.error_code != 0 for t in resp.topics for r in t.partitions):
+                return False
+        return True
 
 
 class WireClient:

@@ -260,7 +260,8 @@ def test_long_poll_waits_max_wait_on_an_empty_partition(agent: AgentHandle) -> N
         try:
             start = time.monotonic()
             resp = await client.call(m.ApiKey.FETCH, fetch_request(TOPIC, 1, 0, max_wait_ms=500))
-            assert resp.topics[0].partitions[0].records is None
+            answer = resp.topics[0].partitions[0]
+            assert (answer.error_code, answer.records) == (0, None)
             return time.monotonic() - start
         finally:
             await client.close()
@@ -340,7 +341,12 @@ def test_an_agent_cut_off_from_zookeeper_refuses_writes_until_its_session_is_con
         agent = cluster.start_agent(1)
         cluster.create_topic(TOPIC, 1, 1)
         cluster.wait_for_leaders(TOPIC)
-        assert _produce(agent, encode_batch([b"before"])).error_code == 0
+        # a loaded machine can drop the fresh ZooKeeper connection on its own (seen in CI):
+        # the agent then refuses writes until it reconnects, which is what this test checks
+        deadline = time.monotonic() + 30
+        while _produce(agent, encode_batch([b"before"])).error_code != 0:
+            assert time.monotonic() < deadline, "writes were not accepted before the freeze"
+            time.sleep(0.2)
 
         os.kill(zk.pid, signal.SIGSTOP)
         try:

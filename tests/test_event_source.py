@@ -113,3 +113,49 @@ def test_every_record_handled_in_order_with_partial_failures_and_retries(cluster
             return out
 
     assert asyncio.run(committed()) == dict.fromkeys(range(PARTITIONS), per)
+
+
+class SlowToAnswer:
+    """Takes ``took_s`` of the runner's clock to answer its first call, and asks to come back
+    ``took_s`` after it was called: that time is already up when the answer arrives."""
+
+    def __init__(self, clock: list[float], took_s: float) -> None:
+        self.clock = clock
+        self.took_s = took_s
+        self.calls: list[float] = []
+
+    def __call__(self, event: dict[str, Any], context: Any) -> dict[str, Any]:
+        self.calls.append(self.clock[0])
+        if len(self.calls) > 1:
+            return {"batchItemFailures": []}
+        self.clock[0] += self.took_s
+        ((key, records),) = event["records"].items()
+        p = int(key.rsplit("-", 1)[1])
+        item = {"itemIdentifier": item_id(TOPIC, p, records[0]["offset"])}
+        return {"batchItemFailures": [{**item, "retryAfterMs": int(self.took_s * 1000)}]}
+
+
+def test_retry_after_counts_from_the_call_not_from_the_slow_answer(cluster: Cluster) -> None:
+    """The delay scheduler measures ``retryAfterMs`` when it is called; a slow answer must not
+    push the come-back later (here the clock stands still after the answer: counted from the
+    answer, the record would never come back)."""
+
+    async def produce() -> None:
+        async with Producer({"bootstrap.servers": cluster.bootstrap}) as producer:
+            await producer.send_and_wait(TOPIC, b"x", partition=0)
+
+    asyncio.run(produce())
+    clock = [0.0]
+    fn = SlowToAnswer(clock, took_s=3600.0)
+    config = MappingConfig(
+        function="tests.test_event_source:SlowToAnswer",
+        topics=(TOPIC,),
+        group_id="slow",
+        bootstrap_servers=cluster.bootstrap,
+        window_ms=5,
+        session_timeout_ms=3000,
+    )
+    runner = EventSourceRunner(config, fn, clock=lambda: clock[0])
+    with InProcessRunner(runner):
+        wait_until(lambda: len(fn.calls) >= 2, 30, "the record to come back")
+    assert fn.calls == [0.0, 3600.0]
