@@ -204,7 +204,6 @@ class Cluster:
                 raise TimeoutError(f"partitions of {topic} without a live leader: {t}")
             time.sleep(0.05)
 
-
     def _leaders_serve(self, topic: str, partitions: list[m.PartitionMetadata]) -> bool:
         by_leader: dict[int, list[int]] = {}
         for p in partitions:
