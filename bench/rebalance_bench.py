@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--dir", type=Path, default=ROOT / "var" / "bench")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--agent-config", action="append", default=[], metavar="KEY=VALUE",
+        help="an agent config for every agent (e.g. follower.replication.throttled.rate=...)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(dir=args.dir))
@@ -135,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     agents: list[AgentProcess] = []
     try:
         connect = f"{zk.connect_string}/rebalance"
-        agents = [start_agent(i, connect, work / f"agent-{i}") for i in (1, 2, 3)]
+        configs = dict(c.split("=", 1) for c in args.agent_config)
+        agents = [start_agent(i, connect, work / f"agent-{i}", configs=configs) for i in (1, 2, 3)]
         bootstrap = ",".join(a.address for a in agents)
         asyncio.run(_create(connect, PROBE, 3, {"min.insync.replicas": 2}))
         asyncio.run(_warm(bootstrap, PROBE))
@@ -155,7 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         report: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%d"),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
-            "command": f"make bench-rebalance (--move-mb {args.move_mb})",
+            "command": f"make bench-rebalance (--move-mb {args.move_mb}"
+            + "".join(f" --agent-config {c}" for c in args.agent_config)
+            + ")",
             "seconds": args.seconds,
             "runs": args.runs,
             "move_mb": args.move_mb,

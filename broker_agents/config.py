@@ -44,7 +44,7 @@ class AgentConfig(_Config):
     # bytes/s all replicas being added by moves (rebalance, decommission, replacement) copy
     # together on this agent; 0: no limit (broker_agents.replication, docs/operations.md)
     follower_replication_throttled_rate: int = Field(
-        32 << 20, alias="follower.replication.throttled.rate", ge=0
+        16 << 20, alias="follower.replication.throttled.rate", ge=0
     )
     # a filtered fetch looks at most this many bytes of batches per partition before it
     # answers with how far it got (docs/filters.md): bounds one fetch's work on a long range

@@ -19,7 +19,11 @@ is what the leader counts toward acks=all.
 ``follower.replication.throttled.rate`` bytes a second, all such replicas of the agent
 together (a token bucket, ``MoveThrottle``): a move of a big partition at full speed took both
 cores of a small machine and multiplied the produce p99 of everything else
-(``make bench-rebalance``). In-sync followers are never throttled.
+(``make bench-rebalance``). In-sync followers are never throttled, and never wait behind a
+move: the replicas being added are fetched from their leader on a connection and task of
+their own (the *move lane*), so a move's big fetches, appends and fsyncs do not hold up the
+fetches that advance the high watermark of the partitions already in sync (and so their
+acks=all answers). A replica switches lanes when the move completes.
 """
 
 from __future__ import annotations
@@ -72,7 +76,8 @@ class MoveThrottle:
 
 
 class ReplicaFetchers:
-    """One fetch task per leader this agent follows partitions of.
+    """One fetch task per leader this agent follows partitions of, and per lane (in sync, or
+    being added by a move).
 
     A task that dies of an unexpected error (the expected ones — connection loss, timeouts,
     protocol errors — are retried inside it) is logged and started again after
@@ -89,7 +94,10 @@ class ReplicaFetchers:
         self.partitions = partitions
         self.view = view
         self.config = config
-        self.tasks: dict[int, asyncio.Task[None]] = {}
+        #: one fetch task per (leader, lane): lane ``True`` follows the replicas being added by
+        #: a move, ``False`` the others, so a move's big fetches, appends and fsyncs never hold
+        #: up the replication (and so the acks=all answers) of the partitions already in sync
+        self.tasks: dict[tuple[int, bool], asyncio.Task[None]] = {}
         rate = config.follower_replication_throttled_rate
         self.throttle = MoveThrottle(rate) if rate > 0 else None
         self._stopped = False
@@ -98,27 +106,32 @@ class ReplicaFetchers:
         """Start or stop per-leader fetch tasks to match the follower roles right now."""
         if self._stopped:
             return
-        leaders = {
-            p.state.leader
+        lanes = {
+            (p.state.leader, self._lane(p))
             for p in self.partitions.partitions.values()
             if p.role == "follower" and p.state.leader >= 0 and p.state.leader != self.agent_id
         }
-        for leader in leaders:
-            if leader not in self.tasks:
-                task = asyncio.create_task(self._follow(leader), name=f"replica-fetcher:{leader}")
-                task.add_done_callback(functools.partial(self._finished, leader))
-                self.tasks[leader] = task
-        for leader in set(self.tasks) - leaders:
-            self.tasks.pop(leader).cancel()
+        for lane in lanes:
+            if lane not in self.tasks:
+                leader, moving = lane
+                name = f"replica-fetcher:{leader}{':move' if moving else ''}"
+                task = asyncio.create_task(self._follow(leader, moving), name=name)
+                task.add_done_callback(functools.partial(self._finished, lane))
+                self.tasks[lane] = task
+        for lane in set(self.tasks) - lanes:
+            self.tasks.pop(lane).cancel()
 
-    def _finished(self, leader: int, task: asyncio.Task[None]) -> None:
+    def _lane(self, p: Partition) -> bool:
+        return self.agent_id in p.state.adding
+
+    def _finished(self, lane: tuple[int, bool], task: asyncio.Task[None]) -> None:
         if task.cancelled() or task.exception() is None:
             return
         log.error(
             "replica fetcher %s died; restarting it", task.get_name(), exc_info=task.exception()
         )
-        if self.tasks.get(leader) is task:
-            del self.tasks[leader]
+        if self.tasks.get(lane) is task:
+            del self.tasks[lane]
         asyncio.get_running_loop().call_later(self.restart_delay, self.update)
 
     async def stop(self) -> None:
@@ -128,19 +141,19 @@ class ReplicaFetchers:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         self.tasks.clear()
 
-    def _followed(self, leader: int) -> list[Partition]:
+    def _followed(self, leader: int, moving: bool) -> list[Partition]:
         return [
             p
             for p in self.partitions.partitions.values()
-            if p.role == "follower" and p.state.leader == leader
+            if p.role == "follower" and p.state.leader == leader and self._lane(p) == moving
         ]
 
-    async def _follow(self, leader: int) -> None:
+    async def _follow(self, leader: int, lane: bool) -> None:
         correlation = 0
         backoff = 0.05
         while True:
             reg = self.view.agents.get(leader)
-            if reg is None or not self._followed(leader):
+            if reg is None or not self._followed(leader, lane):
                 await asyncio.sleep(0.1)
                 continue
             try:
@@ -152,7 +165,7 @@ class ReplicaFetchers:
                 continue
             try:
                 while True:
-                    partitions = self._followed(leader)
+                    partitions = self._followed(leader, lane)
                     if not partitions:
                         break
                     unchecked = [p for p in partitions if p.needs_epoch_check]

@@ -19,7 +19,7 @@ from broker_agents.view import ClusterView
 
 
 def test_a_fetcher_that_dies_of_a_bug_is_restarted_and_stop_ends_it() -> None:
-    follower = SimpleNamespace(role="follower", state=SimpleNamespace(leader=7))
+    follower = SimpleNamespace(role="follower", state=SimpleNamespace(leader=7, adding=[]))
     partitions: Any = SimpleNamespace(partitions={("t", 0): follower})
     config = SimpleNamespace(follower_replication_throttled_rate=0)
     fetchers = ReplicaFetchers(1, partitions, ClusterView(), cast(Any, config))
@@ -29,7 +29,8 @@ def test_a_fetcher_that_dies_of_a_bug_is_restarted_and_stop_ends_it() -> None:
     async def run() -> None:
         second = asyncio.Event()
 
-        async def follow(leader: int) -> None:
+        async def follow(leader: int, moving: bool) -> None:
+            assert not moving
             calls.append(leader)
             if len(calls) == 1:
                 raise RuntimeError("a bug in the fetch loop")
@@ -38,10 +39,10 @@ def test_a_fetcher_that_dies_of_a_bug_is_restarted_and_stop_ends_it() -> None:
 
         fetchers._follow = follow  # type: ignore[method-assign]
         fetchers.update()
-        first = fetchers.tasks[7]
+        first = fetchers.tasks[7, False]
         async with asyncio.timeout(5):
             await second.wait()
-        assert fetchers.tasks[7] is not first and not fetchers.tasks[7].done()
+        assert fetchers.tasks[7, False] is not first and not fetchers.tasks[7, False].done()
         await fetchers.stop()
         assert fetchers.tasks == {}
         fetchers.update()  # stopped: no new fetcher
