@@ -17,8 +17,10 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import time
 from collections.abc import Callable
+from typing import Any
 
 from broker_agents.apis import Apis
 from broker_agents.config import AgentConfig
@@ -34,7 +36,9 @@ from broker_agents.partitions import PartitionManager
 from broker_agents.rebalancer import Rebalancer, RebalanceSettings
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
-from broker_agents.server import AgentServer
+from broker_agents.security.authenticator import Authenticator, AuthSettings
+from broker_agents.security.guard import Authorizer, Guard
+from broker_agents.server import AgentServer, NativeCodec
 from broker_agents.tiering import Tiering
 from broker_agents.transactions import (
     ClusterRoutes,
@@ -45,6 +49,7 @@ from broker_agents.transactions import (
     find_coordinator_router,
 )
 from broker_agents.view import ClusterView
+from sdk.auth import ScramLogin
 from storage.errors import MetadataError, NodeExistsError, StorageError
 from storage.metadata import (
     AgentRegistration,
@@ -54,6 +59,7 @@ from storage.metadata import (
     SessionState,
     TopicSpec,
 )
+from storage.metadata.acls import ACLS
 from storage.metadata.groups import GroupStore
 from storage.metadata.models import ControllerInfo, load
 from storage.metadata.store import (
@@ -65,7 +71,9 @@ from storage.metadata.store import (
     state_path,
     topic_path,
 )
+from storage.metadata.users import UserStore
 from storage.protocol import messages as m
+from storage.tls import ReloadingContext, client_context, server_context
 from storage.wal import fileio
 
 log = logging.getLogger(__name__)
@@ -75,6 +83,15 @@ class Agent:
     def __init__(self, config: AgentConfig) -> None:
         self.config = config
         self.agent_id = config.agent_id
+        tls, peer_tls = self._tls(config)
+        peer_login = None
+        if config.listener_security_protocol.sasl and config.inter_agent_sasl_username:
+            assert config.inter_agent_sasl_password is not None
+            peer_login = ScramLogin(
+                config.inter_agent_sasl_mechanism,
+                config.inter_agent_sasl_username,
+                config.inter_agent_sasl_password.get_secret_value(),
+            )
         self.zk = AsyncZooKeeper(
             config.zookeeper,
             session_timeout=config.session_timeout_ms / 1000,
@@ -124,6 +141,8 @@ class Agent:
             self.agent_id,
             ClusterRoutes(self.partitions.latest, self.view, self.groups.coordinator_id),
             self.markers.write_txn_markers,
+            tls=peer_tls,
+            login=peer_login,
         )
         self.transactions = TransactionCoordinator(
             self.agent_id,
@@ -143,8 +162,30 @@ class Agent:
         self.apis.handlers[m.ApiKey.FIND_COORDINATOR] = find_coordinator_router(
             self.groups.find_coordinator, self.transactions.find_coordinator
         )
+        self.auth = Authenticator(
+            UserStore(self.zk).get,
+            AuthSettings(
+                mechanisms=config.sasl_mechanisms,
+                max_concurrent=config.sasl_max_concurrent_authentications,
+                failure_delay_s=config.connection_failed_authentication_delay_ms / 1000,
+                deadline_s=config.sasl_authentication_deadline_ms / 1000,
+            ),
+        )
+        core: Any = self.apis
+        groups: Any = self.groups
+        self.authorizer: Authorizer | None = None
+        if config.authorizer_enable:
+            self.authorizer = Authorizer(config.super_user_set)
+            guard = Guard(self.authorizer, self.apis, self.groups, self.transactions)
+            self.apis.handlers.update(guard.handlers(self.apis.handlers))
+            core, groups = guard.core, guard.groups
         self.server = AgentServer(
             self.apis,
+            codec=NativeCodec(self.apis, self.auth),
+            auth=self.auth,
+            sasl=config.listener_security_protocol.sasl,
+            tls=tls if config.listener_security_protocol.tls else None,
+            handshake_timeout=config.ssl_handshake_timeout_ms / 1000,
             max_frame_bytes=config.max_frame_bytes,
             max_in_flight=config.max_in_flight_per_connection,
             max_queued_bytes=config.queued_max_request_bytes,
@@ -153,7 +194,7 @@ class Agent:
         )
         self.kafka_server: AgentServer | None = None
         if config.kafka_listener is not None:
-            kafka = KafkaApis(self.apis, self.groups, self.view, KafkaTopicAdmin(self.store))
+            kafka = KafkaApis(core, groups, self.view, KafkaTopicAdmin(self.store))
             self.kafka_server = AgentServer(
                 self.apis,
                 max_frame_bytes=config.max_frame_bytes,
@@ -161,7 +202,11 @@ class Agent:
                 max_queued_bytes=config.queued_max_request_bytes,
                 idle_timeout=config.connections_max_idle_ms / 1000,
                 frame_timeout=config.request_frame_timeout_ms / 1000,
-                codec=KafkaCodec(kafka),
+                codec=KafkaCodec(kafka, self.auth),
+                auth=self.auth,
+                sasl=config.kafka_security_protocol.sasl,
+                tls=tls if config.kafka_security_protocol.tls else None,
+                handshake_timeout=config.ssl_handshake_timeout_ms / 1000,
             )
         self.removal = LocalRemoval(
             self.agent_id, self.partitions, self.store, self.tiering.quiesce
@@ -189,7 +234,9 @@ class Agent:
                 ),
             ),
         )
-        self.fetchers = ReplicaFetchers(self.agent_id, self.partitions, self.view, config)
+        self.fetchers = ReplicaFetchers(
+            self.agent_id, self.partitions, self.view, config, tls=peer_tls, login=peer_login
+        )
         self.registration: AgentRegistration | None = None
         #: partitions whose local log cannot be opened here (published in the registration)
         self.offline: set[tuple[str, int]] = set()
@@ -213,6 +260,20 @@ class Agent:
         #: the topics of the first ``/topics`` listing whose spec has not been read yet
         self._unread_specs: set[str] | None = None
         self._specs_read = asyncio.Event()
+
+    @staticmethod
+    def _tls(
+        config: AgentConfig,
+    ) -> tuple[Callable[[], ssl.SSLContext] | None, Callable[[], ssl.SSLContext] | None]:
+        """The listeners' TLS context and the one agents reach each other's native listener
+        with (None where not TLS); both re-read their files when they change."""
+        interval = config.ssl_reload_check_interval_ms / 1000
+        server = client = None
+        if config.listener_security_protocol.tls or config.kafka_security_protocol.tls:
+            server = ReloadingContext(config.tls_files, server_context, check_interval=interval)
+        if config.listener_security_protocol.tls:
+            client = ReloadingContext(config.tls_files, client_context, check_interval=interval)
+        return (server.get if server else None), (client.get if client else None)
 
     def stop(self) -> None:
         """Stop gracefully (SIGTERM): first a controlled shutdown, then the process ends.
@@ -316,6 +377,7 @@ class Agent:
             await self.server.stop()
             if self.kafka_server is not None:
                 await self.kafka_server.stop()
+            self.auth.close()
             await self.partitions.close()
             await self.zk.stop()
 
@@ -392,6 +454,9 @@ class Agent:
         self.zk.watch_children(AGENTS, self._agents_watch)
         self.zk.watch_data(CONTROLLER, self._controller_changed)
         self.zk.watch_children(TOPICS, self._topics_changed)
+        if self.authorizer is not None:
+            authz = self.authorizer
+            self.zk.watch_data(ACLS, lambda data, stat: authz.update(data))
 
     def _agents_watch(self, children: list[str]) -> None:
         self._agents_generation += 1

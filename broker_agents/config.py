@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from storage.config import _Config
 from storage.protocol import DEFAULT_MAX_FRAME
+from storage.tls import ClientAuth, SecurityProtocol, TlsFiles
 
 
 class AgentConfig(_Config):
@@ -21,6 +22,58 @@ class AgentConfig(_Config):
     # when unset; advertised to Kafka clients in Metadata and FindCoordinator
     kafka_listener: str | None = Field(None, alias="kafka.listener", pattern=r"^.*:\d{1,5}$")
     kafka_advertised_host: str | None = Field(None, alias="kafka.advertised.host")
+    # ---- security (docs/security.md) --------------------------------------------------------
+    # PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL for the native listener; the Kafka listener
+    # takes kafka.listener.security.protocol (unset: the same). Agents reach each other on the
+    # native listener, so with SSL there they show ssl.certfile as a client certificate too.
+    listener_security_protocol: SecurityProtocol = Field(
+        SecurityProtocol.PLAINTEXT, alias="listener.security.protocol"
+    )
+    kafka_listener_security_protocol: SecurityProtocol | None = Field(
+        None, alias="kafka.listener.security.protocol"
+    )
+    ssl_certfile: str | None = Field(None, alias="ssl.certfile")
+    ssl_keyfile: str | None = Field(None, alias="ssl.keyfile")
+    ssl_cafile: str | None = Field(None, alias="ssl.cafile")
+    # none: no client certificates; requested: verified when shown (the CN is the principal);
+    # required: a connection without a certificate the CA signed is refused
+    ssl_client_auth: ClientAuth = Field(ClientAuth.NONE, alias="ssl.client.auth")
+    # whether an agent checks the name in another agent's certificate against its address
+    ssl_check_hostname: bool = Field(True, alias="ssl.check.hostname")
+    ssl_handshake_timeout_ms: int = Field(10_000, alias="ssl.handshake.timeout.ms", ge=100)
+    # how often the certificate files are looked at for a change (reload without restart)
+    ssl_reload_check_interval_ms: int = Field(1000, alias="ssl.reload.check.interval.ms", ge=0)
+    # SASL listeners: the SCRAM mechanisms offered (credentials in ZooKeeper, /config/users)
+    sasl_enabled_mechanisms: str = Field(
+        "SCRAM-SHA-256,SCRAM-SHA-512",
+        alias="sasl.enabled.mechanisms",
+        pattern=r"^(SCRAM-SHA-(256|512))(,SCRAM-SHA-(256|512))*$",
+    )
+    # SCRAM steps at a time (a small thread pool; 4x this may wait, more are turned away)
+    sasl_max_concurrent_authentications: int = Field(
+        2, alias="sasl.max.concurrent.authentications", ge=1, le=64
+    )
+    # a failed login is answered this late, then the connection is closed (Kafka's name)
+    connection_failed_authentication_delay_ms: int = Field(
+        100, alias="connection.failed.authentication.delay.ms", ge=0
+    )
+    # a connection to a SASL listener that has not authenticated by then is closed
+    # how this agent logs in to the others' SASL listener (unneeded with SASL_SSL and a
+    # client certificate, ssl.client.auth requested or required: the certificate is its
+    # principal); the user must exist in /config/users (``strata users set``)
+    inter_agent_sasl_mechanism: str = Field(
+        "SCRAM-SHA-512", alias="inter.agent.sasl.mechanism", pattern=r"^SCRAM-SHA-(256|512)$"
+    )
+    inter_agent_sasl_username: str | None = Field(None, alias="inter.agent.sasl.username")
+    inter_agent_sasl_password: SecretStr | None = Field(None, alias="inter.agent.sasl.password")
+    # ACLs (/config/acls) checked on every request; off: everyone may do everything
+    authorizer_enable: bool = Field(False, alias="authorizer.enable")
+    # principals that skip the ACLs, ';'-separated (Kafka's form): the agents' own
+    # (inter.agent.sasl.username or their certificates' CN) belong here, and an admin's
+    super_users: str = Field("", alias="super.users")
+    sasl_authentication_deadline_ms: int = Field(
+        10_000, alias="sasl.authentication.deadline.ms", ge=100
+    )
     zookeeper: str = Field(alias="zookeeper.connect")
     data_dir: Path = Field(alias="data.dir")
     session_timeout_ms: int = Field(6000, alias="zookeeper.session.timeout.ms", ge=1000)
@@ -116,6 +169,28 @@ class AgentConfig(_Config):
     agent_replace_after_ms: int = Field(-1, alias="agent.replace.after.ms", ge=-1)
     # deleting topics (docs/operations.md): segment objects per DeleteObjects request
     topic_delete_batch_size: int = Field(1000, alias="topic.delete.batch.size", ge=1, le=1000)
+
+    @property
+    def kafka_security_protocol(self) -> SecurityProtocol:
+        return self.kafka_listener_security_protocol or self.listener_security_protocol
+
+    @property
+    def super_user_set(self) -> frozenset[str]:
+        return frozenset(u.strip() for u in self.super_users.split(";") if u.strip())
+
+    @property
+    def sasl_mechanisms(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(self.sasl_enabled_mechanisms.split(",")))
+
+    @property
+    def tls_files(self) -> TlsFiles:
+        return TlsFiles(
+            certfile=self.ssl_certfile,
+            keyfile=self.ssl_keyfile,
+            cafile=self.ssl_cafile,
+            client_auth=self.ssl_client_auth,
+            check_hostname=self.ssl_check_hostname,
+        )
 
     @classmethod
     def from_env(cls, prefix: str = "STRATA_AGENT_") -> AgentConfig:

@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -41,11 +42,13 @@ from storage.codec import iter_batches
 from storage.errors import MetadataError, OffsetOutOfRangeError, StrataError
 from storage.protocol import encode_request, parse_response, read_size
 from storage.protocol import messages as m
+from storage.protocol.schema import Message
 
 if TYPE_CHECKING:
     from broker_agents.config import AgentConfig
     from broker_agents.partitions import Partition, PartitionManager
     from broker_agents.view import ClusterView
+    from sdk.connection import Login
     from storage.metadata import MetadataStore
 
 log = logging.getLogger(__name__)
@@ -88,9 +91,20 @@ class ReplicaFetchers:
     restart_delay = 1.0
 
     def __init__(
-        self, agent_id: int, partitions: PartitionManager, view: ClusterView, config: AgentConfig
+        self,
+        agent_id: int,
+        partitions: PartitionManager,
+        view: ClusterView,
+        config: AgentConfig,
+        *,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        login: Login | None = None,
     ) -> None:
         self.agent_id = agent_id
+        #: the leaders' listener is TLS: their current client context
+        self.tls = tls
+        #: the leaders' listener is SASL: how this agent logs in (``sdk.auth``)
+        self.login = login
         self.partitions = partitions
         self.view = view
         self.config = config
@@ -141,6 +155,29 @@ class ReplicaFetchers:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         self.tasks.clear()
 
+    async def _login(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, correlation: int
+    ) -> int:
+        """Authenticate a new connection to a leader (SASL listener); the last correlation."""
+        assert self.login is not None
+        counter = [correlation]
+
+        async def send(body: Message) -> object:
+            counter[0] += 1
+            key = next(a.key for a in m.APIS.values() if isinstance(body, a.request))
+            writer.writelines(encode_request(key, counter[0], f"agent-{self.agent_id}", body))
+            await writer.drain()
+            async with asyncio.timeout(10):
+                size = read_size(await reader.readexactly(4), 1 << 20)
+                frame = parse_response(await reader.readexactly(size))
+            err = frame.error()
+            if err is not None:
+                raise err
+            return m.APIS[key].response.decode(frame.body)
+
+        await self.login(send)
+        return counter[0]
+
     def _followed(self, leader: int, moving: bool) -> list[Partition]:
         return [
             p
@@ -158,12 +195,20 @@ class ReplicaFetchers:
                 continue
             try:
                 async with asyncio.timeout(5):
-                    reader, writer = await asyncio.open_connection(reg.host, reg.port)
-            except (OSError, TimeoutError):
+                    reader, writer = await asyncio.open_connection(
+                        reg.host,
+                        reg.port,
+                        ssl=self.tls() if self.tls is not None else None,
+                    )
+            except (OSError, TimeoutError) as exc:
+                if isinstance(exc, ssl.SSLError):
+                    log.warning("TLS handshake with leader %d failed: %s", leader, exc)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 1.0)
                 continue
             try:
+                if self.login is not None:
+                    correlation = await self._login(reader, writer, correlation)
                 while True:
                     partitions = self._followed(leader, lane)
                     if not partitions:

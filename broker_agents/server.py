@@ -40,14 +40,19 @@ import contextlib
 import functools
 import logging
 import socket
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from broker_agents.security.authenticator import Authenticator, Session
+from broker_agents.security.guard import current_principal
 from storage.errors import (
     FrameTooLargeError,
+    IllegalSaslStateError,
     MalformedFrameError,
     StrataError,
+    UnsupportedSaslMechanismError,
     UnsupportedVersionError,
 )
 from storage.protocol import (
@@ -57,7 +62,12 @@ from storage.protocol import (
     parse_request,
     read_size,
 )
-from storage.protocol.messages import ApiKey
+from storage.protocol.messages import (
+    ApiKey,
+    SaslAuthenticateResponse,
+    SaslHandshakeRequest,
+    SaslHandshakeResponse,
+)
 from storage.protocol.sockio import FrameStream
 
 log = logging.getLogger(__name__)
@@ -65,12 +75,22 @@ log = logging.getLogger(__name__)
 _NO_RESPONSE = object()
 
 
+class _CloseAfter:
+    """An answer after which the connection is closed (a failed or out-of-order login)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: Any) -> None:
+        self.parts = parts
+
+
 class _Activity:
     """When the connection's pending read and write started waiting (None: not waiting)."""
 
-    __slots__ = ("frame", "reading", "writable", "writing")
+    __slots__ = ("frame", "reading", "session", "writable", "writing")
 
     def __init__(self) -> None:
+        self.session: Session | None = None
         self.reading: float | None = None
         self.frame: float | None = None  # since when the peer has been sending a frame
         self.writing: float | None = None
@@ -84,19 +104,39 @@ class WireCodec(Protocol):
     #: whether a frame over the size limit is skipped and answered (else: connection closed)
     answers_oversize: bool
 
+    #: what a connection that must authenticate may send before it has
+    pre_auth_apis: frozenset[int]
+
     def read_size(self, prefix: Any, max_frame: int) -> int: ...
     def parse(self, frame: Any) -> Any: ...  # a request with an ``api_key``
-    async def handle(self, request: Any) -> Any: ...  # response parts, or None: no response
+    # response parts, or None: no response
+    async def handle(self, request: Any, session: Session | None) -> Any: ...
     def too_large(self, head: bytes, size: int) -> list[Any]: ...
+    def refuse(self, request: Any, exc: StrataError) -> Any: ...  # an error response
 
 
 class NativeCodec:
     """Strata's own protocol (``storage.protocol``) in front of ``apis.handlers``."""
 
     answers_oversize = False
+    pre_auth_apis: frozenset[int] = frozenset(
+        {ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE}
+    )
 
-    def __init__(self, apis: Any) -> None:
+    def __init__(self, apis: Any, auth: Authenticator | None = None) -> None:
         self.apis = apis
+        self.auth = auth
+
+    def refuse(self, request: Any, exc: StrataError) -> Any:
+        return encode_error_response(request.correlation_id, exc.code, str(exc))
+
+    async def _sasl(self, body: Any, session: Session | None) -> Any:
+        if self.auth is None or session is None:
+            raise UnsupportedSaslMechanismError("this listener does not use SASL")
+        if isinstance(body, SaslHandshakeRequest):
+            return SaslHandshakeResponse(0, self.auth.handshake(session, body.mechanism))
+        answer = await self.auth.authenticate(session, body.auth_bytes)
+        return SaslAuthenticateResponse(0, None, answer, 0)
 
     def read_size(self, prefix: Any, max_frame: int) -> int:
         return read_size(prefix, max_frame)
@@ -107,11 +147,16 @@ class NativeCodec:
     def too_large(self, head: bytes, size: int) -> list[Any]:
         raise NotImplementedError  # the connection is closed instead
 
-    async def handle(self, request: Any) -> Any:
+    async def handle(self, request: Any, session: Session | None = None) -> Any:
         try:
             body = decode_request_body(request)
         except StrataError as exc:
             return encode_error_response(request.correlation_id, exc.code, str(exc))
+        if request.api_key in (ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE):
+            try:
+                return encode_response(request.correlation_id, await self._sasl(body, session))
+            except StrataError as exc:
+                return encode_error_response(request.correlation_id, exc.code, str(exc))
         handler = self.apis.handlers.get(request.api_key)
         if handler is None:
             return encode_error_response(
@@ -261,8 +306,18 @@ class AgentServer:
         idle_timeout: float = 600.0,
         frame_timeout: float = 30.0,
         codec: WireCodec | None = None,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        handshake_timeout: float = 10.0,
+        auth: Authenticator | None = None,
+        sasl: bool = False,
     ) -> None:
         self.apis = apis
+        #: TLS: the listener's current context (``storage.tls.ReloadingContext.get``)
+        self.tls = tls
+        self.handshake_timeout = handshake_timeout
+        #: authentication: sessions come from here; with ``sasl`` every connection must log in
+        self.auth = auth
+        self.sasl = sasl
         self.codec: WireCodec = codec if codec is not None else NativeCodec(apis)
         self.budget = ByteBudget(max_queued_bytes, reserve=max(max_queued_bytes // 16, 1 << 20))
         self.max_frame_bytes = max_frame_bytes
@@ -310,6 +365,11 @@ class AgentServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
+            if self.tls is not None:  # the handshake runs in the connection's own task
+                self._track(
+                    asyncio.create_task(self._tls_connection(sock, peer), name=f"conn:{peer}")
+                )
+                continue
             stream = FrameStream(
                 sock, max_frame=self.max_frame_bytes, size_reader=self.codec.read_size
             )
@@ -319,9 +379,43 @@ class AgentServer:
                 log.warning("connection from %s lost at once: %s", peer, exc)
                 sock.close()
                 continue
-            task = asyncio.create_task(self._on_connection(stream, peer), name=f"conn:{peer}")
-            self.connections.add(task)
-            task.add_done_callback(self._connection_closed)
+            self._track(asyncio.create_task(self._on_connection(stream, peer), name=f"conn:{peer}"))
+
+    def _track(self, task: asyncio.Task[None]) -> None:
+        self.connections.add(task)
+        task.add_done_callback(self._connection_closed)
+
+    async def _tls_connection(self, sock: socket.socket, peer: Any) -> None:
+        """A TLS connection: the handshake (within ``handshake_timeout``; a peer that fails
+        it, speaks plaintext or shows a certificate the CA did not sign is dropped and
+        logged), then served like any other."""
+        assert self.tls is not None
+        stream = FrameStream(
+            sock, max_frame=self.max_frame_bytes, size_reader=self.codec.read_size, tls=True
+        )
+        loop = asyncio.get_running_loop()
+        try:
+            # in two steps: start_tls closes the TCP transport itself if the handshake fails
+            raw, _ = await loop.connect_accepted_socket(asyncio.Protocol, sock)
+        except OSError as exc:
+            log.warning("connection from %s lost at once: %s", peer, exc)
+            sock.close()
+            return
+        try:
+            tls = await loop.start_tls(
+                raw,
+                stream,
+                self.tls(),
+                server_side=True,
+                ssl_handshake_timeout=self.handshake_timeout,
+            )
+        except (OSError, TimeoutError) as exc:  # ssl.SSLError is an OSError
+            log.warning("TLS handshake with %s failed: %r", peer, exc)
+            raw.close()
+            return
+        assert tls is not None
+        stream.connection_made(tls)  # start_tls does not call it
+        await self._on_connection(stream, peer)
 
     def _connection_closed(self, task: asyncio.Task[None]) -> None:
         """Forget the connection; after many closes, give their memory back (once, later)."""
@@ -342,6 +436,15 @@ class AgentServer:
     async def _on_connection(self, stream: FrameStream, peer: Any) -> None:
         queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
         activity = _Activity()
+        assert stream.transport is not None
+        session = (
+            None
+            if self.auth is None
+            else self.auth.session(
+                peer, sasl=self.sasl, peercert=stream.transport.get_extra_info("peercert")
+            )
+        )
+        activity.session = session
         writer_task = asyncio.create_task(
             self._write_responses(queue, stream, activity), name=f"conn-writer:{peer}"
         )
@@ -371,7 +474,11 @@ class AgentServer:
         loop = asyncio.get_running_loop()
         assert stream.transport is not None
         while True:
-            await asyncio.sleep(min(self.idle_timeout, self.frame_timeout) / 4)
+            interval = min(self.idle_timeout, self.frame_timeout) / 4
+            if activity.session is not None and activity.session.pending:
+                assert self.auth is not None
+                interval = min(interval, self.auth.settings.deadline_s / 4)
+            await asyncio.sleep(interval)
             now = loop.time()
             too_old = now - self.idle_timeout
             if activity.writing is not None and activity.writing < too_old:
@@ -381,6 +488,12 @@ class AgentServer:
                     self.idle_timeout,
                 )
                 activity.writable = False  # the writer drains its queue without writing
+                stream.transport.abort()
+                return
+            session = activity.session
+            if session is not None and session.pending and now > session.deadline:
+                log.warning("closing connection from %s: it did not authenticate in time", peer)
+                activity.writable = False
                 stream.transport.abort()
                 return
             frame_limit = min(self.frame_timeout, self.idle_timeout)
@@ -440,7 +553,7 @@ class AgentServer:
                 charge.release(charge.take_frame())
                 raise
             del frame
-            handler = asyncio.ensure_future(self._handle(request))
+            handler = asyncio.ensure_future(self._handle(request, activity.session))
             # released when the handler is done, even if cancelled before it ever ran
             handler.add_done_callback(functools.partial(self._release, charge, charge.take_frame()))
             await queue.put(handler)
@@ -463,20 +576,33 @@ class AgentServer:
     def _release(charge: _Charge, held: int, _handler: asyncio.Future[Any]) -> None:
         charge.release(held)
 
-    async def _handle(self, request: Any) -> Any:
+    async def _handle(self, request: Any, session: Session | None) -> Any:
         if self.observer is None:
-            return await self._dispatch(request)
+            return await self._dispatch(request, session)
         started = time.perf_counter()
         failed = True
         try:
-            result = await self._dispatch(request)
+            result = await self._dispatch(request, session)
             failed = False
             return result
         finally:
             self.observer.request_done(request.api_key, time.perf_counter() - started, failed)
 
-    async def _dispatch(self, request: Any) -> Any:
-        return await self.codec.handle(request)
+    async def _dispatch(self, request: Any, session: Session | None) -> Any:
+        if session is not None:
+            current_principal.set(session.principal)  # this handler task's (ACL checks)
+        if session is not None and session.pending:
+            if request.api_key not in self.codec.pre_auth_apis:
+                log.warning(
+                    "closing connection from %s: API %s before authenticating",
+                    session.peer,
+                    request.api_key,
+                )
+                exc = IllegalSaslStateError("authenticate first (SaslHandshake)")
+                return _CloseAfter(self.codec.refuse(request, exc))
+            answer = await self.codec.handle(request, session)
+            return _CloseAfter(answer) if session.failed else answer
+        return await self.codec.handle(request, session)
 
     async def _write_responses(
         self, queue: asyncio.Queue[Any], stream: FrameStream, activity: _Activity
@@ -488,6 +614,9 @@ class AgentServer:
         loop = asyncio.get_running_loop()
         while (fut := await queue.get()) is not None:
             parts = await fut
+            close = isinstance(parts, _CloseAfter)
+            if close:
+                parts = parts.parts
             if parts is None or parts is _NO_RESPONSE or not activity.writable:
                 continue
             activity.writing = loop.time()
@@ -502,3 +631,7 @@ class AgentServer:
                 continue  # cut off while this answer waited
             if self.observer is not None:
                 self.observer.bytes_out(sent)
+            if close:
+                activity.writable = False
+                assert stream.transport is not None
+                stream.transport.close()  # the reader sees the end of the stream

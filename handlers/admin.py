@@ -46,6 +46,7 @@ from handlers.groups import ROUTES as GROUP_ROUTES
 from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
 from handlers.retries import ROUTES as RETRY_ROUTES
 from handlers.runtime import Invocation
+from handlers.security import ROUTES as SECURITY_ROUTES
 from sdk.admin import DeletionStatus, PartitionInfo, PartitionStatus, TopicDescription
 from storage.errors import (
     InvalidConfigError,
@@ -355,6 +356,7 @@ ROUTER = Router(
         *CLUSTER_ROUTES,
         *DELAY_ROUTES,
         *RETRY_ROUTES,
+        *SECURITY_ROUTES,
     ],
     invocation=Invocation,
 )

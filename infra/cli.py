@@ -90,6 +90,10 @@ app.add_typer(dlq_app, name="dlq")
 app.add_typer(agents_app, name="agents")
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(local_app, name="local")
+users_app = typer.Typer(help="SCRAM users (docs/security.md).", no_args_is_help=True)
+acls_app = typer.Typer(help="ACLs: who may do what (docs/security.md).", no_args_is_help=True)
+app.add_typer(users_app, name="users")
+app.add_typer(acls_app, name="acls")
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True)
@@ -453,6 +457,133 @@ def agents_decommission(
             f"decommissioning agent {agent_id}: {entry['replicas']} replicas to move"
             " (see agents list)"
         )
+
+
+@users_app.command("list")
+def users_list() -> None:
+    """Users and the SCRAM mechanisms each has a credential for."""
+    ctx = _ctx()
+    with _errors():
+        users = ctx.admin().list_users()
+    if ctx.json:
+        ctx.emit({"users": users})
+        return
+    table = Table("user", "mechanisms")
+    for name, mechs in users.items():
+        table.add_row(name, ", ".join(mechs))
+    out.print(table)
+
+
+@users_app.command("set")
+def users_set(
+    name: str,
+    mechanism: Annotated[
+        list[str] | None, typer.Option("--mechanism", help="SCRAM-SHA-256 / SCRAM-SHA-512")
+    ] = None,
+) -> None:
+    """Create a user or change its password (asked for, or STRATA_USER_PASSWORD)."""
+    ctx = _ctx()
+    password = os.environ.get("STRATA_USER_PASSWORD") or typer.prompt(
+        "password", hide_input=True, confirmation_prompt=True
+    )
+    with _errors():
+        entry = ctx.admin().set_user(name, password, mechanism or None)
+    if ctx.json:
+        ctx.emit(entry)
+    else:
+        out.print(f"user {name}: {', '.join(entry['mechanisms'])}")
+
+
+@users_app.command("delete")
+def users_delete(name: str) -> None:
+    """Delete a user (its open connections stay; new logins fail)."""
+    ctx = _ctx()
+    with _errors():
+        deleted = ctx.admin().delete_user(name)
+    if ctx.json:
+        ctx.emit({"deleted": deleted})
+    else:
+        out.print(f"user {name} {'deleted' if deleted else 'did not exist'}")
+
+
+def _binding(
+    principal: str, resource: str, operation: str, deny: bool, prefixed: bool
+) -> dict[str, str]:
+    rtype, _, name = resource.partition(":")
+    if not name:
+        raise typer.BadParameter("--resource is TYPE:NAME, e.g. topic:orders or group:billing")
+    return {
+        "principal": principal,
+        "resource_type": rtype,
+        "name": name,
+        "operation": operation,
+        "permission": "deny" if deny else "allow",
+        "pattern_type": "prefixed" if prefixed else "literal",
+    }
+
+
+@acls_app.command("list")
+def acls_list() -> None:
+    """Every ACL binding."""
+    ctx = _ctx()
+    with _errors():
+        acls = ctx.admin().list_acls()
+    if ctx.json:
+        ctx.emit({"acls": acls})
+        return
+    table = Table("principal", "permission", "operation", "resource", "name", "pattern")
+    for a in acls:
+        table.add_row(
+            a["principal"],
+            a["permission"],
+            a["operation"],
+            a["resource_type"],
+            a["name"],
+            a["pattern_type"],
+        )
+    out.print(table)
+
+
+@acls_app.command("add")
+def acls_add(
+    principal: Annotated[str, typer.Option("--principal", help="User:<name> or User:*")],
+    resource: Annotated[
+        str, typer.Option("--resource", help="topic|group|cluster|transactional_id:NAME")
+    ],
+    operation: Annotated[
+        str, typer.Option("--operation", help="read|write|create|delete|alter|describe|all")
+    ],
+    deny: Annotated[bool, typer.Option("--deny", help="A deny (deny wins)")] = False,
+    prefixed: Annotated[bool, typer.Option("--prefixed", help="NAME is a prefix")] = False,
+) -> None:
+    """Add one ACL binding."""
+    ctx = _ctx()
+    with _errors():
+        added = ctx.admin().add_acls([_binding(principal, resource, operation, deny, prefixed)])
+    if ctx.json:
+        ctx.emit({"acls": added})
+    else:
+        out.print(f"added {len(added)} ACL")
+
+
+@acls_app.command("remove")
+def acls_remove(
+    principal: Annotated[str, typer.Option("--principal")],
+    resource: Annotated[str, typer.Option("--resource")],
+    operation: Annotated[str, typer.Option("--operation")],
+    deny: Annotated[bool, typer.Option("--deny")] = False,
+    prefixed: Annotated[bool, typer.Option("--prefixed")] = False,
+) -> None:
+    """Remove one ACL binding."""
+    ctx = _ctx()
+    with _errors():
+        removed = ctx.admin().remove_acls(
+            [_binding(principal, resource, operation, deny, prefixed)]
+        )
+    if ctx.json:
+        ctx.emit({"removed": removed})
+    else:
+        out.print(f"removed {removed} ACL")
 
 
 @cluster_app.command("rebalance")

@@ -40,6 +40,7 @@ REQUIREMENTS = (
     "numpy",
     "google-crc32c",
     "python-json-logger",
+    "scramp",  # the admin API's /users route salts SCRAM credentials (and its asn1crypto)
 )
 """Third-party distributions the handlers import (versions from ``constraints.txt``)."""
 PLATFORMS = ("manylinux2014_aarch64", "manylinux_2_28_aarch64")

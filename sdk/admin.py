@@ -320,6 +320,10 @@ def _group(group: str) -> str:
     return "/groups/" + urllib.parse.quote(group, safe="")
 
 
+def _path(segment: str) -> str:
+    return urllib.parse.quote(segment, safe="")
+
+
 class SyncAdmin:
     """The blocking admin client (one HTTP request per call, ``timeout`` s each)."""
 
@@ -514,6 +518,34 @@ class SyncAdmin:
         """Move leadership to each partition's first replica where it is in sync."""
         self._http.request("POST", "/cluster/preferred-leaders", {"topics": topics})
 
+    # ---- users and ACLs (docs/security.md) ----------------------------------------------------
+    def list_users(self) -> dict[str, list[str]]:
+        """Every SCRAM user and the mechanisms it has a credential for."""
+        return dict(self._http.request("GET", "/users")["users"])
+
+    def set_user(
+        self, name: str, password: str, mechanisms: list[str] | None = None
+    ) -> dict[str, Any]:
+        """Create a user or change its password (salted by the admin API, never stored)."""
+        body: dict[str, Any] = {"password": password}
+        if mechanisms is not None:
+            body["mechanisms"] = mechanisms
+        return dict(self._http.request("PUT", f"/users/{_path(name)}", body))
+
+    def delete_user(self, name: str) -> bool:
+        return bool(self._http.request("DELETE", f"/users/{_path(name)}")["deleted"])
+
+    def list_acls(self) -> list[dict[str, str]]:
+        return list(self._http.request("GET", "/acls")["acls"])
+
+    def add_acls(self, acls: list[dict[str, str]]) -> list[dict[str, str]]:
+        """Add bindings (``principal``, ``resource_type``, ``name``, ``operation``,
+        ``permission``, ``pattern_type``; docs/security.md)."""
+        return list(self._http.request("POST", "/acls", {"acls": acls})["acls"])
+
+    def remove_acls(self, acls: list[dict[str, str]]) -> int:
+        return int(self._http.request("DELETE", "/acls", {"acls": acls})["removed"])
+
     def reassign_partition(self, topic: str, partition: int, replicas: list[int]) -> dict[str, Any]:
         """Move ``topic``'s ``partition`` onto ``replicas`` (the first: preferred leader)."""
         path = f"/topics/{urllib.parse.quote(topic, safe='')}/partitions/{int(partition)}"
@@ -677,6 +709,26 @@ class Admin:
         self, topic: str, partition: int, replicas: list[int]
     ) -> dict[str, Any]:
         return dict(await self._call(self._sync.reassign_partition, topic, partition, replicas))
+
+    async def list_users(self) -> dict[str, list[str]]:
+        return dict(await self._call(self._sync.list_users))
+
+    async def set_user(
+        self, name: str, password: str, mechanisms: list[str] | None = None
+    ) -> dict[str, Any]:
+        return dict(await self._call(self._sync.set_user, name, password, mechanisms))
+
+    async def delete_user(self, name: str) -> bool:
+        return bool(await self._call(self._sync.delete_user, name))
+
+    async def list_acls(self) -> list[dict[str, str]]:
+        return list(await self._call(self._sync.list_acls))
+
+    async def add_acls(self, acls: list[dict[str, str]]) -> list[dict[str, str]]:
+        return list(await self._call(self._sync.add_acls, acls))
+
+    async def remove_acls(self, acls: list[dict[str, str]]) -> int:
+        return int(await self._call(self._sync.remove_acls, acls))
 
     async def close(self) -> None:
         self._sync.close()

@@ -35,6 +35,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from sdk.auth import ScramLogin
 from sdk.backoff import ExponentialBackoff
 from sdk.config import ClientConfig
 from sdk.connection import Connection, Spawn
@@ -46,6 +47,7 @@ from storage.errors import (
     NetworkError,
     NotLeaderError,
     RequestTimedOutError,
+    SecurityError,
     StrataError,
     UnknownTopicIdError,
     UnknownTopicOrPartitionError,
@@ -55,6 +57,7 @@ from storage.names import validate_topic_name
 from storage.protocol import DEFAULT_MAX_FRAME
 from storage.protocol.messages import MetadataRequest, MetadataResponse
 from storage.protocol.schema import Message
+from storage.tls import ReloadingContext, client_context
 
 #: errors after which the client's view of leaders is suspect
 STALE_METADATA_ERRORS: tuple[type[StrataError], ...] = (
@@ -98,6 +101,17 @@ class Cluster:
         self.config = config
         self._spawn = spawn
         self._clock = clock
+        files = config.tls_files
+        #: TLS: the client context, re-read when its files change (``storage.tls``)
+        self._tls = None if files is None else ReloadingContext(files, client_context)
+        self._login: ScramLogin | None = None
+        if config.security_protocol.sasl:
+            assert config.sasl_username is not None and config.sasl_password is not None
+            self._login = ScramLogin(
+                config.sasl_mechanism,
+                config.sasl_username,
+                config.sasl_password.get_secret_value(),
+            )
         self._backoff = backoff or ExponentialBackoff(
             config.retry_backoff_ms, config.effective_backoff_max_ms
         )
@@ -231,6 +245,7 @@ class Cluster:
         candidates.sort(key=self._load)
         request = MetadataRequest(topics=sorted(self._topics))
         errors = []
+        refused = True  # every agent refused who we are (not retriable: raised as such)
         for address in candidates:
             try:
                 conn = await self._connection(address)
@@ -238,10 +253,14 @@ class Cluster:
             except StrataError as exc:
                 errors.append(f"{address[0]}:{address[1]}: {exc}")
                 self.last_error = exc
+                refused = refused and isinstance(exc, SecurityError)
                 continue
             self.apply_metadata(response)
             return
-        err = NetworkError("metadata refresh failed: " + "; ".join(errors))
+        text = "metadata refresh failed: " + "; ".join(errors)
+        err: StrataError = NetworkError(text)
+        if refused and self.last_error is not None:
+            err = type(self.last_error)(text)
         self.last_error = err
         raise err
 
@@ -384,6 +403,8 @@ class Cluster:
                 max_frame=self._max_frame,
                 spawn=self._spawn_reader,
                 clock=self._clock,
+                ssl_context=None if self._tls is None else self._tls.get(),
+                login=self._login,
             )
             self._pool[(address, channel)] = conn
         await conn.connect()

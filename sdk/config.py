@@ -23,6 +23,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SecretStr,
     ValidationError,
     ValidatorFunctionWrapHandler,
     field_validator,
@@ -31,6 +32,7 @@ from pydantic import (
 
 from storage.codec import Compression
 from storage.errors import InvalidConfigError
+from storage.tls import SecurityProtocol, TlsFiles
 
 MiB = 1 << 20
 _HOST_PORT = re.compile(
@@ -76,6 +78,39 @@ class ClientConfig(BaseModel):
     max_in_flight_requests_per_connection: int = Field(
         5, alias="max.in.flight.requests.per.connection", ge=1
     )
+    # ---- security (docs/security.md) ----------------------------------------------------
+    security_protocol: SecurityProtocol = Field(
+        SecurityProtocol.PLAINTEXT, alias="security.protocol"
+    )
+    #: the CA bundle the agents' certificates are checked against (unset: the system's)
+    ssl_cafile: str | None = Field(None, alias="ssl.cafile")
+    #: a client certificate and its key (mTLS: the certificate's CN is the principal)
+    ssl_certfile: str | None = Field(None, alias="ssl.certfile")
+    ssl_keyfile: str | None = Field(None, alias="ssl.keyfile")
+    #: check the agent's name against its certificate (Kafka's
+    #: ssl.endpoint.identification.algorithm=https)
+    ssl_check_hostname: bool = Field(True, alias="ssl.check.hostname")
+    #: SASL (security.protocol SASL_PLAINTEXT or SASL_SSL): SCRAM-SHA-256 or SCRAM-SHA-512
+    sasl_mechanism: Literal["SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "SCRAM-SHA-512", alias="sasl.mechanism"
+    )
+    sasl_username: str | None = Field(None, alias="sasl.username", min_length=1)
+    #: never shown: the config's repr and errors print ``**********``
+    sasl_password: SecretStr | None = Field(None, alias="sasl.password")
+
+    @model_validator(mode="after")
+    def _sasl_needs_credentials(self) -> Self:
+        if self.security_protocol.sasl and (not self.sasl_username or not self.sasl_password):
+            raise InvalidConfigError(
+                f"invalid {type(self).__name__}: security.protocol {self.security_protocol}"
+                " needs sasl.username and sasl.password"
+            )
+        return self
+
+    @field_validator("security_protocol", mode="before")
+    @classmethod
+    def _protocol(cls, v: Any) -> Any:
+        return v.strip().upper() if isinstance(v, str) else v
 
     @model_validator(mode="wrap")
     @classmethod
@@ -106,6 +141,18 @@ class ClientConfig(BaseModel):
             values = values.model_dump()
         merged = {**(values or {}), **kwargs}
         return cls.model_validate(merged)
+
+    @property
+    def tls_files(self) -> TlsFiles | None:
+        """The TLS material to connect with (None: plaintext)."""
+        if not self.security_protocol.tls:
+            return None
+        return TlsFiles(
+            certfile=self.ssl_certfile,
+            keyfile=self.ssl_keyfile,
+            cafile=self.ssl_cafile,
+            check_hostname=self.ssl_check_hostname,
+        )
 
     @property
     def addresses(self) -> list[tuple[str, int]]:

@@ -28,16 +28,26 @@ import asyncio
 import contextlib
 import itertools
 import socket
+import ssl
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from storage.errors import MalformedFrameError, NetworkError, RequestTimedOutError, StrataError
+from storage.errors import (
+    MalformedFrameError,
+    NetworkError,
+    RequestTimedOutError,
+    SslAuthenticationError,
+    StrataError,
+)
 from storage.protocol import APIS, DEFAULT_MAX_FRAME, encode_request, parse_response
 from storage.protocol.schema import Message
 from storage.protocol.sockio import FrameStream
 
 Spawn = Callable[[Coroutine[Any, Any, None], str], "asyncio.Task[None]"]
+Send = Callable[[Message], Awaitable[Any]]
+Login = Callable[[Send], Awaitable[None]]
+"""Authenticates a new connection with the requests it sends through ``Send``."""
 
 _API_KEY: dict[type[Message], int] = {api.request: int(api.key) for api in APIS.values()}
 _RESPONSE: dict[int, type[Message]] = {int(api.key): api.response for api in APIS.values()}
@@ -62,8 +72,15 @@ class Connection:
         max_frame: int = DEFAULT_MAX_FRAME,
         spawn: Spawn | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ssl_context: ssl.SSLContext | None = None,
+        login: Login | None = None,
     ) -> None:
         self.host = host
+        #: SASL: run on each new connection before any other request (``sdk.auth``)
+        self.login = login
+        self._ready = False
+        #: TLS (``security.protocol`` SSL or SASL_SSL): the server is verified with this
+        self.ssl_context = ssl_context
         self.port = port
         self.client_id = client_id
         self.request_timeout = request_timeout_ms / 1000
@@ -91,7 +108,7 @@ class Connection:
 
     @property
     def connected(self) -> bool:
-        return self._stream is not None and self._closed is None
+        return self._ready and self._closed is None
 
     @property
     def in_flight(self) -> int:
@@ -107,16 +124,22 @@ class Connection:
         return err
 
     async def connect(self) -> None:
-        if self._stream is not None and self._closed is None:
+        if self._ready and self._closed is None:
             return
         async with self._connect_lock:
             if self._closed is not None:
                 raise self._closed_error()
-            if self._stream is not None:
+            if self._ready:
                 return
             try:
                 async with asyncio.timeout(self.connect_timeout):
-                    stream = await _open(self.host, self.port, self.max_frame)
+                    stream = await _open(self.host, self.port, self.max_frame, self.ssl_context)
+            except ssl.SSLError as exc:  # not retriable: the same certificates fail the same way
+                ssl_err = SslAuthenticationError(
+                    f"TLS handshake with {self.host}:{self.port} failed: {exc}"
+                )
+                self._closed = ssl_err
+                raise ssl_err from None
             except TimeoutError:
                 err = NetworkError(
                     f"connecting to {self.host}:{self.port} timed out after "
@@ -133,7 +156,29 @@ class Connection:
                 self._read_loop(stream),
                 f"strata-conn-read-{self.host}:{self.port}",
             )
+            if self.login is not None:
+                try:
+                    await self.login(self._send)
+                except StrataError as exc:
+                    self._fail(exc)
+                    raise
+            self._ready = True
             self.last_used = self._clock()
+
+    async def _send(self, body: Message) -> Any:
+        """One request on a connection that is not ready yet (the login's)."""
+        api_key = _API_KEY[type(body)]
+        try:
+            async with asyncio.timeout(self.request_timeout):
+                frame = await self._exchange(api_key, body, True)
+        except TimeoutError:
+            raise RequestTimedOutError(
+                f"{type(body).__name__} to {self.host}:{self.port} got no response"
+            ) from None
+        error = frame.error()
+        if error is not None:
+            raise error
+        return _RESPONSE[api_key].decode(frame.body)
 
     async def request(
         self,
@@ -216,7 +261,11 @@ class Connection:
                 + (f" inside a frame ({len(exc.partial)} bytes read)" if exc.partial else "")
             )
         except OSError as exc:
-            error = NetworkError(f"reading from {self.host}:{self.port} failed: {exc}")
+            if isinstance(exc, ssl.SSLError) or isinstance(exc.__cause__, ssl.SSLError):
+                # TLS 1.3: the server refuses our certificate after our side of the handshake
+                error = SslAuthenticationError(f"{self.host}:{self.port} refused TLS: {exc}")
+            else:
+                error = NetworkError(f"reading from {self.host}:{self.port} failed: {exc}")
         except MalformedFrameError as exc:
             error = exc
         finally:
@@ -234,7 +283,11 @@ class Connection:
         if task is not None and task is not asyncio.current_task() and not task.done():
             task.cancel()
         if self._stream is not None and self._stream.transport is not None:
-            self._stream.transport.close()  # closes the socket
+            if self._stream.tls:
+                # no close_notify exchange: it would outlive a client whose loop ends now
+                self._stream.transport.abort()
+            else:
+                self._stream.transport.close()  # closes the socket
 
     async def close(self) -> None:
         self._fail(NetworkError(f"connection to {self.host}:{self.port} was closed by the client"))
@@ -244,8 +297,11 @@ class Connection:
                 await task
 
 
-async def _open(host: str, port: int, max_frame: int) -> FrameStream:
-    """A frame stream over a TCP connection to the first address of ``host`` that accepts."""
+async def _open(
+    host: str, port: int, max_frame: int, ssl_context: ssl.SSLContext | None = None
+) -> FrameStream:
+    """A frame stream over a TCP connection to the first address of ``host`` that accepts
+    (over TLS with ``ssl_context``: the handshake done, the server's certificate verified)."""
     loop = asyncio.get_running_loop()
     try:  # a numeric address needs no lookup (and no resolver thread), as in asyncio
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
@@ -257,9 +313,19 @@ async def _open(host: str, port: int, max_frame: int) -> FrameStream:
         try:
             sock.setblocking(False)
             await loop.sock_connect(sock, address)
-            stream = FrameStream(sock, max_frame=max_frame)
-            await loop.create_connection(lambda: stream, sock=sock)  # noqa: B023 (called at once)
+            stream = FrameStream(sock, max_frame=max_frame, tls=ssl_context is not None)
+            if ssl_context is None:
+                await loop.create_connection(lambda: stream, sock=sock)  # noqa: B023
+                return stream
+            # TLS in two steps: start_tls closes the TCP transport itself if the handshake fails
+            raw, _ = await loop.create_connection(asyncio.Protocol, sock=sock)
+            tls = await loop.start_tls(raw, stream, ssl_context, server_hostname=host)
+            assert tls is not None
+            stream.connection_made(tls)  # start_tls does not call it
             return stream
+        except ssl.SSLError:
+            sock.close()
+            raise
         except OSError as exc:
             sock.close()
             error = exc

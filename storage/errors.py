@@ -72,7 +72,17 @@ at one boundary per adapter and never leak out.
     │   └── ObjectStoreError           retriable: S3 throttled, timed out, unreachable
     │       ├── ObjectExistsError      a create-only put found the key taken (HTTP 412)
     │       └── ObjectNotFoundError    no such key (HTTP 404)
-    └── LogClosedError                 the log was closed under the caller; retriable
+    ├── LogClosedError                 the log was closed under the caller; retriable
+    └── SecurityError                  who the caller is, or what it may do (docs/security.md)
+        ├── AuthenticationFailedError  wrong password, unknown user, replayed SCRAM exchange
+        │   ├── SslAuthenticationError  the TLS handshake failed (unknown CA, expired, plaintext)
+        │   └── IllegalSaslStateError  a SASL request out of order (before the handshake ...)
+        ├── UnsupportedSaslMechanismError  a mechanism the listener does not offer
+        └── AuthorizationError         authenticated, but the ACLs do not allow it
+            ├── TopicAuthorizationFailedError
+            ├── GroupAuthorizationFailedError
+            ├── ClusterAuthorizationFailedError
+            └── TransactionalIdAuthorizationFailedError
 
 Codes are Kafka's where Kafka has the same error, so people and tools recognise them;
 errors Kafka does not have use codes from 1000 up, one per class.
@@ -515,6 +525,60 @@ class ObjectNotFoundError(ObjectStoreError):
 class LogClosedError(StrataError):
     code = 1003
     retriable = True
+
+
+class SecurityError(StrataError):
+    """Authentication and authorization (``docs/security.md``); never retriable: the same
+    credentials or the same ACLs give the same answer."""
+
+    code = 1060
+
+
+class AuthenticationFailedError(SecurityError):
+    """The client could not prove who it is (Kafka's SASL_AUTHENTICATION_FAILED). The message
+    never says whether the user exists."""
+
+    code = 58
+
+
+class SslAuthenticationError(AuthenticationFailedError):
+    """The TLS handshake failed: an unknown CA, an expired or self-signed certificate, a
+    name that does not match, or a plaintext peer (raised by the client side only)."""
+
+    code = 1061
+
+
+class IllegalSaslStateError(AuthenticationFailedError):
+    """A SASL request out of order: authenticate before the handshake, a second handshake,
+    or any other request before authentication finished (Kafka's ILLEGAL_SASL_STATE)."""
+
+    code = 34
+
+
+class UnsupportedSaslMechanismError(SecurityError):
+    code = 33
+
+
+class AuthorizationError(SecurityError):
+    """The principal is known but the ACLs do not allow the operation."""
+
+    code = 1062
+
+
+class TopicAuthorizationFailedError(AuthorizationError):
+    code = 29
+
+
+class GroupAuthorizationFailedError(AuthorizationError):
+    code = 30
+
+
+class ClusterAuthorizationFailedError(AuthorizationError):
+    code = 31
+
+
+class TransactionalIdAuthorizationFailedError(AuthorizationError):
+    code = 53
 
 
 _BY_CODE: dict[int, type[StrataError]] = {}

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import signal
+import ssl
 import sys
 import time
 import uuid
@@ -57,6 +58,9 @@ class Cluster:
         self.data_root = data_root
         self.session_timeout_ms = session_timeout_ms
         self.agents: dict[int, AgentHandle] = {}
+        #: how this test's own raw requests (``metadata``) reach a TLS or SASL listener
+        self.client_ssl: ssl.SSLContext | None = None
+        self.client_login: Any = None  # an ``sdk.auth.ScramLogin``
 
     # ---- processes --------------------------------------------------------------------
     def start_agent(
@@ -169,7 +173,12 @@ class Cluster:
             try:
                 resp: m.MetadataResponse = asyncio.run(
                     WireClient.call_once(
-                        agent.host, agent.port, m.ApiKey.METADATA, m.MetadataRequest(topics)
+                        agent.host,
+                        agent.port,
+                        m.ApiKey.METADATA,
+                        m.MetadataRequest(topics),
+                        ssl=self.client_ssl,
+                        login=self.client_login,
                     )
                 )
                 return resp
@@ -235,8 +244,10 @@ class WireClient:
         self.correlation = 0
 
     @classmethod
-    async def connect(cls, host: str, port: int) -> WireClient:
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+    async def connect(
+        cls, host: str, port: int, *, ssl: ssl.SSLContext | None = None
+    ) -> WireClient:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port, ssl=ssl), 5)
         return cls(reader, writer)
 
     async def send(self, key: int, body: m.Message, *, version: int = 0) -> int:
@@ -266,10 +277,30 @@ class WireClient:
         with contextlib.suppress(OSError):
             await self.writer.wait_closed()
 
+    async def login(self, login: Any) -> None:
+        """Authenticate (SASL listener) with an ``sdk.auth.ScramLogin``."""
+
+        async def send(body: m.Message) -> Any:
+            key = next(a.key for a in m.APIS.values() if isinstance(body, a.request))
+            return await self.call(key, body)
+
+        await login(send)
+
     @classmethod
-    async def call_once(cls, host: str, port: int, key: int, body: m.Message) -> Any:
-        client = await cls.connect(host, port)
+    async def call_once(
+        cls,
+        host: str,
+        port: int,
+        key: int,
+        body: m.Message,
+        *,
+        ssl: ssl.SSLContext | None = None,
+        login: Any = None,
+    ) -> Any:
+        client = await cls.connect(host, port, ssl=ssl)
         try:
+            if login is not None:
+                await client.login(login)
             return await client.call(key, body)
         finally:
             await client.close()

@@ -21,9 +21,11 @@ import logging
 from typing import Any
 
 from broker_agents.kafka.apis import KafkaApis
-from storage.errors import MalformedFrameError, StrataError
+from broker_agents.security.authenticator import Authenticator, Session
+from storage.errors import MalformedFrameError, StrataError, UnsupportedSaslMechanismError
 from storage.kafka import frames as kf
 from storage.kafka.errors import MESSAGE_TOO_LARGE, UNKNOWN_SERVER_ERROR, code_of
+from storage.kafka.messages import ApiKey
 
 log = logging.getLogger(__name__)
 
@@ -39,9 +41,40 @@ class KafkaRequest:
 
 class KafkaCodec:
     answers_oversize = True
+    pre_auth_apis: frozenset[int] = frozenset(
+        {ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE}
+    )
 
-    def __init__(self, apis: KafkaApis) -> None:
+    def __init__(self, apis: KafkaApis, auth: Authenticator | None = None) -> None:
         self.apis = apis
+        self.auth = auth
+
+    def refuse(self, request: KafkaRequest, exc: StrataError) -> list[Any]:
+        header = request.header
+        if header.api is None:
+            return kf.unsupported_response(header.api_key, header.correlation_id)
+        return kf.error_response(header, code_of(exc))
+
+    async def _sasl(
+        self, header: kf.RequestHeader, body: dict[str, Any], session: Session | None
+    ) -> list[Any]:
+        """Kafka's SaslHandshake v1 / SaslAuthenticate: the same exchange as the native one;
+        a SaslAuthenticate failure is answered in the body (error code and message)."""
+        try:
+            if self.auth is None or session is None:
+                raise UnsupportedSaslMechanismError("this listener does not use SASL")
+            if header.api_key == ApiKey.SASL_HANDSHAKE:
+                offered = self.auth.handshake(session, body["mechanism"])
+                return kf.encode_response(header, {"error_code": 0, "mechanisms": offered})
+            answer = await self.auth.authenticate(session, body["auth_bytes"])
+        except StrataError as exc:
+            out: dict[str, Any] = {"error_code": code_of(exc), "error_message": str(exc)}
+            if header.api_key == ApiKey.SASL_HANDSHAKE:
+                out["mechanisms"] = list(self.auth.settings.mechanisms) if self.auth else []
+            return kf.encode_response(header, out)
+        return kf.encode_response(
+            header, {"error_code": 0, "auth_bytes": answer, "session_lifetime_ms": 0}
+        )
 
     def read_size(self, prefix: Any, max_frame: int) -> int:
         return kf.read_size(prefix, max_frame)
@@ -59,7 +92,9 @@ class KafkaCodec:
             return kf.unsupported_response(header.api_key, header.correlation_id)
         return kf.error_response(header, MESSAGE_TOO_LARGE)
 
-    async def handle(self, request: KafkaRequest) -> list[Any] | None:
+    async def handle(
+        self, request: KafkaRequest, session: Session | None = None
+    ) -> list[Any] | None:
         header = request.header
         if header.api is None:
             return kf.unsupported_response(header.api_key, header.correlation_id)
@@ -74,6 +109,8 @@ class KafkaCodec:
                 exc,
             )
             return kf.error_response(header, code_of(exc))
+        if header.api_key in (ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE):
+            return await self._sasl(header, body, session)
         handler = self.apis.handlers[header.api_key]
         try:
             response = await handler(body, header.api_version)

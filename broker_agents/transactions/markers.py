@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from sdk.connection import Connection
+from sdk.connection import Connection, Login
 from storage.codec.control import encode_marker
 from storage.errors import (
     InvalidProducerEpochError,
@@ -86,9 +87,13 @@ class MarkerChannel:
         *,
         request_timeout_s: float = 30.0,
         backoff_s: tuple[float, float] = (0.02, 1.0),
+        tls: Callable[[], ssl.SSLContext] | None = None,
+        login: Login | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.routes = routes
+        self.tls = tls
+        self.login = login
         self.local = local
         self.request_timeout = request_timeout_s
         self.backoff = backoff_s
@@ -234,6 +239,8 @@ class MarkerChannel:
                 client_id=f"agent-{self.agent_id}-txn",
                 request_timeout_ms=self.request_timeout * 1000,
                 connect_timeout_ms=5000,
+                ssl_context=self.tls() if self.tls is not None else None,
+                login=self.login,
             )
         try:
             resp: m.WriteTxnMarkersResponse = await conn.request(req)

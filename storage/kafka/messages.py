@@ -44,11 +44,13 @@ class ApiKey(enum.IntEnum):
     SYNC_GROUP = 14
     DESCRIBE_GROUPS = 15
     LIST_GROUPS = 16
+    SASL_HANDSHAKE = 17
     API_VERSIONS = 18
     CREATE_TOPICS = 19
     DELETE_TOPICS = 20
     INIT_PRODUCER_ID = 22
     DESCRIBE_CONFIGS = 32
+    SASL_AUTHENTICATE = 36
     CREATE_PARTITIONS = 37
 
 
@@ -764,6 +766,22 @@ DESCRIBE_CONFIGS_RESPONSE = S(
 )
 
 
+# ---- SaslHandshake (17) / SaslAuthenticate (36) ---------------------------------------------
+# v1 only for the handshake: v0 sends the SASL tokens unframed after it, which is not served.
+SASL_HANDSHAKE_REQUEST = S("SaslHandshakeRequest", F("mechanism", STRING))
+SASL_HANDSHAKE_RESPONSE = S(
+    "SaslHandshakeResponse", F("error_code", INT16), F("mechanisms", Array(STRING))
+)
+SASL_AUTHENTICATE_REQUEST = S("SaslAuthenticateRequest", F("auth_bytes", BYTES))
+SASL_AUTHENTICATE_RESPONSE = S(
+    "SaslAuthenticateResponse",
+    F("error_code", INT16),
+    F("error_message", STRING, nullable="0+", default=None),
+    F("auth_bytes", BYTES, default=b""),
+    F("session_lifetime_ms", INT64, "1+"),
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Api:
     key: ApiKey
@@ -801,6 +819,14 @@ SERVED: dict[int, Api] = {
         Api(ApiKey.DESCRIBE_GROUPS, 0, 4, DESCRIBE_GROUPS_REQUEST, DESCRIBE_GROUPS_RESPONSE),
         Api(ApiKey.LIST_GROUPS, 0, 2, LIST_GROUPS_REQUEST, LIST_GROUPS_RESPONSE),
         Api(ApiKey.API_VERSIONS, 0, 3, API_VERSIONS_REQUEST, API_VERSIONS_RESPONSE),
+        Api(ApiKey.SASL_HANDSHAKE, 1, 1, SASL_HANDSHAKE_REQUEST, SASL_HANDSHAKE_RESPONSE),
+        Api(
+            ApiKey.SASL_AUTHENTICATE,
+            0,
+            1,
+            SASL_AUTHENTICATE_REQUEST,
+            SASL_AUTHENTICATE_RESPONSE,
+        ),
         Api(ApiKey.CREATE_TOPICS, 2, 4, CREATE_TOPICS_REQUEST, CREATE_TOPICS_RESPONSE),
         Api(ApiKey.DELETE_TOPICS, 1, 3, DELETE_TOPICS_REQUEST, DELETE_TOPICS_RESPONSE),
         Api(ApiKey.INIT_PRODUCER_ID, 0, 1, INIT_PRODUCER_ID_REQUEST, INIT_PRODUCER_ID_RESPONSE),

@@ -48,6 +48,9 @@ class ApiKey(enum.IntEnum):
     HEARTBEAT = 12
     LEAVE_GROUP = 13
     SYNC_GROUP = 14
+    # authentication: Kafka's key numbers (docs/security.md)
+    SASL_HANDSHAKE = 17
+    SASL_AUTHENTICATE = 36
     # transactions: Kafka's key numbers (docs/transactions.md)
     INIT_PRODUCER_ID = 22
     OFFSET_FOR_LEADER_EPOCH = 23
@@ -894,6 +897,43 @@ class TxnOffsetCommitResponse(Message):
     SCHEMA = (("topics", Array(struct_of(OffsetCommitTopicResult))),)
 
 
+# ---- SaslHandshake / SaslAuthenticate (docs/security.md) --------------------------------------
+# Kafka's v1 exchange: the handshake names the mechanism, then each SASL token travels in a
+# SaslAuthenticate request and its answer. Until it succeeds a SASL listener serves nothing
+# but ApiVersions and these two.
+@dataclass(slots=True)
+class SaslHandshakeRequest(Message):
+    mechanism: str
+    SCHEMA = (("mechanism", STRING),)
+
+
+@dataclass(slots=True)
+class SaslHandshakeResponse(Message):
+    error_code: int
+    mechanisms: list[str]
+    SCHEMA = (("error_code", INT16), ("mechanisms", Array(STRING)))
+
+
+@dataclass(slots=True)
+class SaslAuthenticateRequest(Message):
+    auth_bytes: bytes
+    SCHEMA = (("auth_bytes", BYTES),)
+
+
+@dataclass(slots=True)
+class SaslAuthenticateResponse(Message):
+    error_code: int
+    error_message: str | None
+    auth_bytes: bytes
+    session_lifetime_ms: int
+    SCHEMA = (
+        ("error_code", INT16),
+        ("error_message", STRING),
+        ("auth_bytes", BYTES),
+        ("session_lifetime_ms", INT64),
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Api:
     key: ApiKey
@@ -918,6 +958,8 @@ APIS: dict[int, Api] = {
         Api(ApiKey.HEARTBEAT, HeartbeatRequest, HeartbeatResponse),
         Api(ApiKey.LEAVE_GROUP, LeaveGroupRequest, LeaveGroupResponse),
         Api(ApiKey.SYNC_GROUP, SyncGroupRequest, SyncGroupResponse),
+        Api(ApiKey.SASL_HANDSHAKE, SaslHandshakeRequest, SaslHandshakeResponse),
+        Api(ApiKey.SASL_AUTHENTICATE, SaslAuthenticateRequest, SaslAuthenticateResponse),
         Api(
             ApiKey.OFFSET_FOR_LEADER_EPOCH,
             OffsetForLeaderEpochRequest,

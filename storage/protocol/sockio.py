@@ -10,7 +10,9 @@ ones are cut out of a fixed staging buffer (``stage_bytes``; many small frames p
 a large one gets a buffer of its own that the kernel fills directly (``recv_into``) after what
 the staging buffer already held.
 :meth:`FrameStream.send` writes a list of buffers with ``sendmsg`` (scatter-gather, no join);
-what the socket does not take at once goes through the transport's buffer.
+what the socket does not take at once goes through the transport's buffer. Over TLS
+(``tls=True``: an ``asyncio`` SSL transport) everything goes through the transport, which
+encrypts it; reading is the same (the SSL transport fills ``get_buffer``'s buffers).
 
 Sizes are checked by ``storage.protocol.frames.read_size`` before anything is read toward a
 frame; the end of the stream inside a frame raises ``asyncio.IncompleteReadError`` (as
@@ -68,8 +70,11 @@ class FrameStream(asyncio.BufferedProtocol):
         max_frame: int,
         stage_bytes: int = STAGE_BYTES,
         size_reader: Callable[[Any, int], int] = read_size,
+        tls: bool = False,
     ) -> None:
         self.sock = sock  # the transport's own socket, for sendmsg
+        #: over TLS the bytes go through the transport (encrypted), never straight to the socket
+        self.tls = tls
         self.max_frame = max_frame
         self.size_reader = size_reader  # the protocol's prefix (Strata: LE, Kafka: BE)
         self.transport: asyncio.Transport | None = None
@@ -130,7 +135,8 @@ class FrameStream(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         self._eof = True
         self._wake()
-        return True  # half-closed: answers to what was read can still be written
+        # half-closed: answers to what was read can still be written (TLS has no half-close)
+        return not self.tls
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._eof = True
@@ -180,7 +186,7 @@ class FrameStream(asyncio.BufferedProtocol):
         while i < len(views):
             if self.transport.is_closing():
                 break
-            if not self.transport.get_write_buffer_size():
+            if not self.tls and not self.transport.get_write_buffer_size():
                 i = self._send_direct(views, i)
                 if i >= len(views):
                     break

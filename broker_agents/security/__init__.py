@@ -1,0 +1,1 @@
+"""Authentication (and later authorization) of the agents' connections (docs/security.md)."""
