@@ -14,10 +14,8 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import statistics
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +30,7 @@ from storage.metadata.users import ScramCredential, UserStore
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient, produce_request, read_records
 from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.kafka_support import refused_kafka_producer
 
 pytestmark = pytest.mark.slow
 
@@ -304,15 +303,4 @@ def test_kafka_client_with_scram(
         consumer.close()
     assert got == [b"k0", b"k1", b"k2"]
     bad = conf | {"sasl_plain_password": "wrong"}
-    _refused_kafka_producer(kp, bootstrap_servers=c.kafka_bootstrap, max_block_ms=5000, **bad)
-
-
-def _refused_kafka_producer(kp: Any, **conf: Any) -> None:
-    """A KafkaProducer whose constructor must fail. kafka-python leaves the wakeup socket pair
-    of a producer that failed to start for the garbage collector; collect it here, where its
-    ResourceWarning is expected, not in whichever test runs next."""
-    with pytest.raises(kp.errors.KafkaError):
-        kp.KafkaProducer(**conf)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()
+    refused_kafka_producer(kp, bootstrap_servers=c.kafka_bootstrap, max_block_ms=5000, **bad)

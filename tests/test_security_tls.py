@@ -14,11 +14,9 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import shutil
 import socket
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +29,7 @@ from storage.protocol import messages as m
 from storage.tls import TlsFiles, client_context
 from tests.cluster import Cluster, WireClient, read_records
 from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.kafka_support import refused_kafka_producer
 
 pytestmark = pytest.mark.slow
 
@@ -291,17 +290,6 @@ def test_kafka_client_over_tls(
         consumer.close()
     assert got == [b"m%d" % i for i in range(5)]
     # the Kafka port refuses plaintext too
-    _refused_kafka_producer(
+    refused_kafka_producer(
         kp, bootstrap_servers=c.kafka_bootstrap, request_timeout_ms=3000, max_block_ms=3000
     )
-
-
-def _refused_kafka_producer(kp: Any, **conf: Any) -> None:
-    """A KafkaProducer whose constructor must fail. kafka-python leaves the wakeup socket pair
-    of a producer that failed to start for the garbage collector; collect it here, where its
-    ResourceWarning is expected, not in whichever test runs next."""
-    with pytest.raises(kp.errors.KafkaError):
-        kp.KafkaProducer(**conf)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", ResourceWarning)
-        gc.collect()

@@ -1,0 +1,31 @@
+"""kafka-python clients in tests: one whose start must fail, without leaking its sockets."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+
+def refused_kafka_producer(kp: Any, **conf: Any) -> None:
+    """A ``KafkaProducer`` whose constructor must fail (refused login, wrong protocol).
+
+    kafka-python does not close the network client of a producer that fails to start: its
+    selector's wake-up socket pair (and I/O thread) stay behind, and the socket pair reaches
+    the garbage collector in whichever test runs later, as an unraisable ResourceWarning. The
+    producer is given a client factory that remembers what it made, and that is closed here.
+    """
+    made: list[Any] = []
+    default = kp.KafkaProducer.DEFAULT_CONFIG["kafka_client"]
+
+    def client(**kwargs: Any) -> Any:
+        made.append(default(**kwargs))
+        return made[-1]
+
+    try:
+        with pytest.raises(kp.errors.KafkaError):
+            kp.KafkaProducer(kafka_client=client, **conf)
+    finally:
+        for c in made:
+            c.close()
+    assert made, "the producer made no client: nothing was tried"
