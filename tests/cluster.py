@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sdk import Consumer
+from storage.errors import NotLeaderError
 from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 from storage.protocol import encode_request, parse_response, read_size
 from storage.protocol import messages as m
@@ -226,11 +227,18 @@ class Cluster:
             )
             try:
                 resp: m.ListOffsetsResponse = asyncio.run(
-                    WireClient.call_once(agent.host, agent.port, m.ApiKey.LIST_OFFSETS, request)
+                    WireClient.call_once(
+                        agent.host,
+                        agent.port,
+                        m.ApiKey.LIST_OFFSETS,
+                        request,
+                        ssl=self.client_ssl,
+                        login=self.client_login,
+                    )
                 )
             except (OSError, TimeoutError):
                 return False
-            if any(r.error_code != 0 for t in resp.topics for r in t.partitions):
+            if any(r.error_code == NotLeaderError.code for t in resp.topics for r in t.partitions):
                 return False
         return True
 
