@@ -20,9 +20,8 @@ import logging
 import socket
 from pathlib import Path
 
-from kazoo.client import KazooClient
-
 from storage.errors import InvalidConfigError
+from storage.metadata.zk import kazoo_client
 from storage.wal import fileio
 from storage.wal.fileio import write_file_atomically
 
@@ -53,7 +52,7 @@ def store_id(data_dir: Path, agent_id: int) -> None:
 
 def allocate_id(zookeeper: str, timeout_s: float = 10.0) -> int:
     """A new agent id, never handed out before in this cluster (ZooKeeper's sequence)."""
-    zk = KazooClient(hosts=zookeeper, timeout=timeout_s)
+    zk = kazoo_client(zookeeper, timeout=timeout_s)
     zk.start(timeout=timeout_s)
     try:
         zk.ensure_path(ID_ROOT)

@@ -12,7 +12,12 @@ nowhere else:
   be gone; ``LOST`` means the session expired and every ephemeral node of ours is deleted;
   ``CONNECTED`` after ``SUSPENDED`` means the session survived;
 * watches (``watch_children`` / ``watch_data``) use kazoo's ChildrenWatch / DataWatch recipes,
-  which re-arm themselves, and call their callback on the loop.
+  which re-arm themselves, and call their callback on the loop;
+* with credentials (``auth``, or ``STRATA_ZOOKEEPER_AUTH=user:password`` in the environment,
+  so that agents, handlers, the CLI and the Spark driver all pick them up), the session
+  authenticates with ZooKeeper's ``digest`` scheme and every znode it creates carries an ACL
+  that gives that user alone every right: a client without them can neither read nor change
+  the cluster's state (docs/security.md, "ZooKeeper").
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -29,6 +35,7 @@ from kazoo.exceptions import (
     BadVersionError,
     ConnectionLoss,
     KazooException,
+    NoAuthError,
     NoNodeError,
     NotEmptyError,
     OperationTimeoutError,
@@ -39,8 +46,10 @@ from kazoo.exceptions import (
 )
 from kazoo.handlers.threading import KazooTimeoutError
 from kazoo.protocol.states import KazooState, ZnodeStat
+from kazoo.security import ACL, make_digest_acl
 
 from storage.errors import (
+    InvalidConfigError,
     MetadataError,
     MetadataUnavailableError,
     NodeExistsError,
@@ -59,7 +68,42 @@ class SessionState(enum.Enum):
     LOST = "lost"
 
 
+AUTH_ENV = "STRATA_ZOOKEEPER_AUTH"
+"""``user:password``: the digest credentials of every ZooKeeper session of this process."""
+
+
+def digest_credentials(value: str | None) -> tuple[str, str] | None:
+    """``user:password`` as a pair; ``None`` for no credentials (unset or empty)."""
+    if not value:
+        return None
+    user, sep, password = value.partition(":")
+    if not sep or not user or not password:
+        raise InvalidConfigError(
+            f"{AUTH_ENV} must be user:password (both non-empty); got a value without them"
+        )  # never the value itself: it is a secret
+    return user, password
+
+
+def kazoo_client(hosts: str, *, timeout: float, auth: str | None = None, **kw: Any) -> KazooClient:
+    """A ``KazooClient`` with this process's credentials (``auth``, else ``STRATA_ZOOKEEPER_AUTH``)
+    and, with them, the ACL every node it creates gets: all rights to that user, none to
+    anyone else."""
+    credentials = digest_credentials(auth if auth is not None else os.environ.get(AUTH_ENV))
+    acl: list[ACL] | None = None
+    auth_data: list[tuple[str, str]] | None = None
+    if credentials is not None:
+        user, password = credentials
+        acl = [make_digest_acl(user, password, all=True)]
+        auth_data = [("digest", f"{user}:{password}")]
+    return KazooClient(hosts=hosts, timeout=timeout, auth_data=auth_data, default_acl=acl, **kw)
+
+
 def translate(exc: BaseException, what: str) -> MetadataError:
+    if isinstance(exc, NoAuthError):
+        return MetadataError(
+            f"{what}: ZooKeeper refused it (NoAuth): this session lacks the credentials the"
+            f" node's ACL asks for (set {AUTH_ENV})"
+        )
     if isinstance(exc, NoNodeError):
         return NodeNotFoundError(f"{what}: no such node")
     if isinstance(exc, KazooNodeExists):
@@ -94,13 +138,16 @@ class AsyncZooKeeper:
         session_timeout: float = 10.0,
         connect_timeout: float = 15.0,
         request_timeout: float = 10.0,
+        auth: str | None = None,
     ) -> None:
+        """``auth``: ``user:password`` (default: ``STRATA_ZOOKEEPER_AUTH``, if set)."""
         self.hosts = hosts
         self.request_timeout = request_timeout
         self.connect_timeout = connect_timeout
-        self.client = KazooClient(
-            hosts=hosts,
+        self.client = kazoo_client(
+            hosts,
             timeout=session_timeout,
+            auth=auth,
             connection_retry={"max_tries": -1, "max_delay": 1.0},
         )
         self.state = SessionState.LOST
@@ -124,8 +171,20 @@ class AsyncZooKeeper:
             self.client.chroot = ""
             try:
                 await self._call(self.client.ensure_path_async(chroot), f"ensure {chroot}")
+                await self._lock(chroot)
             finally:
                 self.client.chroot = chroot
+
+    async def _lock(self, chroot: str) -> None:
+        """With credentials: the chroot itself gets their ACL too (an operator may have made it
+        open), or anyone could add nodes beside the cluster's own."""
+        acl = self.client.default_acl
+        if not acl:
+            return
+        current, _ = await self._call(self.client.get_acls_async(chroot), f"acls of {chroot}")
+        if list(current) != list(acl):
+            await self._call(self.client.set_acls_async(chroot, acl), f"lock {chroot}")
+            log.info("ZooKeeper chroot %s locked to this cluster's credentials", chroot)
 
     async def stop(self) -> None:
         self.client.remove_listener(self._on_state)
