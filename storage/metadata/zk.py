@@ -161,8 +161,9 @@ class AsyncZooKeeper:
         self.client.add_listener(self._on_state)
         try:
             await asyncio.to_thread(self.client.start, self.connect_timeout)
-        except BaseException as exc:
+        except BaseException as exc:  # e.g. NoAuth on the chroot, which kazoo looks at
             await asyncio.to_thread(self.client.stop)
+            await asyncio.to_thread(self.client.close)  # its socket pair too
             raise translate(exc, f"connect to {self.hosts}") from exc
         self._set_state(SessionState.CONNECTED)
         # a chroot must exist before anything under it can be created
@@ -172,6 +173,10 @@ class AsyncZooKeeper:
             try:
                 await self._call(self.client.ensure_path_async(chroot), f"ensure {chroot}")
                 await self._lock(chroot)
+            except BaseException:  # e.g. NoAuth: no session is left running behind the error
+                self.client.chroot = chroot
+                await self.stop()
+                raise
             finally:
                 self.client.chroot = chroot
 
