@@ -200,6 +200,8 @@ class RunnerStats:
     failed_invocations: int = 0
     records: int = 0
     committed: int = 0
+    parked: int = 0
+    """Partitions set aside on a ``retryAfterMs`` ("come back at"): one per such answer."""
 
 
 class EventSourceRunner:
@@ -428,14 +430,13 @@ class EventSourceRunner:
     ) -> None:
         assert self._retrier is not None
         failures: dict[TopicPartition, tuple[int, int | None]] = {}
-        invoked_at = self._clock()
         try:
             failed = await self._failed_records(batch)
             await self._retrier.fail_many(failed)
         except Exception as exc:  # the failures could not be stored: the batch is retried
             log.warning("retry routing for %s failed: %r", self.config.function, exc)
             failures = {tp: (recs[0].offset, None) for tp, recs in batch.items()}
-        self._finish(consumer, batch, failures, invoked_at)
+        self._finish(consumer, batch, failures)
 
     async def _invoke(
         self, consumer: Consumer, batch: dict[TopicPartition, list[ConsumerRecord]]
@@ -448,7 +449,6 @@ class EventSourceRunner:
             return
         failures: dict[TopicPartition, tuple[int, int | None]]
         started = time.monotonic()
-        invoked_at = self._clock()
         try:
             answer = await self._call(batch)
             log.debug(
@@ -462,18 +462,14 @@ class EventSourceRunner:
             log.warning("invocation of %s failed: %r", cfg.function, exc)
             self.stats.failed_invocations += 1
             failures = {tp: (recs[0].offset, None) for tp, recs in batch.items()}
-        self._finish(consumer, batch, failures, invoked_at)
+        self._finish(consumer, batch, failures)
 
     def _finish(
         self,
         consumer: Consumer,
         batch: dict[TopicPartition, list[ConsumerRecord]],
         failures: Mapping[TopicPartition, tuple[int, int | None]],
-        invoked_at: float,
     ) -> None:
-        """``invoked_at``: the clock when the function was called. A ``retryAfterMs`` counts
-        from there, not from its answer: the function measured it before answering, so a slow
-        answer must not make the come-back late."""
         for tp, recs in batch.items():
             start, end = recs[0].offset, recs[-1].offset + 1
             failed = failures.get(tp)
@@ -482,7 +478,7 @@ class EventSourceRunner:
                 self._to_commit[tp] = done_to
                 self.stats.committed += done_to - start
                 self._commit_wanted.set()
-            self._settle(consumer, tp, done_to, failed, recs, invoked_at)
+            self._settle(consumer, tp, done_to, failed, recs)
 
     def _settle(
         self,
@@ -491,7 +487,6 @@ class EventSourceRunner:
         next_offset: int,
         failed: tuple[int, int | None] | None,
         records: list[ConsumerRecord],
-        invoked_at: float,
     ) -> None:
         if tp not in consumer.assignment():
             self._attempts.pop(tp, None)
@@ -504,7 +499,8 @@ class EventSourceRunner:
         self._carried[tp] = [r for r in records if r.offset >= next_offset]
         if failed[1] is not None:  # "come back at": not a failed attempt
             self._attempts.pop(tp, None)
-            self._resume_at[tp] = invoked_at + failed[1] / 1000
+            self._resume_at[tp] = self._clock() + failed[1] / 1000
+            self.stats.parked += 1
             return
         attempt = self._attempts.get(tp, 0)
         self._attempts[tp] = attempt + 1

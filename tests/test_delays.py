@@ -371,16 +371,22 @@ def test_a_one_year_delay_survives_tiering_and_an_agent_restart(
         clock=lambda: now() / 1000,
     )
     due = meta.timestamp + YEAR_MS
+    # the clock jumps only while the record waits in a level (parked: the runner holds its
+    # come-back time), never while the scheduler reads it: a come-back measured before a
+    # jump and counted from after it would lie months past the due time
     try:
         with InProcessRunner(runner):
+            wait_until(lambda: runner.stats.parked >= 1, 60, "the record read and held")
             # past the held level's delay: read from the tier, the record hops down
             now.set(meta.timestamp + level_delay_ms(level_for(YEAR_MS)) + 1000)
             wait_until(lambda: scheduler.stats.hops >= 1, 60, "the first hop")
+            wait_until(lambda: runner.stats.parked >= 2, 60, "the hopped record held")
             # ten minutes before it is due: to a short level, and not delivered
             now.set(due - 600_000)
             wait_until(lambda: scheduler.stats.hops >= 2, 60, "the hop to a short level")
             early = asyncio.run(read_delivered(cluster.bootstrap, TARGET, 1, 1, 3))
             assert not early, "delivered minutes early"
+            wait_until(lambda: runner.stats.parked >= 3, 60, "the record held in the short level")
             now.set(due + 200)
             got = asyncio.run(read_delivered(cluster.bootstrap, TARGET, 1, 1, 60, settle_s=1))
     finally:  # its producers closed on their loop even when a wait failed
