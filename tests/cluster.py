@@ -101,6 +101,7 @@ class Cluster:
                         info.get("kafka"),
                     )
                     self.agents[agent_id] = handle
+                    self._wait_seen(agent_id)
                     return handle
             if not proc.alive:
                 raise RuntimeError(
@@ -110,6 +111,22 @@ class Cluster:
                 raise RuntimeError(
                     f"agent {agent_id} not listening after {timeout} s:\n{proc.log_text()[-3000:]}"
                 )
+            time.sleep(0.02)
+
+    def _wait_seen(self, agent_id: int, timeout: float = 10.0) -> None:
+        """Until the first other agent (the controller, as a rule) lists the new one: a topic
+        created a moment after an agent starts would otherwise be placed without it (seen in
+        CI: RF 2 placed on one agent). Best effort: a frozen or stopped peer ends the wait."""
+        if not any(a != agent_id for a in self.agents):
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                md = self.metadata(avoid={agent_id})
+            except Exception:  # none answers (or refuses this client): go on
+                return
+            if any(a.agent_id == agent_id for a in md.agents):
+                return
             time.sleep(0.02)
 
     def start(self, n: int) -> list[AgentHandle]:
