@@ -194,7 +194,7 @@ class Agent:
         )
         self.kafka_server: AgentServer | None = None
         if config.kafka_listener is not None:
-            kafka = KafkaApis(core, groups, self.view, KafkaTopicAdmin(self.store))
+            kafka = KafkaApis(core, groups, self.view, KafkaTopicAdmin(self.store, self.authorizer))
             self.kafka_server = AgentServer(
                 self.apis,
                 max_frame_bytes=config.max_frame_bytes,

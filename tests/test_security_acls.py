@@ -379,6 +379,40 @@ def test_kafka_listener_is_checked_too(
     finally:
         p.close()
 
+    # the topic admin APIs too: writing a topic is not deleting it, creating one, growing it
+    # or reading its configs (each answered per topic with TOPIC_AUTHORIZATION_FAILED)
+    ck = pytest.importorskip("confluent_kafka")
+    from confluent_kafka.admin import AdminClient, ConfigResource, NewPartitions, NewTopic
+
+    def admin(user: str) -> Any:
+        return AdminClient(
+            {
+                "bootstrap.servers": cluster.kafka_bootstrap,
+                "security.protocol": "SASL_PLAINTEXT",
+                "sasl.mechanism": "SCRAM-SHA-256",
+                "sasl.username": user,
+                "sasl.password": PASSWORD,
+            }
+        )
+
+    def refused(future: Any) -> None:
+        with pytest.raises(ck.KafkaException) as err:
+            future.result(30)
+        assert err.value.args[0].code() == ck.KafkaError.TOPIC_AUTHORIZATION_FAILED, err.value
+
+    resource = ConfigResource("topic", TOPIC)
+    for user in ("writer", "nobody"):
+        a = admin(user)
+        refused(a.delete_topics([TOPIC])[TOPIC])
+        refused(a.create_topics([NewTopic("acl-new", 1, 1)])["acl-new"])
+        refused(a.create_partitions([NewPartitions(TOPIC, 2)])[TOPIC])
+        refused(a.describe_configs([resource])[resource])
+    a = admin("admin")  # a super user may
+    a.create_topics([NewTopic("acl-new", 1, 1)])["acl-new"].result(30)
+    a.delete_topics(["acl-new"])["acl-new"].result(30)
+    # nothing the refused requests asked for happened: the topic is there, one partition
+    assert list(cluster.wait_for_leaders(TOPIC)) == [0]
+
 
 @pytest.mark.slow
 def test_client_certificate_is_the_principal(

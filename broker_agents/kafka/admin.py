@@ -9,7 +9,10 @@ API does (``MetadataStore.mark_deleted``, step 1 of ``docs/operations.md``'s del
 controller deletes it; from then on the topic is unknown to Kafka clients
 (``UNKNOWN_TOPIC_OR_PARTITION``, as in KRaft Kafka), and creating the name again is refused
 with ``TOPIC_ALREADY_EXISTS`` until the delete completes (as Kafka refuses a name marked for
-deletion). Not supported: explicit replica assignments
+deletion). With ``authorizer.enable`` each topic is checked as Kafka checks it: Create on the
+topic (or on the cluster) to create it, Delete to delete it, Alter to add partitions,
+Describe to read its configs; a refusal is that topic's TOPIC_AUTHORIZATION_FAILED (the
+others in the request go on). Not supported: explicit replica assignments
 (``INVALID_REQUEST``; the controller places replicas), broker configs (DescribeConfigs of a
 broker answers an empty list).
 """
@@ -18,19 +21,24 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.errors import (
     InvalidPartitionsError,
     InvalidRequestError,
     StrataError,
+    TopicAuthorizationFailedError,
     UnknownTopicOrPartitionError,
     VersionConflictError,
 )
 from storage.kafka.errors import code_of
 from storage.metadata import MetadataStore, TopicConfig, TopicSpec
+from storage.metadata.acls import CLUSTER_NAME, Operation, ResourceType
 from storage.metadata.models import validate_topic_name
 from storage.metadata.topic_rules import check_min_insync, replication_factor_for
+
+if TYPE_CHECKING:
+    from broker_agents.security.guard import Authorizer
 
 TOPIC_RESOURCE = 2
 BROKER_RESOURCE = 4
@@ -47,14 +55,24 @@ def _text(value: Any) -> str:
 
 
 class KafkaTopicAdmin:
-    def __init__(self, store: MetadataStore) -> None:
+    def __init__(self, store: MetadataStore, authorizer: Authorizer | None = None) -> None:
         self.store = store
+        self.authorizer = authorizer
+
+    def _require(self, op: Operation, topic: str) -> None:
+        az = self.authorizer
+        if az is None or az.allows(op, ResourceType.TOPIC, topic):
+            return
+        if op is Operation.CREATE and az.allows_quietly(op, ResourceType.CLUSTER, CLUSTER_NAME):
+            return  # Kafka: Create on the cluster covers every topic
+        raise TopicAuthorizationFailedError(f"not authorized to {op} topic {topic!r}")
 
     async def create_topics(self, req: dict[str, Any], version: int) -> dict[str, Any]:
         results = []
         for t in req["topics"]:
             name = t["name"]
             try:
+                self._require(Operation.CREATE, name)
                 await self._create(t, req["validate_only"])
                 results.append({"name": name, "error_code": 0})
             except StrataError as exc:
@@ -90,6 +108,7 @@ class KafkaTopicAdmin:
         results = []
         for name in req["topic_names"]:
             try:
+                self._require(Operation.DELETE, name)
                 await self.store.mark_deleted(validate_topic_name(name))  # unknown: an error
                 results.append({"name": name, "error_code": 0})
             except StrataError as exc:
@@ -100,6 +119,7 @@ class KafkaTopicAdmin:
         results = []
         for t in req["topics"]:
             try:
+                self._require(Operation.ALTER, t["name"])
                 if t["assignments"]:
                     raise InvalidRequestError("replica assignments are chosen by the controller")
                 await self._grow(validate_topic_name(t["name"]), t["count"], req["validate_only"])
@@ -140,6 +160,7 @@ class KafkaTopicAdmin:
             try:
                 if r["resource_type"] != TOPIC_RESOURCE:
                     raise InvalidRequestError(f"config resource type {r['resource_type']}")
+                self._require(Operation.DESCRIBE, r["resource_name"])
                 spec, _ = await self.store.get_topic(validate_topic_name(r["resource_name"]))
                 if spec.deletion is not None:
                     raise UnknownTopicOrPartitionError(f"topic {spec.name!r} is being deleted")

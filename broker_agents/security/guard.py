@@ -24,6 +24,10 @@ AddPartitionsToTxn, EndTxn, Write on the transactional id (TRANSACTIONAL_ID_AUTH
 AddOffsetsToTxn,            (and Read on the group for the last two)
 TxnOffsetCommit
 WriteTxnMarkers             a super user (CLUSTER_AUTHORIZATION_FAILED)
+Kafka CreateTopics,         Create (topic or cluster), Delete, Alter, Describe on each topic
+DeleteTopics,               (checked in ``broker_agents.kafka.admin``, which gets the
+CreatePartitions,           ``Authorizer``; TOPIC_AUTHORIZATION_FAILED per topic)
+DescribeConfigs
 ==========================  =====================================================================
 
 Every refusal is logged with the principal, the operation and the resource.
