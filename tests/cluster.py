@@ -179,6 +179,14 @@ class Cluster:
 
         asyncio.run(run())
 
+    def call(self, agent: AgentHandle, key: int, body: m.Message) -> Any:
+        """One request to ``agent`` over the cluster's client TLS/SASL settings."""
+        return asyncio.run(
+            WireClient.call_once(
+                agent.host, agent.port, key, body, ssl=self.client_ssl, login=self.client_login
+            )
+        )
+
     def metadata(
         self, topics: list[str] | None = None, *, avoid: set[int] | None = None
     ) -> m.MetadataResponse:
@@ -189,15 +197,8 @@ class Cluster:
             if avoid and agent.agent_id in avoid:
                 continue
             try:
-                resp: m.MetadataResponse = asyncio.run(
-                    WireClient.call_once(
-                        agent.host,
-                        agent.port,
-                        m.ApiKey.METADATA,
-                        m.MetadataRequest(topics),
-                        ssl=self.client_ssl,
-                        login=self.client_login,
-                    )
+                resp: m.MetadataResponse = self.call(
+                    agent, m.ApiKey.METADATA, m.MetadataRequest(topics)
                 )
                 return resp
             except (OSError, TimeoutError) as exc:
@@ -243,16 +244,7 @@ class Cluster:
                 [m.ListOffsetsTopic(topic, [m.ListOffsetsPartition(i, -1) for i in ids])]
             )
             try:
-                resp: m.ListOffsetsResponse = asyncio.run(
-                    WireClient.call_once(
-                        agent.host,
-                        agent.port,
-                        m.ApiKey.LIST_OFFSETS,
-                        request,
-                        ssl=self.client_ssl,
-                        login=self.client_login,
-                    )
-                )
+                resp: m.ListOffsetsResponse = self.call(agent, m.ApiKey.LIST_OFFSETS, request)
             except (OSError, TimeoutError):
                 return False
             if any(r.error_code == NotLeaderError.code for t in resp.topics for r in t.partitions):
