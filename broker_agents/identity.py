@@ -53,8 +53,8 @@ def store_id(data_dir: Path, agent_id: int) -> None:
 def allocate_id(zookeeper: str, timeout_s: float = 10.0) -> int:
     """A new agent id, never handed out before in this cluster (ZooKeeper's sequence)."""
     zk = kazoo_client(zookeeper, timeout=timeout_s)
-    zk.start(timeout=timeout_s)
-    try:
+    try:  # closed even when the start fails (its socket pair would be left to the GC)
+        zk.start(timeout=timeout_s)
         zk.ensure_path(ID_ROOT)
         path = zk.create(f"{ID_ROOT}/id-", b"", sequence=True)
     finally:

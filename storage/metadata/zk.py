@@ -174,7 +174,6 @@ class AsyncZooKeeper:
                 await self._call(self.client.ensure_path_async(chroot), f"ensure {chroot}")
                 await self._lock(chroot)
             except BaseException:  # e.g. NoAuth: no session is left running behind the error
-                self.client.chroot = chroot
                 await self.stop()
                 raise
             finally:
