@@ -138,16 +138,20 @@ class GroupClient:
         self.rebalances = 0
         #: partition counts the current assignment was made with (see 6. above)
         self._assigned_counts: dict[str, int] = {}
+        #: topics the leader's last assignment left out (not in its metadata in time)
+        self._left_out: set[str] = set()
         cluster.add_listener(self._metadata_updated)
 
     def _metadata_updated(self) -> None:
         if not self.member_id or self._joining or self._need_join.is_set():
             return
-        for topic, count in self._assigned_counts.items():
+        counts: dict[str, int | None] = {**self._assigned_counts}
+        counts.update(dict.fromkeys(self._left_out))  # None: not in the metadata then
+        for topic, count in counts.items():
             now = self.cluster.partition_count(topic)
             if now is not None and now != count:
                 log.info(
-                    "group %s: %s has %d partitions, %d when assigned: rejoining",
+                    "group %s: %s has %d partitions, %s when assigned: rejoining",
                     self.group_id,
                     topic,
                     now,
@@ -476,18 +480,27 @@ class GroupClient:
         self.member_id = join.member_id
         assignments: list[m.SyncGroupAssignment] = []
         counts: dict[str, int] = {}
-        if join.leader == join.member_id and join.members:
-            assignments, counts = await self._assign(join)
-        sync: m.SyncGroupResponse = await self._send(
-            m.SyncGroupRequest(
-                self.group_id,
-                join.generation_id,
-                self.member_id,
-                cfg.group_instance_id,
-                assignments,
-            ),
-            request_timeout=rebalance_s + cfg.request_timeout_ms / 1000,
+        left_out: set[str] = set()
+        beats = asyncio.create_task(
+            self._beat_until_synced(join.generation_id), name="group-heartbeat-until-synced"
         )
+        try:
+            if join.leader == join.member_id and join.members:
+                assignments, counts, left_out = await self._assign(join)
+            sync: m.SyncGroupResponse = await self._send(
+                m.SyncGroupRequest(
+                    self.group_id,
+                    join.generation_id,
+                    self.member_id,
+                    cfg.group_instance_id,
+                    assignments,
+                ),
+                request_timeout=rebalance_s + cfg.request_timeout_ms / 1000,
+            )
+        finally:
+            beats.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beats
         if sync.error_code:
             self._need_join.set()
             self._check(sync.error_code, "sync")
@@ -512,6 +525,7 @@ class GroupClient:
             if topic not in counts and (n := self.cluster.partition_count(topic)) is not None:
                 counts[topic] = n
         self._assigned_counts = counts
+        self._left_out = left_out
         self.generation = join.generation_id
         self.protocol = join.protocol_name
         self.rebalances += 1
@@ -534,10 +548,27 @@ class GroupClient:
         if added and self.listener is not None:
             await _call(getattr(self.listener, "on_partitions_assigned", None), set(added))
 
+    async def _beat_until_synced(self, generation: int) -> None:
+        """Heartbeats between the JoinGroup's answer and the SyncGroup's, as Kafka's client
+        sends them: the coordinator keeps a member alive while its SyncGroup waits there, but
+        not a leader still making the assignment. The SyncGroup's answer says how it ended."""
+        cfg = self.config
+        interval = min(cfg.heartbeat_interval_ms, cfg.session_timeout_ms // 3) / 1000
+        while True:
+            await asyncio.sleep(interval)
+            with contextlib.suppress(StrataError):
+                await self._send(
+                    m.HeartbeatRequest(
+                        self.group_id, generation, self.member_id, cfg.group_instance_id
+                    ),
+                    request_timeout=cfg.session_timeout_ms / 1000,
+                )
+
     async def _assign(
         self, join: m.JoinGroupResponse
-    ) -> tuple[list[m.SyncGroupAssignment], dict[str, int]]:
-        """The leader's assignment, and the partition counts it was made with."""
+    ) -> tuple[list[m.SyncGroupAssignment], dict[str, int], set[str]]:
+        """The leader's assignment, the partition counts it was made with, and the subscribed
+        topics it left out."""
         members: dict[str, Subscription] = {}
         for member in join.members:
             sub = cp.ConsumerSubscription.decode(member.metadata)
@@ -552,11 +583,12 @@ class GroupClient:
             )
         topics = sorted({t for s in members.values() for t in s.topics})
         counts: dict[str, int] = {}
+        # every member waits on the leader: a topic not in the metadata soon is left out of
+        # this generation (its appearance in the leader's metadata makes it join again)
+        max_wait = self.config.session_timeout_ms / 1000 / 3
         for topic in topics:
             with contextlib.suppress(StrataError):
-                counts[topic] = await self.cluster.wait_for_topic(
-                    topic, self.config.request_timeout_ms / 1000
-                )
+                counts[topic] = await self.cluster.wait_for_topic(topic, max_wait)
         result = assign(join.protocol_name or "range", members, counts)
         out = []
         for member_id, tps in result.items():
@@ -567,7 +599,7 @@ class GroupClient:
                 [cp.TopicPartitions(t, ps) for t, ps in by_topic.items()]
             )
             out.append(m.SyncGroupAssignment(member_id, cp.encode(payload)))
-        return out, counts
+        return out, counts, set(topics) - counts.keys()
 
     async def leave(self) -> None:
         """Leave the group (static members do not: their place waits for them)."""

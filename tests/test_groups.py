@@ -22,6 +22,7 @@ from sdk.group import OffsetAndMetadata
 from storage.errors import (
     CoordinatorNotAvailableError,
     IllegalGenerationError,
+    RebalanceInProgressError,
     StrataError,
     UnknownMemberIdError,
     from_wire,
@@ -463,6 +464,96 @@ def test_a_group_reads_partitions_added_to_its_topic_after_one_rebalance(cluster
             assert a.assignment() | b.assignment() == {TopicPartition("grow", p) for p in range(8)}
             assert not (a.assignment() & b.assignment())
             assert a.group_generation == b.group_generation == generation + 1, "one rebalance"
+        finally:
+            await a.close()
+            await b.close()
+
+    asyncio.run(run())
+
+
+def test_a_member_waiting_for_the_leaders_sync_is_not_expired(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """A follower's SyncGroup waits at the coordinator until the leader sends the assignment;
+    its client cannot heartbeat meanwhile. A leader slower than the follower's session (a
+    loaded machine, a metadata refresh) must not get the waiting follower expired: it gets
+    its assignment. (Seen in CI: both members expired, and the group lost one for 30 s.)"""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    cluster.start_agent(1, *GROUP_CONFIGS)
+    cluster.create_topic("t", 2)
+    session_ms = 600
+    meta = cp.encode(cp.ConsumerSubscription(["t"], [], -1))
+
+    def join(member_id: str = "") -> m.JoinGroupRequest:
+        return m.JoinGroupRequest(
+            "g",
+            session_ms,
+            10_000,
+            member_id,
+            None,
+            m.CONSUMER_PROTOCOL_TYPE,
+            [m.JoinGroupProtocol("range", meta)],
+        )
+
+    async def run() -> None:
+        reg = cluster.agents[1]
+        a = await WireClient.connect(reg.host, reg.port)
+        b = await WireClient.connect(reg.host, reg.port)
+        try:
+            first = await a.call(m.ApiKey.JOIN_GROUP, join())
+            assert first.error_code == 0
+            # b's join starts a rebalance that a joins too
+            b_join = asyncio.create_task(b.call(m.ApiKey.JOIN_GROUP, join(), wait_s=20))
+
+            async def rebalancing() -> bool:
+                hb = await a.call(
+                    m.ApiKey.HEARTBEAT,
+                    m.HeartbeatRequest("g", first.generation_id, first.member_id, None),
+                )
+                return bool(hb.error_code == RebalanceInProgressError.code)
+
+            await until(rebalancing, "b's join started a rebalance")
+            a_join = await a.call(m.ApiKey.JOIN_GROUP, join(first.member_id), wait_s=20)
+            b_joined = await b_join
+            assert a_join.error_code == b_joined.error_code == 0
+            leader, follower = (a, b) if a_join.leader == a_join.member_id else (b, a)
+            lead, other = (a_join, b_joined) if leader is a else (b_joined, a_join)
+            # the follower waits in SyncGroup; the leader heartbeats for 4 sessions first
+            sync = asyncio.create_task(
+                follower.call(
+                    m.ApiKey.SYNC_GROUP,
+                    m.SyncGroupRequest("g", other.generation_id, other.member_id, None, []),
+                    wait_s=20,
+                )
+            )
+            loop = asyncio.get_running_loop()
+            until_t = loop.time() + 4 * session_ms / 1000
+            while loop.time() < until_t:
+                beat = await leader.call(
+                    m.ApiKey.HEARTBEAT,
+                    m.HeartbeatRequest("g", lead.generation_id, lead.member_id, None),
+                )
+                assert beat.error_code == 0, "a leader's heartbeat before its sync is welcome"
+                await asyncio.sleep(session_ms / 4000)
+            mine = cp.encode(cp.ConsumerAssignment([cp.TopicPartitions("t", [0])]))
+            theirs = cp.encode(cp.ConsumerAssignment([cp.TopicPartitions("t", [1])]))
+            done = await leader.call(
+                m.ApiKey.SYNC_GROUP,
+                m.SyncGroupRequest(
+                    "g",
+                    lead.generation_id,
+                    lead.member_id,
+                    None,
+                    [
+                        m.SyncGroupAssignment(lead.member_id, mine),
+                        m.SyncGroupAssignment(other.member_id, theirs),
+                    ],
+                ),
+            )
+            assert done.error_code == 0
+            got = await sync
+            assert got.error_code == 0, f"the waiting follower was dropped: {got.error_code}"
+            assert got.assignment == theirs
         finally:
             await a.close()
             await b.close()

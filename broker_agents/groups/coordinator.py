@@ -174,6 +174,7 @@ class Group:
     pending: list[PendingCommit] = field(default_factory=list)
     join_deadline: float = 0.0  # PREPARING_REBALANCE: when laggards are dropped
     join_ready_at: float = 0.0  # PREPARING_REBALANCE: initial rebalance delay
+    sync_deadline: float = 0.0  # COMPLETING_REBALANCE: when members yet to sync are dropped
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one ZooKeeper write at a time
     #: transactional offsets not yet settled, marker tokens (``/groups/<g>/txn``) and version
     txn: GroupTxnState = field(default_factory=lambda: GroupTxnState({}, {}))
@@ -311,6 +312,9 @@ class GroupCoordinator:
             elif phase == Phase.PREPARING_REBALANCE:
                 phase = Phase.COMPLETING_REBALANCE  # persisted only at the generation bump
             group.phase = phase
+            if phase == Phase.COMPLETING_REBALANCE:
+                timeout = max(mb.rebalance_timeout_ms for mb in group.members.values())
+                group.sync_deadline = now + timeout / 1000
         if not self.owns(group_id):
             raise NotCoordinatorError(f"group {group_id!r} moved while loading")
         existing = self.groups.get(group_id)
@@ -359,16 +363,26 @@ class GroupCoordinator:
             self._unload(group, NotCoordinatorError(f"group {group.group_id!r} moved"))
             return
         now = self.clock()
+        # a member waiting at the coordinator (a JoinGroup or SyncGroup in hand) is alive: its
+        # client cannot heartbeat on the connection the wait holds (Kafka's rule too)
         expired = [
             mb
             for mb in group.members.values()
-            if mb.join is None and now - mb.last_seen > mb.session_timeout_ms / 1000
+            if mb.join is None
+            and mb.sync is None
+            and now - mb.last_seen > mb.session_timeout_ms / 1000
         ]
         for mb in expired:
             log.info("group %s: member %s expired", group.group_id, mb.member_id)
             await self._remove(group, mb, UnknownMemberIdError("session expired"))
         if group.phase == Phase.PREPARING_REBALANCE:
             await self._maybe_complete_join(group)
+        elif group.phase == Phase.COMPLETING_REBALANCE and now > group.sync_deadline:
+            # alive (heartbeating) but no SyncGroup within the rebalance timeout: a leader that
+            # never hands out the assignment would otherwise hold every member in the wait
+            for mb in [mb for mb in group.members.values() if mb.sync is None]:
+                log.info("group %s: member %s did not sync in time", group.group_id, mb.member_id)
+                await self._remove(group, mb, RebalanceInProgressError("no SyncGroup in time"))
 
     # ---- membership -------------------------------------------------------------------------
     async def find_coordinator(self, req: m.FindCoordinatorRequest) -> m.FindCoordinatorResponse:
@@ -488,9 +502,16 @@ class GroupCoordinator:
         group.join_deadline = now + timeout / 1000
         delay = self.settings.initial_rebalance_delay_ms / 1000 if was_empty else 0.0
         group.join_ready_at = now + delay
+        self._fail_syncs(group, now)
+
+    @staticmethod
+    def _fail_syncs(group: Group, now: float) -> None:
+        """A new rebalance answers the SyncGroups still waiting; their members were alive until
+        now and get a session's time from here to join again."""
         for mb in group.members.values():
             if mb.sync is not None and not mb.sync.done():
                 mb.sync.set_exception(RebalanceInProgressError("the group is rebalancing"))
+                mb.last_seen = now
             mb.sync = None
 
     async def _maybe_complete_join(self, group: Group) -> None:
@@ -521,6 +542,10 @@ class GroupCoordinator:
         joins = {mb.member_id: mb.join for mb in group.members.values()}
         for mb in group.members.values():
             mb.join = None
+            mb.last_seen = now  # each session runs from the answer, not from its JoinGroup
+        group.sync_deadline = (
+            now + max(mb.rebalance_timeout_ms for mb in group.members.values()) / 1000
+        )
         try:
             await self._persist(group)
         except StrataError as exc:
@@ -590,10 +615,7 @@ class GroupCoordinator:
         timeout = max((mb.rebalance_timeout_ms for mb in group.members.values()), default=0)
         group.join_deadline = now + timeout / 1000
         group.join_ready_at = now
-        for mb in group.members.values():
-            if mb.sync is not None and not mb.sync.done():
-                mb.sync.set_exception(RebalanceInProgressError("the group is rebalancing"))
-            mb.sync = None
+        self._fail_syncs(group, now)
 
     def _member(
         self, group: Group, member_id: str, instance_id: str | None, generation: int | None
@@ -635,9 +657,11 @@ class GroupCoordinator:
                     mb.assignment = given.get(mb.member_id, b"")
                 group.phase = next_phase(group.phase, Event.LEADER_SYNCED)
                 await self._persist(group)
+                now = self.clock()
                 for mb in group.members.values():
                     if mb.sync is not None and not mb.sync.done():
                         mb.sync.set_result(m.SyncGroupResponse(0, mb.assignment))
+                        mb.last_seen = now
                     mb.sync = None
             return await waiter
         except StrataError as exc:
