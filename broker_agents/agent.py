@@ -38,6 +38,7 @@ from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
 from broker_agents.security.authenticator import Authenticator, AuthSettings
 from broker_agents.security.guard import Authorizer, Guard
+from broker_agents.security.quotas import Quotas
 from broker_agents.server import AgentServer, NativeCodec
 from broker_agents.tiering import Tiering
 from broker_agents.transactions import (
@@ -62,6 +63,7 @@ from storage.metadata import (
 from storage.metadata.acls import ACLS
 from storage.metadata.groups import GroupStore
 from storage.metadata.models import ControllerInfo, load
+from storage.metadata.quotas import QUOTAS
 from storage.metadata.store import (
     AGENTS,
     CONTROLLER,
@@ -179,9 +181,10 @@ class Agent:
             guard = Guard(self.authorizer, self.apis, self.groups, self.transactions)
             self.apis.handlers.update(guard.handlers(self.apis.handlers))
             core, groups = guard.core, guard.groups
+        self.quotas = Quotas(config.super_user_set, burst_s=config.quota_burst_ms / 1000)
         self.server = AgentServer(
             self.apis,
-            codec=NativeCodec(self.apis, self.auth),
+            codec=NativeCodec(self.apis, self.auth, self.quotas),
             auth=self.auth,
             sasl=config.listener_security_protocol.sasl,
             tls=tls if config.listener_security_protocol.tls else None,
@@ -202,7 +205,7 @@ class Agent:
                 max_queued_bytes=config.queued_max_request_bytes,
                 idle_timeout=config.connections_max_idle_ms / 1000,
                 frame_timeout=config.request_frame_timeout_ms / 1000,
-                codec=KafkaCodec(kafka, self.auth),
+                codec=KafkaCodec(kafka, self.auth, self.quotas),
                 auth=self.auth,
                 sasl=config.kafka_security_protocol.sasl,
                 tls=tls if config.kafka_security_protocol.tls else None,
@@ -457,6 +460,7 @@ class Agent:
         if self.authorizer is not None:
             authz = self.authorizer
             self.zk.watch_data(ACLS, lambda data, stat: authz.update(data))
+        self.zk.watch_data(QUOTAS, lambda data, stat: self.quotas.update(data))
 
     def _agents_watch(self, children: list[str]) -> None:
         self._agents_generation += 1

@@ -74,6 +74,9 @@ class AgentConfig(_Config):
     sasl_authentication_deadline_ms: int = Field(
         10_000, alias="sasl.authentication.deadline.ms", ge=100
     )
+    # client quotas (/config/quotas): how far ahead of its rate a principal may run before
+    # its answers are held (broker_agents/security/quotas.py)
+    quota_burst_ms: int = Field(1000, alias="quota.burst.ms", ge=0, le=60_000)
     zookeeper: str = Field(alias="zookeeper.connect")
     data_dir: Path = Field(alias="data.dir")
     session_timeout_ms: int = Field(6000, alias="zookeeper.session.timeout.ms", ge=1000)

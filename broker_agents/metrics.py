@@ -34,7 +34,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -61,6 +61,8 @@ class AgentState(Protocol):
     def groups(self) -> Any: ...  # the group coordinator, for lag
     @property
     def view(self) -> ClusterView: ...  # topics (and their deletes in progress)
+    @property
+    def quotas(self) -> Any: ...  # ``.throttled`` answers held, ``.throttled_s`` in all
 
 
 log = logging.getLogger(__name__)
@@ -335,6 +337,15 @@ class _StateCollector(Collector):
         )
         offline.add_metric([], len(agent.offline))
         yield from (led, hosted, isr, replicas, under, hw, leo, unuploaded, up, offline)
+        held = CounterMetricFamily(
+            "strata_quota_throttled_responses", "Answers held because a principal was over quota"
+        )
+        held.add_metric([], agent.quotas.throttled)
+        held_s = CounterMetricFamily(
+            "strata_quota_throttle_seconds", "Time answers were held for quotas, in all"
+        )
+        held_s.add_metric([], agent.quotas.throttled_s)
+        yield from (held, held_s)
         yield from _deletions(agent)
         yield from _group_lag(agent)
 

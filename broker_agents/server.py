@@ -47,6 +47,7 @@ from typing import Any, Protocol
 
 from broker_agents.security.authenticator import Authenticator, Session
 from broker_agents.security.guard import current_principal
+from broker_agents.security.quotas import Quotas, throttle
 from storage.errors import (
     FrameTooLargeError,
     IllegalSaslStateError,
@@ -123,9 +124,12 @@ class NativeCodec:
         {ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE}
     )
 
-    def __init__(self, apis: Any, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self, apis: Any, auth: Authenticator | None = None, quotas: Quotas | None = None
+    ) -> None:
         self.apis = apis
         self.auth = auth
+        self.quotas = quotas
 
     def refuse(self, request: Any, exc: StrataError) -> Any:
         return encode_error_response(request.correlation_id, exc.code, str(exc))
@@ -173,9 +177,27 @@ class NativeCodec:
             return encode_error_response(
                 request.correlation_id, StrataError.code, f"internal error: {exc!r}"
             )
+        cid = request.correlation_id
         if request.api_key == ApiKey.PRODUCE and body.acks == 0:  # type: ignore[attr-defined]
-            return _NO_RESPONSE
-        return encode_response(request.correlation_id, response)
+            response = None  # no answer, but the quota counts it and may hold the connection
+        parts = await throttle(
+            self.quotas,
+            request.api_key,
+            body,
+            len(request.body),
+            response,
+            lambda r: [] if r is None else encode_response(cid, r),
+            _set_throttle,
+        )
+        return parts or _NO_RESPONSE
+
+
+def _set_throttle(response: Any, ms: int) -> bool:
+    """Produce's and Fetch's answers say how long they were held."""
+    if hasattr(response, "throttle_time_ms"):
+        response.throttle_time_ms = ms
+        return True
+    return False
 
 
 class ServerObserver(Protocol):

@@ -160,6 +160,8 @@ class Sender:
             config.retry_backoff_ms, config.effective_backoff_max_ms
         )
         self._in_flight: dict[int, int] = defaultdict(int)
+        #: how long agents held answers over a quota, in all (docs/security.md)
+        self.throttle_time_ms = 0
         self._drain_start: dict[int, int] = defaultdict(int)
         self._stopping = False
         self._retry_poll = max(config.retry_backoff_ms / 1000, 0.01)
@@ -264,6 +266,7 @@ class Sender:
                     self._acc.complete(b, -1)
                     settled.add(id(b))
                 return
+            self.throttle_time_ms += response.throttle_time_ms
             results = {(t.name, r.partition): r for t in response.topics for r in t.partitions}
             next_base: dict[TopicPartition, int] = {}
             for b in batches:
@@ -1217,6 +1220,7 @@ class Producer:
         stats = self._acc.stats() if self._acc is not None else {}
         if self._sender is not None:
             stats["in_flight_requests"] = self._sender.in_flight
+            stats["produce_throttle_time_ms"] = self._sender.throttle_time_ms
         if self._acc is not None and self._acc.sequencer is not None:
             stats["producer_id"] = self._acc.sequencer.producer_id
         if self._txn is not None:

@@ -22,10 +22,12 @@ from typing import Any
 
 from broker_agents.kafka.apis import KafkaApis
 from broker_agents.security.authenticator import Authenticator, Session
+from broker_agents.security.quotas import Quotas, throttle
 from storage.errors import MalformedFrameError, StrataError, UnsupportedSaslMechanismError
 from storage.kafka import frames as kf
 from storage.kafka.errors import MESSAGE_TOO_LARGE, UNKNOWN_SERVER_ERROR, code_of
 from storage.kafka.messages import ApiKey
+from storage.protocol.messages import ApiKey as NativeKey
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +47,12 @@ class KafkaCodec:
         {ApiKey.API_VERSIONS, ApiKey.SASL_HANDSHAKE, ApiKey.SASL_AUTHENTICATE}
     )
 
-    def __init__(self, apis: KafkaApis, auth: Authenticator | None = None) -> None:
+    def __init__(
+        self, apis: KafkaApis, auth: Authenticator | None = None, quotas: Quotas | None = None
+    ) -> None:
         self.apis = apis
         self.auth = auth
+        self.quotas = quotas
 
     def refuse(self, request: KafkaRequest, exc: StrataError) -> list[Any]:
         header = request.header
@@ -119,6 +124,26 @@ class KafkaCodec:
         except Exception:  # a bug: answer and keep serving the others
             log.exception("Kafka %s handler failed", header.api.key.name)
             return kf.error_response(header, UNKNOWN_SERVER_ERROR)
-        if response is None:
-            return None  # acks=0
-        return kf.encode_response(header, response)
+        # acks=0 (no answer) is counted too; the quotas know the native keys
+        parts = await throttle(
+            self.quotas,
+            _QUOTA_KEYS.get(header.api_key, -1),
+            body,
+            len(request.body),
+            response,
+            lambda r: [] if r is None else kf.encode_response(header, r),
+            _set_throttle,
+        )
+        return parts or None
+
+
+_QUOTA_KEYS: dict[int, int] = {ApiKey.PRODUCE: NativeKey.PRODUCE, ApiKey.FETCH: NativeKey.FETCH}
+
+
+def _set_throttle(response: Any, ms: int) -> bool:
+    """Kafka's answers carry ``throttle_time_ms`` from their v1 (a version without the field
+    leaves it out when encoding)."""
+    if isinstance(response, dict):
+        response["throttle_time_ms"] = ms
+        return True
+    return False

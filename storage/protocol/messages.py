@@ -209,7 +209,8 @@ class ProduceTopicResult(Message):
 @dataclass(slots=True)
 class ProduceResponse(Message):
     topics: list[ProduceTopicResult]
-    SCHEMA = (("topics", Array(struct_of(ProduceTopicResult))),)
+    throttle_time_ms: int = 0  # how long the agent held this answer (a quota: security.md)
+    SCHEMA = (("topics", Array(struct_of(ProduceTopicResult))), ("throttle_time_ms", INT32))
 
 
 # ---- Fetch ------------------------------------------------------------------------------------
@@ -323,7 +324,8 @@ class FetchTopicResult(Message):
 @dataclass(slots=True)
 class FetchResponse(Message):
     topics: list[FetchTopicResult]
-    SCHEMA = (("topics", Array(struct_of(FetchTopicResult))),)
+    throttle_time_ms: int = 0  # how long the agent held this answer (a quota: security.md)
+    SCHEMA = (("topics", Array(struct_of(FetchTopicResult))), ("throttle_time_ms", INT32))
 
 
 # ---- ListOffsets ------------------------------------------------------------------------------
