@@ -180,6 +180,8 @@ class NativeCodec:
         cid = request.correlation_id
         if request.api_key == ApiKey.PRODUCE and body.acks == 0:  # type: ignore[attr-defined]
             response = None  # no answer, but the quota counts it and may hold the connection
+        if self.quotas is None or not self.quotas.active:  # the common path: no call more
+            return _NO_RESPONSE if response is None else encode_response(cid, response)
         parts = await throttle(
             self.quotas,
             request.api_key,

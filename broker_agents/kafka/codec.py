@@ -124,6 +124,8 @@ class KafkaCodec:
         except Exception:  # a bug: answer and keep serving the others
             log.exception("Kafka %s handler failed", header.api.key.name)
             return kf.error_response(header, UNKNOWN_SERVER_ERROR)
+        if self.quotas is None or not self.quotas.active:  # the common path: no call more
+            return None if response is None else kf.encode_response(header, response)
         # acks=0 (no answer) is counted too; the quotas know the native keys
         parts = await throttle(
             self.quotas,

@@ -139,7 +139,7 @@ async def throttle(
     """Encode ``response``; if the principal is over its quota, hold the answer (with its
     throttle time set when ``set_throttle`` can) for as long as it must wait."""
     parts = encode(response)
-    if quotas is None or not quotas.active or exempt(api_key, body):
+    if quotas is None or exempt(api_key, body):
         return parts
     wait = quotas.charge(current_principal.get(), api_key, request_bytes, size_of(parts))
     if wait <= 0:
