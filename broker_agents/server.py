@@ -47,7 +47,7 @@ from typing import Any, Protocol
 
 from broker_agents.security.authenticator import Authenticator, Session
 from broker_agents.security.guard import current_principal
-from broker_agents.security.quotas import Quotas, throttle
+from broker_agents.security.quotas import Quotas, Throttled, throttle
 from storage.errors import (
     FrameTooLargeError,
     IllegalSaslStateError,
@@ -88,10 +88,11 @@ class _CloseAfter:
 class _Activity:
     """When the connection's pending read and write started waiting (None: not waiting)."""
 
-    __slots__ = ("frame", "reading", "session", "writable", "writing")
+    __slots__ = ("frame", "muted_until", "reading", "session", "writable", "writing")
 
     def __init__(self) -> None:
         self.session: Session | None = None
+        self.muted_until = 0.0  # a quota: no request is read before then (loop time)
         self.reading: float | None = None
         self.frame: float | None = None  # since when the peer has been sending a frame
         self.writing: float | None = None
@@ -182,16 +183,16 @@ class NativeCodec:
             response = None  # no answer, but the quota counts it and may hold the connection
         if self.quotas is None or not self.quotas.active:  # the common path: no call more
             return _NO_RESPONSE if response is None else encode_response(cid, response)
-        parts = await throttle(
+        answer = throttle(
             self.quotas,
             request.api_key,
             body,
             len(request.body),
             response,
-            lambda r: [] if r is None else encode_response(cid, r),
+            lambda r: encode_response(cid, r),
             _set_throttle,
         )
-        return parts or _NO_RESPONSE
+        return _NO_RESPONSE if answer is None else answer
 
 
 def _set_throttle(response: Any, ms: int) -> bool:
@@ -564,6 +565,9 @@ class AgentServer:
                 await queue.put(done)
                 continue
             activity.reading = None
+            if activity.muted_until > loop.time():
+                # over a quota: the frame's body waits in the socket (nothing charged here)
+                await asyncio.sleep(activity.muted_until - loop.time())
             try:
                 if frames.is_small(size):
                     await charge.small(size)
@@ -638,6 +642,9 @@ class AgentServer:
         loop = asyncio.get_running_loop()
         while (fut := await queue.get()) is not None:
             parts = await fut
+            if isinstance(parts, Throttled):  # answered now; the reader waits it out
+                activity.muted_until = max(activity.muted_until, loop.time() + parts.wait)
+                parts = _NO_RESPONSE if parts.parts is None else parts.parts
             close = isinstance(parts, _CloseAfter)
             if close:
                 parts = parts.parts

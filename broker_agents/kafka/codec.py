@@ -22,7 +22,7 @@ from typing import Any
 
 from broker_agents.kafka.apis import KafkaApis
 from broker_agents.security.authenticator import Authenticator, Session
-from broker_agents.security.quotas import Quotas, throttle
+from broker_agents.security.quotas import Quotas, Throttled, throttle
 from storage.errors import MalformedFrameError, StrataError, UnsupportedSaslMechanismError
 from storage.kafka import frames as kf
 from storage.kafka.errors import MESSAGE_TOO_LARGE, UNKNOWN_SERVER_ERROR, code_of
@@ -99,7 +99,7 @@ class KafkaCodec:
 
     async def handle(
         self, request: KafkaRequest, session: Session | None = None
-    ) -> list[Any] | None:
+    ) -> list[Any] | Throttled | None:
         header = request.header
         if header.api is None:
             return kf.unsupported_response(header.api_key, header.correlation_id)
@@ -127,16 +127,15 @@ class KafkaCodec:
         if self.quotas is None or not self.quotas.active:  # the common path: no call more
             return None if response is None else kf.encode_response(header, response)
         # acks=0 (no answer) is counted too; the quotas know the native keys
-        parts = await throttle(
+        return throttle(
             self.quotas,
             _QUOTA_KEYS.get(header.api_key, -1),
             body,
             len(request.body),
             response,
-            lambda r: [] if r is None else kf.encode_response(header, r),
+            lambda r: kf.encode_response(header, r),
             _set_throttle,
         )
-        return parts or None
 
 
 _QUOTA_KEYS: dict[int, int] = {ApiKey.PRODUCE: NativeKey.PRODUCE, ApiKey.FETCH: NativeKey.FETCH}

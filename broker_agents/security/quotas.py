@@ -12,13 +12,14 @@ super users are never counted.
 
 How it throttles: each (principal, rate) is a virtual clock, the *theoretical arrival time*
 of the generic cell rate algorithm. A request costing ``c`` (bytes, or 1) moves it to
-``max(tat, now) + c / rate``; the answer is held until ``tat - burst`` (``quota.burst.ms``:
-how far ahead of its rate a principal may run before it waits). The request itself is
-served at once, as in Kafka; only its answer waits, with ``throttle_time_ms`` set in it where
-the answer has that field (native Produce and Fetch; Kafka's answers from their v1). The
-agent answers a connection's requests in order and reads at most ``max.in.flight`` ahead, so
-a held answer also stops the connection's next requests (Kafka mutes the channel). Other
-principals' connections are not held up: one sleeping task per throttled answer, no lock.
+``max(tat, now) + c / rate``; the principal must wait until ``tat - burst``
+(``quota.burst.ms``: how far ahead of its rate it may run). As in Kafka since KIP-219, the
+request is served and answered at once, with ``throttle_time_ms`` set where the answer has
+that field (native Produce and Fetch; Kafka's answers from their v1), and then the
+connection is *muted*: its reader takes no further request off the socket for that long (a
+client that does not wait by itself is held by TCP backpressure). Nothing is kept meanwhile:
+no request bytes charged to the agent's budget, no answer held in memory; other principals'
+connections are not held up.
 
 State is one float per (principal, rate) in use, dropped once it is in the past (bounded by
 the number of principals that were throttled within the last ``burst``).
@@ -26,7 +27,6 @@ the number of principals that were throttled within the last ``burst``).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -127,24 +127,35 @@ def size_of(parts: Any) -> int:
     return sum(memoryview(p).nbytes for p in parts)
 
 
-async def throttle(
-    quotas: Quotas | None,
+class Throttled:
+    """An answer (``parts``; None: acks=0, none) after which the connection reads nothing
+    for ``wait`` seconds."""
+
+    __slots__ = ("parts", "wait")
+
+    def __init__(self, parts: list[Any] | None, wait: float) -> None:
+        self.parts = parts
+        self.wait = wait
+
+
+def throttle(
+    quotas: Quotas,
     api_key: int,
     body: Any,
     request_bytes: int,
     response: Any,
     encode: Callable[[Any], list[Any]],
     set_throttle: Callable[[Any, int], bool],
-) -> list[Any]:
-    """Encode ``response``; if the principal is over its quota, hold the answer (with its
-    throttle time set when ``set_throttle`` can) for as long as it must wait."""
-    parts = encode(response)
-    if quotas is None or exempt(api_key, body):
+) -> list[Any] | Throttled | None:
+    """Encode ``response`` (None: no answer); if the principal is over its quota, the answer
+    (with its throttle time set when ``set_throttle`` can) as a ``Throttled``."""
+    parts = None if response is None else encode(response)
+    if exempt(api_key, body):
         return parts
-    wait = quotas.charge(current_principal.get(), api_key, request_bytes, size_of(parts))
+    size = 0 if parts is None else size_of(parts)
+    wait = quotas.charge(current_principal.get(), api_key, request_bytes, size)
     if wait <= 0:
         return parts
-    if set_throttle(response, int(wait * 1000)):
+    if response is not None and set_throttle(response, int(wait * 1000)):
         parts = encode(response)
-    await asyncio.sleep(wait)
-    return parts
+    return Throttled(parts, wait)
