@@ -338,11 +338,12 @@ class _StateCollector(Collector):
         offline.add_metric([], len(agent.offline))
         yield from (led, hosted, isr, replicas, under, hw, leo, unuploaded, up, offline)
         held = CounterMetricFamily(
-            "strata_quota_throttled_responses", "Answers held because a principal was over quota"
+            "strata_quota_throttled_responses",
+            "Answers after which a connection was muted: its principal was over quota",
         )
         held.add_metric([], agent.quotas.throttled)
         held_s = CounterMetricFamily(
-            "strata_quota_throttle_seconds", "Time answers were held for quotas, in all"
+            "strata_quota_throttle_seconds", "Time connections were muted for quotas, in all"
         )
         held_s.add_metric([], agent.quotas.throttled_s)
         yield from (held, held_s)

@@ -180,7 +180,7 @@ class NativeCodec:
             )
         cid = request.correlation_id
         if request.api_key == ApiKey.PRODUCE and body.acks == 0:  # type: ignore[attr-defined]
-            response = None  # no answer, but the quota counts it and may hold the connection
+            response = None  # no answer, but the quota counts it and may mute the connection
         if self.quotas is None or not self.quotas.active:  # the common path: no call more
             return _NO_RESPONSE if response is None else encode_response(cid, response)
         answer = throttle(

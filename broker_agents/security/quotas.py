@@ -1,4 +1,4 @@
-"""Client quotas on the agent: a principal over its rate gets its answers late.
+"""Client quotas on the agent: a principal over its rate finds its connections paused.
 
 The limits come from ZooKeeper (``/config/quotas``, watched; ``storage.metadata.quotas``):
 per principal, or the ``User:*`` default for each principal without its own, a
@@ -41,8 +41,8 @@ log = logging.getLogger(__name__)
 
 #: the agents' own traffic: never counted
 _EXEMPT_APIS = frozenset({ApiKey.OFFSET_FOR_LEADER_EPOCH, ApiKey.WRITE_TXN_MARKERS})
-#: the most an answer is held (well inside a client's request.timeout.ms; Kafka caps its
-#: throttle at the quota window), and the most a principal's clock runs ahead of now
+#: the longest throttle (well inside a client's request.timeout.ms; Kafka caps its throttle
+#: at the quota window), and the most a principal's clock runs ahead of now
 MAX_THROTTLE_S = 10.0
 _SWEEP_EVERY = 1024
 
@@ -63,7 +63,7 @@ class Quotas:
         self.limits: dict[str, QuotaConfig] = {}
         self._tat: dict[tuple[str, str], float] = {}
         self._charges = 0
-        #: answers held, and their total time (the agent's metrics)
+        #: throttled answers, and the time they muted their connections (the agent's metrics)
         self.throttled = 0
         self.throttled_s = 0.0
 
