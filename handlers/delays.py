@@ -35,6 +35,7 @@ from handlers.http import Request, Response, Route, parse_body
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
 from sdk import delays as d
+from sdk.config import client_config
 from storage.errors import (
     InvalidDelayError,
     InvalidReplicationFactorError,
@@ -167,7 +168,7 @@ class DelayAdmin:
         tp = TopicPartition(sid.topic, sid.partition)
         wanted = sid.encode().encode()
         consumer = Consumer(
-            {"bootstrap.servers": await _bootstrap(self.store), "enable.auto.commit": False}
+            client_config(await _bootstrap(self.store), {"enable.auto.commit": False})
         )
         async with consumer:
             consumer.assign([tp])
@@ -209,7 +210,7 @@ class DelayAdmin:
                     continue
                 topic = d.level_topic(level)
                 if consumer is None:
-                    consumer = Consumer({"bootstrap.servers": await _bootstrap(self.store)})
+                    consumer = Consumer(client_config(await _bootstrap(self.store)))
                     await consumer.start()
                 tps = [TopicPartition(topic, p) for p in range(lanes)]
                 ends = await consumer.end_offsets(tps)

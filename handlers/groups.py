@@ -32,6 +32,7 @@ from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 from handlers.http import Request, Response, Route, parse_body
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
+from sdk.config import client_config
 from storage.errors import (
     GroupIdNotFoundError,
     InvalidRequestError,
@@ -56,7 +57,7 @@ async def _consumer(store: MetadataStore) -> Consumer:
     if not agents:
         raise InvalidRequestError("no live agents: log end offsets are unknown")
     servers = ",".join(f"{a.host}:{a.port}" for a in agents.values())
-    consumer = Consumer({"bootstrap.servers": servers, "request.timeout.ms": 5000})
+    consumer = Consumer(client_config(servers, {"request.timeout.ms": 5000}))
     await consumer.start()
     return consumer
 

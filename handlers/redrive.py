@@ -46,6 +46,7 @@ from typing import Any
 from handlers.runtime import Invocation, shared_runtime
 from sdk import Consumer, Producer, TopicPartition
 from sdk import retry as r
+from sdk.config import client_config
 from sdk.partitioner import partition_for_key
 from sdk.records import ConsumerRecord
 from storage.codec import encode_batch
@@ -125,7 +126,7 @@ async def new_task(
         raise InvalidRequestError("no live agents")
     bootstrap = ",".join(f"{a.host}:{a.port}" for a in agents.values())
     tps = [TopicPartition(source, p) for p in range(spec.partitions)]
-    async with Consumer({"bootstrap.servers": bootstrap, "enable.auto.commit": False}) as c:
+    async with Consumer(client_config(bootstrap, {"enable.auto.commit": False})) as c:
         starts = await c.beginning_offsets(tps)
         ends = await c.end_offsets(tps)
     task_id = uuid.uuid4().hex[:12]
@@ -185,8 +186,8 @@ class Worker:
         bootstrap = ",".join(sorted(f"{a.host}:{a.port}" for a in agents.values()))
         clients = self._clients.get(bootstrap)
         if clients is None:
-            producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
-            consumer = Consumer({"bootstrap.servers": bootstrap, "enable.auto.commit": False})
+            producer = Producer(client_config(bootstrap, {"acks": "all"}))
+            consumer = Consumer(client_config(bootstrap, {"enable.auto.commit": False}))
             await producer.start()
             await consumer.start()
             clients = self._clients[bootstrap] = (producer, consumer)

@@ -37,6 +37,7 @@ from handlers.http import Request, Response, Route, parse_body
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
 from sdk import retry as r
+from sdk.config import client_config
 from storage.errors import (
     InvalidReplicationFactorError,
     InvalidRequestError,
@@ -125,7 +126,7 @@ class RetryAdmin:
 
     async def _consumer(self) -> Consumer:
         consumer = Consumer(
-            {"bootstrap.servers": await bootstrap_of(self.store), "enable.auto.commit": False}
+            client_config(await bootstrap_of(self.store), {"enable.auto.commit": False})
         )
         await consumer.start()
         return consumer

@@ -40,6 +40,7 @@ from handlers.runtime import Invocation, shared_runtime
 from sdk import Producer
 from sdk import delays as d
 from sdk import retry as r
+from sdk.config import client_config
 from sdk.records import ConsumerRecord, TopicPartition
 from storage.codec import encode_batch
 from storage.errors import StrataError
@@ -146,7 +147,7 @@ class Router:
     async def _producer(self, bootstrap: str) -> Producer:
         producer = self._producers.get(bootstrap)
         if producer is None:
-            producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
+            producer = Producer(client_config(bootstrap, {"acks": "all"}))
             await producer.start()
             self._producers[bootstrap] = producer
         return producer

@@ -41,6 +41,7 @@ from typing import Any
 from handlers.runtime import Invocation, shared_runtime
 from sdk import Consumer, Producer
 from sdk import delays as d
+from sdk.config import client_config
 from sdk.records import ConsumerRecord, TopicPartition
 from storage.codec import encode_batch
 from storage.errors import StrataError, UnknownTopicOrPartitionError
@@ -222,7 +223,7 @@ class Scheduler:
     async def _producer(self, bootstrap: str) -> Producer:
         producer = self._producers.get(bootstrap)
         if producer is None:
-            producer = Producer({"bootstrap.servers": bootstrap, "acks": "all"})
+            producer = Producer(client_config(bootstrap, {"acks": "all"}))
             await producer.start()
             self._producers[bootstrap] = producer
             # the hops' destinations: learn them all at once
@@ -336,7 +337,7 @@ class Scheduler:
     async def _read(self, bootstrap: str, tp: TopicPartition, start: int, end: int) -> list[Rec]:
         """Records ``[start, end)`` of a lane that a redo needs and the batch lacks."""
         out: list[Rec] = []
-        async with Consumer({"bootstrap.servers": bootstrap, "enable.auto.commit": False}) as c:
+        async with Consumer(client_config(bootstrap, {"enable.auto.commit": False})) as c:
             c.assign([tp])
             c.seek(tp, start)
             async with asyncio.timeout(self.produce_timeout):

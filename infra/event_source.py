@@ -58,6 +58,7 @@ from infra.local_runtime import LambdaContext
 from infra.processes import ChildProcess, spawn, terminate, wait_until_ready
 from sdk import Consumer
 from sdk.backoff import ExponentialBackoff
+from sdk.config import client_config
 from sdk.delays import level_topics
 from sdk.records import ConsumerRecord, TopicPartition
 from sdk.retry import (
@@ -241,17 +242,19 @@ class EventSourceRunner:
     async def run(self, stop: asyncio.Event) -> None:
         cfg = self.config
         consumer = Consumer(
-            {
-                "bootstrap.servers": cfg.bootstrap_servers,
-                "group.id": cfg.group_id,
-                "enable.auto.commit": False,
-                "auto.offset.reset": "earliest",
-                "max.poll.records": cfg.batch_size,
-                "fetch.max.wait.ms": cfg.fetch_max_wait_ms,
-                "session.timeout.ms": cfg.session_timeout_ms,
-                "heartbeat.interval.ms": max(100, cfg.session_timeout_ms // 5),
-                **self._consumer_config,
-            }
+            client_config(
+                cfg.bootstrap_servers,
+                {
+                    "group.id": cfg.group_id,
+                    "enable.auto.commit": False,
+                    "auto.offset.reset": "earliest",
+                    "max.poll.records": cfg.batch_size,
+                    "fetch.max.wait.ms": cfg.fetch_max_wait_ms,
+                    "session.timeout.ms": cfg.session_timeout_ms,
+                    "heartbeat.interval.ms": max(100, cfg.session_timeout_ms // 5),
+                    **self._consumer_config,
+                },
+            )
         )
         self._consumer = consumer
         tasks: set[asyncio.Task[None]] = set()

@@ -15,6 +15,7 @@ A bad value, an unknown name or an inconsistent combination raises
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
 from typing import Any, Literal, Self
@@ -314,3 +315,28 @@ class ConsumerConfig(ClientConfig):
     def _reset(cls, v: Any) -> Any:
         # Kafka's old names, still common in configs
         return {"smallest": "earliest", "largest": "latest"}.get(v, v) if isinstance(v, str) else v
+
+
+#: the environment of a process that makes clients for a deployment rather than for a user
+#: (the handlers, the event-source runner): how to reach a secured cluster (docs/security.md)
+CLIENT_SECURITY_ENV = {
+    "security.protocol": "STRATA_CLIENT_SECURITY_PROTOCOL",
+    "sasl.mechanism": "STRATA_CLIENT_SASL_MECHANISM",
+    "sasl.username": "STRATA_CLIENT_SASL_USERNAME",
+    "sasl.password": "STRATA_CLIENT_SASL_PASSWORD",
+    "ssl.cafile": "STRATA_CLIENT_SSL_CAFILE",
+    "ssl.certfile": "STRATA_CLIENT_SSL_CERTFILE",
+    "ssl.keyfile": "STRATA_CLIENT_SSL_KEYFILE",
+}
+
+
+def client_config(
+    bootstrap: str, settings: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """``bootstrap.servers``, the security settings ``env`` (default: the process's
+    environment) names in ``CLIENT_SECURITY_ENV``, then ``settings``."""
+    env = os.environ if env is None else env
+    out: dict[str, Any] = {"bootstrap.servers": bootstrap}
+    out.update({key: env[name] for key, name in CLIENT_SECURITY_ENV.items() if env.get(name)})
+    out.update(settings or {})
+    return out

@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from sdk.config import client_config
 from sdk.producer import Producer
 from sdk.records import ConsumerRecord, TopicPartition
 from storage.errors import StrataError
@@ -372,7 +373,7 @@ def new_retrier_producer(
     bootstrap: Sequence[str] | str, extra: dict[str, Any] | None = None
 ) -> Producer:
     servers = bootstrap if isinstance(bootstrap, str) else ",".join(bootstrap)
-    return Producer({"bootstrap.servers": servers, "acks": "all", **(extra or {})})
+    return Producer(client_config(servers, {"acks": "all", **(extra or {})}))
 
 
 H_ORDERING = "strata.retry.ordering"

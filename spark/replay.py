@@ -28,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from sdk.config import client_config
 from sdk.replay import Archive, ArchiveConfig, SegmentRead, combined_filter, plan, read_segment
 
 
@@ -132,7 +133,7 @@ def replay(
         jobs.setdefault(task.partition, []).append(task)
     if not jobs:
         return {}
-    config = {"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5}
+    config = client_config(bootstrap, {"acks": "all", "linger.ms": 5})
     config.update(producer_config or {})
     rdd = session.sparkContext.parallelize(sorted(jobs.items()), len(jobs))
     return dict(rdd.map(_publisher(to_topic, opts.archive, config)).collect())

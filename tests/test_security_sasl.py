@@ -21,11 +21,13 @@ from typing import Any
 
 import pytest
 
-from sdk import Consumer, Producer
+from handlers.groups import GroupAdmin
+from sdk import Consumer, Producer, TopicPartition
 from sdk.auth import ScramLogin
+from sdk.group import OffsetAndMetadata
 from storage.codec import encode_batch
 from storage.errors import AuthenticationFailedError, IllegalSaslStateError
-from storage.metadata import AsyncZooKeeper
+from storage.metadata import AsyncZooKeeper, MetadataStore
 from storage.metadata.users import ScramCredential, UserStore
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient, produce_request, read_records
@@ -304,3 +306,42 @@ def test_kafka_client_with_scram(
     assert got == [b"k0", b"k1", b"k2"]
     bad = conf | {"sasl_plain_password": "wrong"}
     refused_kafka_producer(kp, bootstrap_servers=c.kafka_bootstrap, max_block_ms=5000, **bad)
+
+
+def test_handlers_reach_a_secured_cluster_with_the_client_environment(
+    processes: ProcessGroup,
+    zk_chroot: ZooKeeperChroot,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handlers make clients of their own (a group's lag, the delay scheduler, the retry
+    router, redrive): on a SASL cluster they log in with STRATA_CLIENT_* from their
+    environment, and without it they are refused, not left hanging."""
+    c = _sasl_cluster(processes, zk_chroot, tmp_path)
+    conf = _conf(c, "alice", PASSWORDS["alice"])
+    asyncio.run(_produce(conf, [b"a", b"b", b"c"]))
+
+    async def commit() -> None:
+        async with Consumer({**conf, "group.id": "g", "auto.offset.reset": "earliest"}) as cons:
+            cons.assign([TopicPartition("t", 0)])
+            await cons.commit({TopicPartition("t", 0): OffsetAndMetadata(1)})
+
+    asyncio.run(commit())
+
+    async def describe() -> dict[str, Any]:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        try:
+            return await GroupAdmin(MetadataStore(zk)).describe("g")
+        finally:
+            await zk.stop()
+
+    monkeypatch.setenv("STRATA_CLIENT_SECURITY_PROTOCOL", "SASL_PLAINTEXT")
+    monkeypatch.setenv("STRATA_CLIENT_SASL_MECHANISM", "SCRAM-SHA-512")
+    monkeypatch.setenv("STRATA_CLIENT_SASL_USERNAME", "alice")
+    monkeypatch.setenv("STRATA_CLIENT_SASL_PASSWORD", PASSWORDS["alice"])
+    (offsets,) = asyncio.run(describe())["offsets"]
+    assert (offsets["committed"], offsets["log_end_offset"], offsets["lag"]) == (1, 3, 2)
+    monkeypatch.setenv("STRATA_CLIENT_SASL_PASSWORD", "wrong")
+    with pytest.raises(AuthenticationFailedError):
+        asyncio.run(describe())
