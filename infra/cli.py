@@ -40,6 +40,7 @@ from infra import local
 from infra.processes import LocalStackError
 from sdk import Consumer, Producer, TopicPartition
 from sdk.admin import DeletionStatus, SyncAdmin, TopicDescription
+from sdk.config import CLIENT_SECURITY_ENV, client_config
 from storage.errors import (
     GroupIdNotFoundError,
     RequestTimedOutError,
@@ -124,6 +125,10 @@ class Context:
                 "no agents to talk to: pass --bootstrap host:port (or set STRATA_BOOTSTRAP), "
                 "or start the local stack with `strata local up --detach`"
             )
+        # a secure stack: its client settings, unless STRATA_CLIENT_* says otherwise (every
+        # client this process makes reads them there: sdk.config.client_config)
+        for key, value in stack.client.items():
+            os.environ.setdefault(CLIENT_SECURITY_ENV[key], value)
         return stack.bootstrap
 
     def zookeeper(self) -> str:
@@ -706,7 +711,7 @@ async def _produce(
         per_partition[md.partition] = (count + 1, min(first, md.offset), max(last, md.offset))
         progress.advance(task)
 
-    async with Producer({"bootstrap.servers": servers, "acks": acks, "linger.ms": 5}) as producer:
+    async with Producer(client_config(servers, {"acks": acks, "linger.ms": 5})) as producer:
         futures = []
         for line in lines:
             msg = make(line)
@@ -834,10 +839,10 @@ async def consume_records(
     servers: str, req: ConsumeRequest, partition_count: int, sink: Callable[[Any], None]
 ) -> int:
     """Consume per ``req`` and hand each record to ``sink``; return how many."""
-    config: dict[str, Any] = {
-        "bootstrap.servers": servers,
-        "auto.offset.reset": "earliest" if req.from_beginning or req.group is None else "latest",
-    }
+    config = client_config(
+        servers,
+        {"auto.offset.reset": "earliest" if req.from_beginning or req.group is None else "latest"},
+    )
     if req.group is not None:
         config |= {"group.id": req.group, "enable.auto.commit": False}
     count = 0
@@ -966,8 +971,8 @@ async def _group_offsets(
     """(topic, partition, committed or None, end offset) for every partition of ``topics``."""
     rows: list[tuple[str, int, int | None, int]] = []
     async with (
-        Consumer({"bootstrap.servers": servers, "group.id": group}) as consumer,
-        Producer({"bootstrap.servers": servers}) as producer,
+        Consumer(client_config(servers, {"group.id": group})) as consumer,
+        Producer(client_config(servers)) as producer,
     ):
         for topic in topics:
             tps = [TopicPartition(topic, p) for p in await producer.partitions_for(topic)]
@@ -1058,8 +1063,8 @@ async def reset_offsets(
 ) -> dict[TopicPartition, int]:
     """Commit new offsets for every partition of ``topic`` (the group must have no members)."""
     async with (
-        Consumer({"bootstrap.servers": servers, "group.id": group}) as consumer,
-        Producer({"bootstrap.servers": servers}) as producer,
+        Consumer(client_config(servers, {"group.id": group})) as consumer,
+        Producer(client_config(servers)) as producer,
     ):
         tps = [TopicPartition(topic, p) for p in await producer.partitions_for(topic)]
         starts = await consumer.beginning_offsets(tps)
@@ -1378,8 +1383,8 @@ async def replay_range(
     number when the target has it; keys, headers, tags and timestamps kept)."""
     copied = 0
     async with (
-        Consumer({"bootstrap.servers": servers, "auto.offset.reset": "earliest"}) as consumer,
-        Producer({"bootstrap.servers": servers, "acks": "all", "linger.ms": 5}) as producer,
+        Consumer(client_config(servers, {"auto.offset.reset": "earliest"})) as consumer,
+        Producer(client_config(servers, {"acks": "all", "linger.ms": 5})) as producer,
     ):
         target_partitions = set(await producer.partitions_for(target))
         tps = [TopicPartition(source, p) for p in partitions]
@@ -1481,13 +1486,18 @@ def _endpoints_table(state: local.StackState) -> Table:
 
 
 def _stack_config(
-    state_dir: Path, agents: int, zookeepers: int, agent_config: list[str] | None
+    state_dir: Path,
+    agents: int,
+    zookeepers: int,
+    agent_config: list[str] | None,
+    secure: bool = False,
 ) -> local.StackConfig:
     return local.StackConfig(
         state_dir=state_dir,
         agents=agents,
         zookeepers=zookeepers,
         agent_configs=tuple(agent_config or ()),
+        secure=secure,
     )
 
 
@@ -1502,6 +1512,13 @@ def local_up(
         list[str] | None, typer.Option(help="key=value for every agent (repeatable)")
     ] = None,
     state_dir: Annotated[Path | None, typer.Option(help="Default: var/local")] = None,
+    secure: Annotated[
+        bool,
+        typer.Option(
+            "--secure",
+            help="TLS + SCRAM + ACLs: a throwaway CA and users (client.properties in the state dir)",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option(hidden=True)] = False,
     clean: Annotated[bool, typer.Option(hidden=True)] = True,
 ) -> None:
@@ -1509,7 +1526,7 @@ def local_up(
     ctx = _ctx()
     started = time.monotonic()
     with _errors():
-        config = _stack_config(state_dir or ctx.state_dir, agents, zookeepers, agent_config)
+        config = _stack_config(state_dir or ctx.state_dir, agents, zookeepers, agent_config, secure)
         if detach:
             with err.status("starting the local stack…", spinner="dots"):
                 state = local.up_detached(config)

@@ -578,13 +578,19 @@ def start_event_source(
     extra_args: tuple[str, ...] = (),
     startup_timeout: float = 60.0,
     wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> EventSourceProcess:
     """Start ``python -m infra.event_source`` (the scheduler's mapping unless ``extra_args``
     say otherwise); with ``wait``, until it runs (it joins its group in the background)."""
     process = spawn(
         [sys.executable, "-m", "infra.event_source", "--bootstrap", bootstrap, *extra_args],
         log_path=log_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "STRATA_ZOOKEEPER_CONNECT": zookeeper},
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "STRATA_ZOOKEEPER_CONNECT": zookeeper,
+            **(env or {}),
+        },
     )
     if not wait:
         return EventSourceProcess(log_path=log_path, _process=process)

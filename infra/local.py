@@ -21,14 +21,24 @@ Everything lives under one directory (``var/local`` by default): ``stack.json``,
 ``agent-<id>/`` (WAL) and ``agent-<id>.log``, ``admin.log``. ``up`` starts from an empty
 directory: moto keeps its objects in memory only, so metadata kept from a previous run would
 point at objects that are gone.
+
+``secure=True`` (``strata local up --secure``) closes the stack as docs/security.md describes:
+a throwaway CA under ``tls/`` signs the agents' certificate; users ``agents`` and ``admin``
+(SCRAM-SHA-512, random passwords) are made in ZooKeeper; the agents listen with SASL_SSL on
+both listeners and check ACLs, with ``User:agents`` and ``User:admin`` as super users; the
+admin runtime and the delay scheduler log in as ``admin`` (``STRATA_CLIENT_*``). The client
+settings for ``admin`` are in ``stack.json`` (``client``; the state directory is the owner's
+alone) and in ``client.properties``; the ``strata`` CLI uses them by itself.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -45,6 +55,7 @@ import boto3
 from botocore.config import Config as BotoConfig
 
 from infra.agents import AgentProcess, spawn_agent
+from infra.certs import ThrowawayCA
 from infra.event_source import EventSourceProcess, start_event_source
 from infra.local_runtime import LocalRuntimeProcess, start_local_runtime
 from infra.moto_s3 import MotoServer, start_moto
@@ -58,7 +69,10 @@ from infra.zookeeper import (
     start_zookeeper,
 )
 from sdk.admin import SyncAdmin
+from sdk.config import CLIENT_SECURITY_ENV
 from storage import jsonlog
+from storage.metadata import AsyncZooKeeper
+from storage.metadata.users import ScramCredential, UserStore
 
 log = logging.getLogger("infra.local")
 
@@ -84,6 +98,8 @@ class StackConfig:
     bucket: str = BUCKET
     agent_configs: tuple[str, ...] = ()
     """Extra ``key=value`` agent configs (``AgentConfig`` names)."""
+    secure: bool = False
+    """TLS + SCRAM + ACLs (see the module's docstring)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.agents <= 32:
@@ -120,6 +136,69 @@ def s3_client(endpoint_url: str) -> Any:
             s3={"addressing_style": "path"},
         ),
     )
+
+
+# ---------------------------------------------------------------- a secure stack
+SECURE_USERS = ("agents", "admin")
+MECHANISM = "SCRAM-SHA-512"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Security:
+    """A secure stack's throwaway CA, the agents' certificate and the users' passwords."""
+
+    cafile: Path
+    certfile: Path
+    keyfile: Path
+    passwords: dict[str, str]
+
+    @classmethod
+    def create(cls, directory: Path) -> Security:
+        ca = ThrowawayCA.create(directory)
+        agent = ca.issue("agent")
+        passwords = {user: secrets.token_urlsafe(18) for user in SECURE_USERS}
+        return cls(
+            cafile=ca.cafile, certfile=agent.certfile, keyfile=agent.keyfile, passwords=passwords
+        )
+
+    def agent_configs(self) -> dict[str, object]:
+        return {
+            "listener.security.protocol": "SASL_SSL",
+            "kafka.listener.security.protocol": "SASL_SSL",
+            "ssl.certfile": str(self.certfile),
+            "ssl.keyfile": str(self.keyfile),
+            "ssl.cafile": str(self.cafile),
+            "sasl.enabled.mechanisms": MECHANISM,
+            "inter.agent.sasl.mechanism": MECHANISM,
+            "inter.agent.sasl.username": "agents",
+            "inter.agent.sasl.password": self.passwords["agents"],
+            "authorizer.enable": "true",
+            "super.users": ";".join(f"User:{u}" for u in SECURE_USERS),
+        }
+
+    def client(self, user: str = "admin") -> dict[str, str]:
+        return {
+            "security.protocol": "SASL_SSL",
+            "ssl.cafile": str(self.cafile),
+            "sasl.mechanism": MECHANISM,
+            "sasl.username": user,
+            "sasl.password": self.passwords[user],
+        }
+
+    def client_env(self, user: str = "admin") -> dict[str, str]:
+        """The same as ``STRATA_CLIENT_*`` (``sdk.config.CLIENT_SECURITY_ENV``)."""
+        return {CLIENT_SECURITY_ENV[k]: v for k, v in self.client(user).items()}
+
+    async def add_users(self, zookeeper: str) -> None:
+        zk = AsyncZooKeeper(zookeeper)
+        await zk.start()
+        try:
+            users = UserStore(zk)
+            for user, password in self.passwords.items():
+                cred = await asyncio.to_thread(ScramCredential.make, MECHANISM, password, 4096)
+                await users.set(user, MECHANISM, cred)
+        finally:
+            await zk.stop()
 
 
 # ---------------------------------------------------------------- the state file
@@ -169,6 +248,8 @@ class StackState:
     scheduler_pid: int = 0
     scheduler_log: str = ""
     problems: list[str] = field(default_factory=list)
+    client: dict[str, str] = field(default_factory=dict)
+    """A secure stack's client settings (Kafka's names), for its ``admin`` user."""
 
     @property
     def bootstrap(self) -> str:
@@ -197,10 +278,20 @@ class StackState:
         return cls(**values)
 
 
+def _write_properties(path: Path, settings: dict[str, str]) -> None:
+    """Kafka's client.properties form, readable by the owner only (it holds a password)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.writelines(f"{k}={v}\n" for k, v in settings.items())
+
+
 def write_state(state: StackState) -> None:
     path = Path(state.state_dir) / STATE_FILE
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(state.to_json(), indent=2))
+    # the owner's alone: a secure stack's client settings hold a password
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(state.to_json(), indent=2))
     os.replace(tmp, path)
 
 
@@ -245,6 +336,7 @@ class Stack:
         self.agents: list[AgentProcess] = []
         self.admin: LocalRuntimeProcess | None = None
         self.scheduler: EventSourceProcess | None = None
+        self.security: Security | None = None
         self.started_at = time.time()
         self.state = StackState(
             status="starting",
@@ -278,15 +370,26 @@ class Stack:
                 # one developer's consumers join at once: do not wait 3 s for more members
                 "group.initial.rebalance.delay.ms": 300,
             }
+            client_env: dict[str, str] = {}
+            if self.config.secure:
+                self.security = Security.create(self.state_dir / "tls")
+                asyncio.run(self.security.add_users(zk))
+                configs.update(self.security.agent_configs())
+                client_env = self.security.client_env()
+                _write_properties(self.state_dir / "client.properties", self.security.client())
             for item in self.config.agent_configs:
                 key, _, value = item.partition("=")
                 configs[key] = value
             self.agents = start_agents(
                 self.config.agents, zk, self.state_dir, configs=configs, env=env
             )
-            self.admin = start_local_runtime(zk, log_path=self.state_dir / "admin.log")
+            self.admin = start_local_runtime(
+                zk, log_path=self.state_dir / "admin.log", env=client_env
+            )
             log.info("admin API at %s", self.admin.url)
-            self.scheduler = start_delay_scheduler(self.admin.url, self.agents, zk, self.state_dir)
+            self.scheduler = start_delay_scheduler(
+                self.admin.url, self.agents, zk, self.state_dir, env=client_env
+            )
             log.info("delay scheduler started (pid %d)", self.scheduler.pid)
         except BaseException:
             self.stop()
@@ -320,6 +423,7 @@ class Stack:
             admin_pid=self.admin.pid,
             scheduler_pid=self.scheduler.pid,
             scheduler_log=str(self.scheduler.log_path),
+            client=self.security.client() if self.security is not None else {},
         )
         write_state(self.state)
         log.info("healthy after %.2f s", self.state.healthy_after_s or 0)
@@ -391,7 +495,12 @@ def _zookeeper_servers(zookeeper: ZooKeeperServer | ZooKeeperEnsemble) -> list[Z
 
 
 def start_delay_scheduler(
-    admin_url: str, agents: list[AgentProcess], zookeeper: str, state_dir: Path
+    admin_url: str,
+    agents: list[AgentProcess],
+    zookeeper: str,
+    state_dir: Path,
+    *,
+    env: dict[str, str] | None = None,
 ) -> EventSourceProcess:
     """Create the delay level topics (through the admin API) and start the event-source
     runner that feeds them to the scheduler handler (``docs/delays.md``)."""
@@ -400,7 +509,7 @@ def start_delay_scheduler(
     bootstrap = ",".join(a.address for a in agents)
     # not waited for: it imports, connects and joins its group while the stack is in use
     return start_event_source(
-        bootstrap, zookeeper, log_path=state_dir / "scheduler.log", wait=False
+        bootstrap, zookeeper, log_path=state_dir / "scheduler.log", wait=False, env=env
     )
 
 
@@ -549,6 +658,8 @@ def up_detached(config: StackConfig, *, timeout: float = HEALTHY_TIMEOUT) -> Sta
     ]
     for item in config.agent_configs:
         argv += ["--agent-config", item]
+    if config.secure:
+        argv.append("--secure")
     log_path = state_dir / "stack.out"
     process = spawn(argv, log_path=log_path, cwd=ROOT, die_with_parent=False)
     deadline = time.monotonic() + timeout

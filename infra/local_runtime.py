@@ -522,12 +522,13 @@ def start_local_runtime(
     extra_args: tuple[str, ...] = (),
     startup_timeout: float = 20.0,
     die_with_parent: bool = True,
+    env: dict[str, str] | None = None,
 ) -> LocalRuntimeProcess:
     """Start the runtime as a child process (output in ``log_path``) and wait until it listens."""
     process = spawn(
         command(zookeeper, port=port, extra=extra_args),
         log_path=log_path,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         die_with_parent=die_with_parent,
     )
     try:

@@ -7,6 +7,7 @@ The last test stops the stack and checks that no process it started is left.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -20,6 +21,8 @@ from typing import Any
 import pytest
 
 from infra import local
+from sdk import Consumer, Producer, TopicPartition
+from storage.errors import AuthenticationFailedError
 from tests.harness import metric_value, scrape_metrics
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -233,6 +236,64 @@ def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> No
     assert not [p for p in pids if local._alive(p)]
     status = strata(state_dir, "local", "status", check=False)
     assert status.returncode == 3 and "no local stack" in status.stdout
+
+
+def test_a_secure_stack_serves_its_users_and_refuses_others(tmp_path: Path) -> None:
+    """``up --secure``: agents on SASL_SSL with ACLs; the CLI uses the stack's client settings
+    by itself, the delay scheduler logs in as the stack's admin and delivers, and a client
+    with a wrong password is refused."""
+    state_dir = tmp_path / "stack"
+    try:
+        up = as_json(
+            strata(
+                state_dir,
+                "-o",
+                "json",
+                "local",
+                "up",
+                "--detach",
+                "--secure",
+                "--agents",
+                "1",
+                timeout=90,
+            )
+        )
+        client = up["client"]
+        assert client["security.protocol"] == "SASL_SSL" and client["sasl.username"] == "admin"
+        for name in ("client.properties", "stack.json"):
+            assert (state_dir / name).stat().st_mode & 0o777 == 0o600, name
+        strata(state_dir, "topics", "create", "s", "-p", "1")
+        lines = "".join(f"secret {i}\n" for i in range(100))
+        assert (
+            as_json(strata(state_dir, "-o", "json", "produce", "s", stdin=lines))["messages"] == 100
+        )
+        assert len(strata(state_dir, "consume", "s").stdout.splitlines()) == 100
+
+        conf = {"bootstrap.servers": up["bootstrap"], **client}
+
+        async def delayed() -> list[bytes]:
+            async with Producer(conf) as producer:
+                await producer.send_and_wait("s", b"later", partition=0, delay_ms=1000)
+            async with Consumer(conf | {"fetch.max.wait.ms": 200}) as consumer:
+                consumer.assign([TopicPartition("s", 0)])
+                consumer.seek(TopicPartition("s", 0), 100)
+                async with asyncio.timeout(60):
+                    while True:
+                        got = await consumer.getmany(timeout_ms=500)
+                        values = [r.value for rs in got.values() for r in rs]
+                        if values:
+                            return values
+
+        assert asyncio.run(delayed()) == [b"later"]
+
+        async def wrong() -> None:
+            async with Producer(conf | {"sasl.password": "wrong"}) as producer:
+                await producer.send_and_wait("s", b"x", partition=0)
+
+        with pytest.raises(AuthenticationFailedError):
+            asyncio.run(wrong())
+    finally:
+        local.down(state_dir)
 
 
 def test_zookeepers_must_be_1_3_or_5(tmp_path: Path) -> None:
