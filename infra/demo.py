@@ -1,7 +1,9 @@
 """``make demo``: the whole system on one machine, every step checked.
 
 1. the storage engine alone (``infra.demo_storage``: WAL write, reopen, read back as Arrow);
-2. the local stack (moto S3, ZooKeeper, 3 agents, admin API, delay scheduler) started in ``var/demo/stack``;
+2. the local stack (moto S3, ZooKeeper, 3 agents, admin API, delay scheduler) started in
+   ``var/demo/stack``, secured (``strata local up --secure``: TLS, SCRAM logins, ACLs); every
+   client below logs in as the stack's admin;
 3. a topic created through the admin API; 100,000 keyed messages produced (progress bar);
 4. all of them consumed by a consumer group, which commits, and checked byte for byte;
 5. a wait until every segment is tiered to S3 (each partition's manifest reaches its end);
@@ -38,6 +40,7 @@ from infra import demo_delays, demo_retries, demo_storage, local
 from infra.cli import replay_range
 from sdk import Consumer, Producer
 from sdk.admin import SyncAdmin
+from sdk.config import CLIENT_SECURITY_ENV, client_config
 from storage.metadata import AsyncZooKeeper
 from storage.tier import Manifest
 
@@ -71,9 +74,7 @@ async def produce(bootstrap: str, n: int) -> tuple[int, bytes]:
         console=console,
     ) as bar:  # fmt: skip
         task = bar.add_task("produce", total=n)
-        async with Producer(
-            {"bootstrap.servers": bootstrap, "acks": "all", "linger.ms": 5}
-        ) as producer:
+        async with Producer(client_config(bootstrap, {"acks": "all", "linger.ms": 5})) as producer:
             futures = []
             for start in range(0, n, BATCH):
                 values = [_value(i) for i in range(start, min(n, start + BATCH))]
@@ -96,12 +97,9 @@ async def produce(bootstrap: str, n: int) -> tuple[int, bytes]:
 async def consume(bootstrap: str, n: int, limit_s: float) -> tuple[int, bytes]:
     digest = 0
     count = 0
-    config = {
-        "bootstrap.servers": bootstrap,
-        "group.id": GROUP,
-        "auto.offset.reset": "earliest",
-        "enable.auto.commit": False,
-    }
+    config = client_config(
+        bootstrap, {"group.id": GROUP, "auto.offset.reset": "earliest", "enable.auto.commit": False}
+    )
     deadline = time.monotonic() + limit_s
     async with Consumer(config) as consumer:
         consumer.subscribe([TOPIC])
@@ -208,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _timed("storage engine", steps, storage):
         return _summary(steps)
 
-    stack = local.Stack(local.StackConfig(state_dir=args.dir / "stack", agents=3))
+    stack = local.Stack(local.StackConfig(state_dir=args.dir / "stack", agents=3, secure=True))
     state_box: list[local.StackState] = []
 
     def up() -> tuple[bool, str]:
@@ -216,7 +214,14 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(args.dir / "stack", ignore_errors=True)
         state = stack.start()
         state_box.append(state)
-        return True, f"healthy in {state.healthy_after_s} s: agents {state.bootstrap}"
+        # every client from here on (this process's, the retry router's, Spark's workers')
+        # logs in as the stack's admin: sdk.config.client_config reads these
+        for key, value in state.client.items():
+            os.environ[CLIENT_SECURITY_ENV[key]] = value
+        return True, (
+            f"healthy in {state.healthy_after_s} s: agents {state.bootstrap} "
+            "(TLS + SCRAM + ACLs, logged in as admin)"
+        )
 
     try:
         if not _timed("start the local stack", steps, up):
@@ -250,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def do_tier() -> tuple[bool, str]:
             async def end_offsets() -> dict[int, int]:
-                async with Consumer({"bootstrap.servers": state.bootstrap}) as c:
+                async with Consumer(client_config(state.bootstrap)) as c:
                     tps = [(TOPIC, p) for p in range(PARTITIONS)]
                     got = await c.end_offsets(tps)
                     return {tp.partition: o for tp, o in got.items()}

@@ -7,6 +7,7 @@ import time
 
 from sdk import Consumer, Producer, TopicPartition
 from sdk import delays as d
+from sdk.config import client_config
 
 TOPIC = "demo-delayed"
 PARTITIONS = 3
@@ -17,7 +18,7 @@ async def schedule_and_check(bootstrap: str, n: int = 1000, ahead_ms: int = 3000
     deadline); raise AssertionError if any came early, twice or not at all. Returns a
     one-line summary with the lateness."""
     due = int(time.time() * 1000) + ahead_ms
-    async with Producer({"bootstrap.servers": bootstrap}) as producer:
+    async with Producer(client_config(bootstrap)) as producer:
         runs = await (
             await producer.send_batch(
                 TOPIC,
@@ -30,7 +31,7 @@ async def schedule_and_check(bootstrap: str, n: int = 1000, ahead_ms: int = 3000
     seen: list[str] = []
     lateness: list[int] = []
     early = 0
-    async with Consumer({"bootstrap.servers": bootstrap, "fetch.max.wait.ms": 50}) as consumer:
+    async with Consumer(client_config(bootstrap, {"fetch.max.wait.ms": 50})) as consumer:
         tps = [TopicPartition(TOPIC, p) for p in range(PARTITIONS)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)

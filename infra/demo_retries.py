@@ -18,6 +18,7 @@ from pathlib import Path
 from infra.event_source import start_event_source
 from sdk import Consumer, Producer
 from sdk.admin import SyncAdmin
+from sdk.config import client_config
 from sdk.retry import retry_info
 
 TOPIC = "demo-retry"
@@ -48,13 +49,15 @@ def plan(n: int) -> tuple[set[int], set[int]]:
 async def consume(bootstrap: str, n: int, always: set[int], twice: set[int]) -> dict[int, int]:
     """Until every record succeeded or is known to be dead-lettered; redriven ones succeed."""
     processed: dict[int, int] = {}
-    config = {
-        "bootstrap.servers": bootstrap,
-        "group.id": GROUP,
-        "auto.offset.reset": "earliest",
-        "fetch.max.wait.ms": 50,
-        "retry.enable": True,
-    }
+    config = client_config(
+        bootstrap,
+        {
+            "group.id": GROUP,
+            "auto.offset.reset": "earliest",
+            "fetch.max.wait.ms": 50,
+            "retry.enable": True,
+        },
+    )
     async with Consumer(config) as consumer:
         consumer.subscribe([TOPIC])
         deadline = time.monotonic() + 90
@@ -87,7 +90,7 @@ def run(bootstrap: str, admin_url: str, zookeeper: str, log_dir: Path, n: int = 
             admin.set_retry_policy(GROUP, TOPIC, POLICY)
 
             async def produce() -> None:
-                async with Producer({"bootstrap.servers": bootstrap, "acks": "all"}) as p:
+                async with Producer(client_config(bootstrap, {"acks": "all"})) as p:
                     await (await p.send_batch(TOPIC, [b"%d" % i for i in range(n)]))
 
             asyncio.run(produce())
