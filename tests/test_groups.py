@@ -481,7 +481,7 @@ def test_a_member_waiting_for_the_leaders_sync_is_not_expired(
     cluster = Cluster(processes, zk_chroot, tmp_path / "data")
     cluster.start_agent(1, *GROUP_CONFIGS)
     cluster.create_topic("t", 2)
-    session_ms = 600
+    session_ms = 1000
     meta = cp.encode(cp.ConsumerSubscription(["t"], [], -1))
 
     def join(member_id: str = "") -> m.JoinGroupRequest:
@@ -518,7 +518,7 @@ def test_a_member_waiting_for_the_leaders_sync_is_not_expired(
             assert a_join.error_code == b_joined.error_code == 0
             leader, follower = (a, b) if a_join.leader == a_join.member_id else (b, a)
             lead, other = (a_join, b_joined) if leader is a else (b_joined, a_join)
-            # the follower waits in SyncGroup; the leader heartbeats for 4 sessions first
+            # the follower waits in SyncGroup; the leader heartbeats for 3 sessions first
             sync = asyncio.create_task(
                 follower.call(
                     m.ApiKey.SYNC_GROUP,
@@ -527,14 +527,14 @@ def test_a_member_waiting_for_the_leaders_sync_is_not_expired(
                 )
             )
             loop = asyncio.get_running_loop()
-            until_t = loop.time() + 4 * session_ms / 1000
+            until_t = loop.time() + 3 * session_ms / 1000
             while loop.time() < until_t:
                 beat = await leader.call(
                     m.ApiKey.HEARTBEAT,
                     m.HeartbeatRequest("g", lead.generation_id, lead.member_id, None),
                 )
                 assert beat.error_code == 0, "a leader's heartbeat before its sync is welcome"
-                await asyncio.sleep(session_ms / 4000)
+                await asyncio.sleep(session_ms / 5000)
             mine = cp.encode(cp.ConsumerAssignment([cp.TopicPartitions("t", [0])]))
             theirs = cp.encode(cp.ConsumerAssignment([cp.TopicPartitions("t", [1])]))
             done = await leader.call(
