@@ -1,4 +1,4 @@
-"""The admin API's user and ACL endpoints (routes added to ``handlers.admin.ROUTER``).
+"""The admin API's user, ACL and quota endpoints (routes added to ``handlers.admin.ROUTER``).
 
     GET    /users                  -> 200 {"users": {name: [mechanisms]}}
     PUT    /users/{name}           {"password", "mechanisms"?, "iterations"?} -> 200 {"name",
@@ -7,16 +7,25 @@
     GET    /acls                   -> 200 {"acls": [binding]}
     POST   /acls                   {"acls": [binding]} -> 201 {"acls": [binding]}
     DELETE /acls                   {"acls": [binding]} -> 200 {"removed": n}
+    GET    /quotas                 -> 200 {"quotas": {principal: {rate: n}}}
+    PUT    /quotas/{principal}     {"producer_byte_rate"?, "consumer_byte_rate"?,
+                                   "request_rate"?} -> 200 {"principal", "quota"}
+                                   (replaces the principal's quota; ``{}`` removes it)
+    DELETE /quotas/{principal}     -> 200 {"deleted": bool}
 
 A binding is ``{"principal": "User:alice", "resource_type": "topic|group|cluster|
 transactional_id", "name", "pattern_type": "literal|prefixed", "operation": "read|write|
-create|delete|alter|describe|all", "permission": "allow|deny"}``. Passwords never appear in
-an answer or a log line; the PBKDF2 of a new credential runs in a worker thread.
+create|delete|alter|describe|all", "permission": "allow|deny"}``. A quota's principal is
+``User:<name>`` or the default ``User:*``, percent-encoded in the path (``User%3Aalice``);
+its rates are whole numbers per second, a rate left out is unlimited
+(``storage.metadata.quotas``). Passwords never appear in an answer or a log line; the PBKDF2
+of a new credential runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -25,6 +34,7 @@ from handlers.runtime import Invocation
 from storage.errors import InvalidRequestError
 from storage.metadata import MetadataStore
 from storage.metadata.acls import AclBinding, AclStore
+from storage.metadata.quotas import QuotaConfig, QuotaStore, parse_quota, validate_principal
 from storage.metadata.users import (
     DEFAULT_ITERATIONS,
     MECHANISMS,
@@ -105,6 +115,41 @@ def _remove_acls(request: Request, invocation: Invocation) -> Response:
     return Response(200, {"removed": removed})
 
 
+QUOTA_KEYS = tuple(QuotaConfig.model_fields)
+
+
+def _list_quotas(request: Request, invocation: Invocation) -> Response:
+    quotas = invocation.run(lambda store: QuotaStore(store.zk).list())
+    return Response(200, {"quotas": {p: q.to_json() for p, q in sorted(quotas.items())}})
+
+
+def _set_quota(request: Request, invocation: Invocation, principal: str) -> Response:
+    principal = validate_principal(principal)
+    data = request.json()
+    unknown = sorted(k for k in data if k not in QUOTA_KEYS)
+    if unknown:
+        raise InvalidRequestError(
+            f"unknown quota key {', '.join(map(repr, unknown))}; known: {', '.join(QUOTA_KEYS)}"
+        )
+    for key, value in data.items():
+        # JSON integers only: pydantic would take true as 1 and "100" as 100
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            shown = json.dumps(value)
+            raise InvalidRequestError(
+                f"quota of {principal}: {key}: a whole number per second is required "
+                f"(got {shown if len(shown) <= 40 else shown[:37] + '...'})"
+            )
+    quota = parse_quota(principal, data)
+    invocation.run(lambda store: QuotaStore(store.zk).set(principal, quota))
+    return Response(200, {"principal": principal, "quota": quota.to_json()})
+
+
+def _delete_quota(request: Request, invocation: Invocation, principal: str) -> Response:
+    principal = validate_principal(principal)
+    deleted = invocation.run(lambda store: QuotaStore(store.zk).delete(principal))
+    return Response(200, {"deleted": deleted})
+
+
 ROUTES = [
     Route("GET", "/users", _list_users),
     Route("PUT", "/users/{name}", _set_user),
@@ -112,4 +157,7 @@ ROUTES = [
     Route("GET", "/acls", _list_acls),
     Route("POST", "/acls", _add_acls),
     Route("DELETE", "/acls", _remove_acls),
+    Route("GET", "/quotas", _list_quotas),
+    Route("PUT", "/quotas/{principal}", _set_quota),
+    Route("DELETE", "/quotas/{principal}", _delete_quota),
 ]

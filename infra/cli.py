@@ -94,7 +94,12 @@ app.add_typer(local_app, name="local")
 users_app = typer.Typer(help="SCRAM users (docs/security.md).", no_args_is_help=True)
 acls_app = typer.Typer(help="ACLs: who may do what (docs/security.md).", no_args_is_help=True)
 app.add_typer(users_app, name="users")
+quotas_app = typer.Typer(
+    help="Quotas: bytes and requests per second per principal (docs/security.md).",
+    no_args_is_help=True,
+)
 app.add_typer(acls_app, name="acls")
+app.add_typer(quotas_app, name="quotas")
 
 out = Console(soft_wrap=True)
 err = Console(stderr=True)
@@ -589,6 +594,66 @@ def acls_remove(
         ctx.emit({"removed": removed})
     else:
         out.print(f"removed {removed} ACL")
+
+
+QUOTA_RATES = ("producer_byte_rate", "consumer_byte_rate", "request_rate")
+
+
+@quotas_app.command("list")
+def quotas_list() -> None:
+    """Every quota (User:* is the default for principals without their own); - is unlimited."""
+    ctx = _ctx()
+    with _errors():
+        quotas = ctx.admin().list_quotas()
+    if ctx.json:
+        ctx.emit({"quotas": quotas})
+        return
+    table = Table("principal", "producer bytes/s", "consumer bytes/s", "requests/s")
+    for principal, rates in quotas.items():
+        table.add_row(principal, *(str(rates.get(k, "-")) for k in QUOTA_RATES))
+    out.print(table)
+
+
+@quotas_app.command("set")
+def quotas_set(
+    principal: Annotated[str, typer.Option("--principal", help="User:<name> or User:*")],
+    producer_byte_rate: Annotated[
+        int | None, typer.Option("--producer-byte-rate", help="Bytes produced per second")
+    ] = None,
+    consumer_byte_rate: Annotated[
+        int | None, typer.Option("--consumer-byte-rate", help="Bytes fetched per second")
+    ] = None,
+    request_rate: Annotated[
+        int | None, typer.Option("--request-rate", help="Requests per second")
+    ] = None,
+) -> None:
+    """Replace a principal's quota: rates left out are unlimited (none given: removed)."""
+    ctx = _ctx()
+    with _errors():
+        entry = ctx.admin().set_quota(
+            principal, producer_byte_rate, consumer_byte_rate, request_rate
+        )
+    if ctx.json:
+        ctx.emit(entry)
+        return
+    rates = ", ".join(f"{k}={v}" for k, v in entry["quota"].items())
+    out.print(f"quota of {principal}: {rates or 'none (unlimited)'}", highlight=False)
+
+
+@quotas_app.command("delete")
+def quotas_delete(
+    principal: Annotated[str, typer.Option("--principal", help="User:<name> or User:*")],
+) -> None:
+    """Remove a principal's quota (it falls back to User:*'s, if any)."""
+    ctx = _ctx()
+    with _errors():
+        deleted = ctx.admin().delete_quota(principal)
+    if ctx.json:
+        ctx.emit({"deleted": deleted})
+    else:
+        out.print(
+            f"quota of {principal} {'deleted' if deleted else 'did not exist'}", highlight=False
+        )
 
 
 @cluster_app.command("rebalance")

@@ -546,6 +546,32 @@ class SyncAdmin:
     def remove_acls(self, acls: list[dict[str, str]]) -> int:
         return int(self._http.request("DELETE", "/acls", {"acls": acls})["removed"])
 
+    # ---- quotas (docs/security.md) -------------------------------------------------------------
+    def list_quotas(self) -> dict[str, dict[str, int]]:
+        """Every principal's quota (``User:*``: the default), its rates per second."""
+        return dict(self._http.request("GET", "/quotas")["quotas"])
+
+    def set_quota(
+        self,
+        principal: str,
+        producer_byte_rate: int | None = None,
+        consumer_byte_rate: int | None = None,
+        request_rate: int | None = None,
+    ) -> dict[str, Any]:
+        """Replace ``principal``'s quota (``User:<name>`` or ``User:*``); a rate left out is
+        unlimited, and with none given the quota is removed."""
+        rates = {
+            "producer_byte_rate": producer_byte_rate,
+            "consumer_byte_rate": consumer_byte_rate,
+            "request_rate": request_rate,
+        }
+        body = {k: v for k, v in rates.items() if v is not None}
+        return dict(self._http.request("PUT", f"/quotas/{_path(principal)}", body))
+
+    def delete_quota(self, principal: str) -> bool:
+        """Remove ``principal``'s quota; False if it had none."""
+        return bool(self._http.request("DELETE", f"/quotas/{_path(principal)}")["deleted"])
+
     def reassign_partition(self, topic: str, partition: int, replicas: list[int]) -> dict[str, Any]:
         """Move ``topic``'s ``partition`` onto ``replicas`` (the first: preferred leader)."""
         path = f"/topics/{urllib.parse.quote(topic, safe='')}/partitions/{int(partition)}"
@@ -729,6 +755,29 @@ class Admin:
 
     async def remove_acls(self, acls: list[dict[str, str]]) -> int:
         return int(await self._call(self._sync.remove_acls, acls))
+
+    async def list_quotas(self) -> dict[str, dict[str, int]]:
+        return dict(await self._call(self._sync.list_quotas))
+
+    async def set_quota(
+        self,
+        principal: str,
+        producer_byte_rate: int | None = None,
+        consumer_byte_rate: int | None = None,
+        request_rate: int | None = None,
+    ) -> dict[str, Any]:
+        return dict(
+            await self._call(
+                self._sync.set_quota,
+                principal,
+                producer_byte_rate,
+                consumer_byte_rate,
+                request_rate,
+            )
+        )
+
+    async def delete_quota(self, principal: str) -> bool:
+        return bool(await self._call(self._sync.delete_quota, principal))
 
     async def close(self) -> None:
         self._sync.close()
