@@ -637,7 +637,8 @@ def quotas_set(
         ctx.emit(entry)
         return
     rates = ", ".join(f"{k}={v}" for k, v in entry["quota"].items())
-    out.print(f"quota of {principal}: {rates or 'none (unlimited)'}", highlight=False)
+    said = f": {rates}" if rates else " removed (User:*'s applies, if any)"
+    out.print(f"quota of {principal}{said}", highlight=False)
 
 
 @quotas_app.command("delete")

@@ -267,6 +267,8 @@ def test_cli_round_trip(stack: Stack) -> None:
     assert json.loads(done.stdout) == {"deleted": True}
     done = cli(stack, "quotas", "delete", "--principal", "User:cli-erin")
     assert "quota of User:cli-erin did not exist" in done.stdout
+    done = cli(stack, "quotas", "set", "--principal", "User:cli-erin")
+    assert "quota of User:cli-erin removed" in done.stdout
     done = cli(stack, "quotas", "delete", "--principal", "User:*")
     assert "quota of User:* deleted" in done.stdout
     quotas, _ = stored(stack.zk)
