@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from storage.errors import (
     InvalidRequestError,
@@ -36,13 +36,14 @@ MAX_RATE = 1 << 40
 
 
 class QuotaConfig(BaseModel):
-    """One principal's limits; ``None``: unlimited."""
+    """One principal's limits; ``None``: unlimited. Whole numbers only (not ``"100"`` nor
+    ``true``: JSON says what it means)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    producer_byte_rate: int | None = Field(None, ge=1, le=MAX_RATE)
-    consumer_byte_rate: int | None = Field(None, ge=1, le=MAX_RATE)
-    request_rate: int | None = Field(None, ge=1, le=MAX_RATE)
+    producer_byte_rate: StrictInt | None = Field(None, ge=1, le=MAX_RATE)
+    consumer_byte_rate: StrictInt | None = Field(None, ge=1, le=MAX_RATE)
+    request_rate: StrictInt | None = Field(None, ge=1, le=MAX_RATE)
 
     def is_empty(self) -> bool:
         return (
