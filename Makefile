@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-rebalance bench-venv bench-compare build-AdminFunction image lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-security bench-spark bench-latency bench-rebalance bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,10 @@ bench-retries: venv
 bench-txn: venv
 	$(PY) -m bench.txn_bench --write-docs
 
+# TLS + SCRAM vs plaintext; BENCH_ARGS="--rounds 5 --seconds 6" for a longer run
+bench-security: venv
+	$(PY) -m bench.security_bench --write-docs $(BENCH_ARGS)
+
 # `make bench` also installs the `bench` extra (peers' Python clients, matplotlib, py-spy);
 # bench-compare apt-installs nats-server, redis-server and rabbitmq-server if they are missing.
 BENCH_STAMP := $(VENV)/.installed-bench
@@ -84,7 +88,7 @@ bench-latency: bench-venv
 bench-rebalance: bench-venv
 	$(PY) -m bench.rebalance_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-spark bench-latency bench-rebalance bench-compare
+bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-security bench-spark bench-latency bench-rebalance bench-compare
 
 # `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
 build-AdminFunction:

@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import time
+import uuid
 from pathlib import Path
 from typing import Any
+
+from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -44,6 +48,37 @@ def publish(name: str, table: str, result: Any, *, write_docs: bool) -> None:
     save_result(name, result)
     if write_docs:
         write_docs_section(f"{name}-bench", table)
+
+
+async def create_topic(
+    zk_connect: str, name: str, partitions: int, config: dict[str, str] | None = None
+) -> None:
+    """Create topic ``name`` (replication factor 1) straight in the cluster's ZooKeeper."""
+    zk = AsyncZooKeeper(zk_connect)
+    await zk.start()
+    try:
+        spec = TopicSpec.build(
+            name=name,
+            partitions=partitions,
+            replication_factor=1,
+            config=config or {},
+            topic_id=uuid.uuid4().hex,
+            created_ms=int(time.time() * 1000),
+        )
+        await MetadataStore(zk).create_topic(spec)
+    finally:
+        await zk.stop()
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    """Median and range of one measurement's rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 #: the quiet-disk check of ``settle_writeback``: this many seconds of 1 KiB appends, each

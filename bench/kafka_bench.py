@@ -29,35 +29,19 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import confluent_kafka as ck
 
-from bench.common import publish
+from bench.common import cpu_seconds, create_topic, publish, spread
 from infra.agents import start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Consumer, Producer, TopicPartition
-from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS = 4
-
-
-async def _create_topic(zk_connect: str, name: str) -> None:
-    zk = AsyncZooKeeper(zk_connect)
-    await zk.start()
-    try:
-        spec = TopicSpec.build(
-            name=name,
-            partitions=PARTITIONS,
-            replication_factor=1,
-            topic_id=uuid.uuid4().hex,
-            created_ms=int(time.time() * 1000),
-        )
-        await MetadataStore(zk).create_topic(spec)
-    finally:
-        await zk.stop()
 
 
 def kafka_produce(bootstrap: str, topic: str, n: int, value: bytes) -> float:
@@ -99,8 +83,19 @@ def _on_error(errors: list[Any]) -> Any:
     return cb
 
 
-async def sdk_produce(bootstrap: str, topic: str, n: int, value: bytes, batched: bool) -> float:
+async def sdk_produce(
+    bootstrap: str,
+    topic: str,
+    n: int,
+    value: bytes,
+    batched: bool,
+    security: Mapping[str, Any] | None = None,
+) -> float:
+    """``n`` messages through the SDK's ``send_batch`` (1,000 per call) or ``send``, msgs/s
+    from the first send to the last acknowledgement; ``security``: the client's
+    ``security.protocol``, ``ssl.*`` and ``sasl.*`` settings."""
     config = {
+        **(security or {}),
         "bootstrap.servers": bootstrap,
         "acks": 1,
         "linger.ms": 5,
@@ -154,9 +149,18 @@ def kafka_consume(bootstrap: str, topic: str, n: int) -> float:
         consumer.close()
 
 
-async def sdk_consume(bootstrap: str, topic: str, n: int, arrow: bool) -> float:
-    async with Consumer({"bootstrap.servers": bootstrap}) as consumer:
-        tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
+async def sdk_consume(
+    bootstrap: str,
+    topic: str,
+    n: int,
+    arrow: bool,
+    partitions: int = PARTITIONS,
+    security: Mapping[str, Any] | None = None,
+) -> float:
+    """``n`` messages from the beginning of ``topic`` through ``getmany_arrow`` (Arrow tables)
+    or ``getmany`` (record objects), msgs/s."""
+    async with Consumer({**(security or {}), "bootstrap.servers": bootstrap}) as consumer:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(tps)
         consumer.seek_to_beginning(*tps)
         got = 0
@@ -169,16 +173,6 @@ async def sdk_consume(bootstrap: str, topic: str, n: int, arrow: bool) -> float:
             else:
                 got += sum(len(r) for r in (await consumer.getmany(timeout_ms=1000)).values())
         return n / (time.perf_counter() - start)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` so far (Linux ``/proc``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def _stats(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def render(r: dict[str, Any]) -> str:
@@ -253,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         for rnd in range(args.rounds):
             topics = {k: f"{k}-{rnd}" for k in ("kafka", "batch", "send")}
             for t in topics.values():
-                asyncio.run(_create_topic(connect, t))
+                asyncio.run(create_topic(connect, t, PARTITIONS))
             time.sleep(1.0)  # leaders elected
             order = ["kafka", "batch", "send"] if rnd % 2 == 0 else ["send", "batch", "kafka"]
             for side in order:
-                before = _cpu_seconds(agent.pid)
+                before = cpu_seconds(agent.pid)
                 if side == "kafka":
                     key = "kafka_produce"
                     samples[key].append(kafka_produce(kafka, topics["kafka"], n, value))
@@ -268,9 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                             sdk_produce(agent.address, topics[side], n, value, side == "batch")
                         )
                     )
-                cpu_us[key].append((_cpu_seconds(agent.pid) - before) / n * 1e6)
+                cpu_us[key].append((cpu_seconds(agent.pid) - before) / n * 1e6)
             for side in order:
-                before = _cpu_seconds(agent.pid)
+                before = cpu_seconds(agent.pid)
                 if side == "kafka":
                     key = "kafka_consume"
                     samples[key].append(kafka_consume(kafka, topics["kafka"], n))
@@ -279,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     samples[key].append(
                         asyncio.run(sdk_consume(agent.address, topics[side], n, side == "batch"))
                     )
-                cpu_us[key].append((_cpu_seconds(agent.pid) - before) / n * 1e6)
+                cpu_us[key].append((cpu_seconds(agent.pid) - before) / n * 1e6)
             print({k: round(v[-1]) for k, v in samples.items()}, flush=True)
     finally:
         if agent is not None:
@@ -296,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         "size": args.size,
         "messages": args.messages,
         "rounds": args.rounds,
-        **{k: _stats(v) for k, v in samples.items()},
+        **{k: spread(v) for k, v in samples.items()},
         "ratio_produce_batch": ratio("kafka_produce", "sdk_produce_batch"),
         "ratio_produce": ratio("kafka_produce", "sdk_produce"),
         "ratio_consume_arrow": ratio("kafka_consume", "sdk_consume_arrow"),
         "ratio_consume": ratio("kafka_consume", "sdk_consume"),
-        "agent_cpu_us": {k: _stats(v) for k, v in cpu_us.items()},
+        "agent_cpu_us": {k: spread(v) for k, v in cpu_us.items()},
         "cpu_ratio_produce": statistics.median(
             x / y for x, y in zip(cpu_us["kafka_produce"], cpu_us["sdk_produce_batch"], strict=True)
         ),
