@@ -26,18 +26,32 @@ the median of the rounds with its range; each ratio (secured ÷ plaintext) is ta
 round and the median of those reported. Beside each, the agent's CPU time per message over the
 run (``/proc/<pid>/stat``) and the client's (this process's ``time.process_time``), which a
 loaded machine blurs less than it blurs rates.
+
+``--profile DIR``: in the first round, py-spy (``make bench-venv``) samples the agent and this
+process during every measured run (raw stacks in ``DIR/<side>-p<N>-<measure>-<agent|client>.txt``)
+and a summary says where each event loop spends its busy time: in OpenSSL (``SSLObject.read``
+and ``write``), in asyncio's TLS protocol around it (``asyncio/sslproto.py``), in socket sends
+and receives, or elsewhere. Sampling slows what it samples: a profiled run's rates are not
+the ones to publish.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
+import contextlib
 import os
 import platform
+import re
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +159,53 @@ def _agent_configs(side: str, ca: ThrowawayCA) -> dict[str, object]:
     }
 
 
+@contextmanager
+def sampled(pid: int, out: Path | None) -> Iterator[None]:
+    """py-spy samples process ``pid`` (raw stacks to ``out``) while the block runs."""
+    if out is None:
+        yield
+        return
+    pyspy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
+    argv = [pyspy, "record", "-r", "200", "--format", "raw", "-o", str(out), "-p", str(pid)]
+    spy = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the run starts
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its output, then exits
+        spy.wait(timeout=30)
+
+
+#: where an event loop's busy samples fall, by the innermost frame and the frames around it
+CATEGORIES = (
+    ("OpenSSL decrypt (SSLObject.read)", lambda leaf, _: leaf.startswith("SSLObject.read ")),
+    ("OpenSSL encrypt (SSLObject.write)", lambda leaf, _: leaf.startswith("SSLObject.write ")),
+    ("asyncio sslproto.py around it", lambda _, stack: "asyncio/sslproto.py" in stack),
+    (
+        "socket send/recv",
+        lambda leaf, _: "_SelectorSocketTransport" in leaf or "_send_direct" in leaf,
+    ),
+)
+
+
+def summarize(path: Path) -> dict[str, float]:
+    """Share of the main thread's busy samples (not waiting in ``select``) per category."""
+    counts: collections.Counter[str] = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = [re.sub(r":\d+\)$", ")", f) for f in stack.split(";")]
+        if not frames or not frames[0].startswith("_run_module_as_main"):
+            continue  # another thread (fsync workers, the SDK's helpers)
+        leaf = frames[-1]
+        if leaf.startswith("EpollSelector.select ") or "settle_writeback" in stack:
+            continue
+        cat = next((name for name, hit in CATEGORIES if hit(leaf, stack)), "everything else")
+        counts[cat] += int(n)
+        counts["busy samples"] += int(n)
+    busy = counts.pop("busy samples", 0)
+    return {"busy samples": busy, **{k: 100 * v / max(busy, 1) for k, v in counts.items()}}
+
+
 def _ratio(a: list[float], b: list[float]) -> dict[str, float]:
     return spread([x / y for x, y in zip(a, b, strict=True)])
 
@@ -204,8 +265,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--dir", type=Path, default=ROOT / "var" / "bench")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument("--profile", type=Path, help="py-spy the first round into this dir")
     args = parser.parse_args(argv)
     args.dir.mkdir(parents=True, exist_ok=True)
+    if args.profile is not None:
+        args.profile.mkdir(parents=True, exist_ok=True)
+    profiles: list[Path] = []
+
+    def spied(pid: int, rnd: int, name: str) -> Any:
+        if args.profile is None or rnd > 0:
+            return sampled(pid, None)
+        profiles.append(args.profile / f"{name}.txt")
+        return sampled(pid, profiles[-1])
+
+    def spy(agent_pid: int, rnd: int, name: str) -> Any:
+        stack = contextlib.ExitStack()
+        stack.enter_context(spied(agent_pid, rnd, f"{name}-agent"))
+        stack.enter_context(spied(os.getpid(), rnd, f"{name}-client"))
+        return stack
+
     work = Path(tempfile.mkdtemp(dir=args.dir))
     value = os.urandom(args.size)
     ca = ThrowawayCA.create(work / "ca")
@@ -244,20 +322,23 @@ def main(argv: list[str] | None = None) -> int:
                 for side in order:
                     agent, t = agents[side], topic(side, p, rnd)
                     settle_writeback(args.dir)
-                    before, mine = cpu_seconds(agent.pid), time.process_time()
-                    prod = asyncio.run(
-                        produce_for(agent.address, t, args.seconds, value, security[side])
-                    )
+                    with spy(agent.pid, rnd, f"{side}-p{p}-produce"):
+                        before, mine = cpu_seconds(agent.pid), time.process_time()
+                        prod = asyncio.run(
+                            produce_for(agent.address, t, args.seconds, value, security[side])
+                        )
                     n = int(prod["messages"])
                     cpu_us[p][side]["produce"].append((cpu_seconds(agent.pid) - before) / n * 1e6)
                     client_us[p][side]["produce"].append((time.process_time() - mine) / n * 1e6)
                     samples[p][side]["produce"].append(prod["msgs_per_s"])
                     samples[p][side]["produce_mb"].append(prod["mb_per_s"])
                     for m, arrow in (("consume_arrow", True), ("consume", False)):
-                        before, mine = cpu_seconds(agent.pid), time.process_time()
-                        samples[p][side][m].append(
-                            asyncio.run(sdk_consume(agent.address, t, n, arrow, p, security[side]))
-                        )
+                        with spy(agent.pid, rnd, f"{side}-p{p}-{m}"):
+                            before, mine = cpu_seconds(agent.pid), time.process_time()
+                            rate = asyncio.run(
+                                sdk_consume(agent.address, t, n, arrow, p, security[side])
+                            )
+                        samples[p][side][m].append(rate)
                         cpu_us[p][side][m].append((cpu_seconds(agent.pid) - before) / n * 1e6)
                         client_us[p][side][m].append((time.process_time() - mine) / n * 1e6)
                 print(
@@ -307,6 +388,16 @@ def main(argv: list[str] | None = None) -> int:
         "_client_cpu_us": client_us,
     }
     publish("security", render(result), result, write_docs=args.write_docs)
+    for path in profiles:
+        if path.exists():
+            shares = summarize(path)
+            busy = shares.pop("busy samples")
+            print(
+                f"{path.stem}: {busy:.0f} busy samples;",
+                ", ".join(
+                    f"{k} {v:.0f}%" for k, v in sorted(shares.items(), key=lambda kv: -kv[1])
+                ),
+            )
     return 0
 
 
