@@ -51,16 +51,20 @@ def publish(name: str, table: str, result: Any, *, write_docs: bool) -> None:
 
 
 async def create_topic(
-    zk_connect: str, name: str, partitions: int, config: dict[str, str] | None = None
+    zk_connect: str,
+    name: str,
+    partitions: int,
+    config: dict[str, Any] | None = None,
+    replication_factor: int = 1,
 ) -> None:
-    """Create topic ``name`` (replication factor 1) straight in the cluster's ZooKeeper."""
+    """Create topic ``name`` straight in the cluster's ZooKeeper."""
     zk = AsyncZooKeeper(zk_connect)
     await zk.start()
     try:
         spec = TopicSpec.build(
             name=name,
             partitions=partitions,
-            replication_factor=1,
+            replication_factor=replication_factor,
             config=config or {},
             topic_id=uuid.uuid4().hex,
             created_ms=int(time.time() * 1000),

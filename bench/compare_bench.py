@@ -35,14 +35,13 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import publish, settle_writeback
+from bench.common import create_topic, publish, settle_writeback
 from bench.peers import (
     Peer,
     PeerUnavailable,
@@ -55,7 +54,6 @@ from bench.storage_bench import disk_rates, fsyncs_per_second
 from infra.agents import AgentProcess, start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Consumer, Producer, TopicPartition
-from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (100, 1024, 10240)
@@ -140,20 +138,7 @@ def limits(directory: Path) -> dict[str, Any]:
 async def _create_topic(
     zk_connect: str, name: str, partitions: int, rf: int, config: dict[str, Any]
 ) -> None:
-    zk = AsyncZooKeeper(zk_connect)
-    await zk.start()
-    try:
-        spec = TopicSpec.build(
-            name=name,
-            partitions=partitions,
-            replication_factor=rf,
-            config=config,
-            topic_id=uuid.uuid4().hex,
-            created_ms=int(time.time() * 1000),
-        )
-        await MetadataStore(zk).create_topic(spec)
-    finally:
-        await zk.stop()
+    await create_topic(zk_connect, name, partitions, config, replication_factor=rf)
 
 
 def _throughput_config(bootstrap: str, acks: int | str) -> dict[str, Any]:

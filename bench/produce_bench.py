@@ -22,37 +22,22 @@ import platform
 import shutil
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from bench.common import publish, settle_writeback
+from bench.common import create_topic, publish, settle_writeback
 from infra.agents import start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Producer
-from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPIC = "bench"
 
 
 async def _create_topic(zk_connect: str, partitions: int, fsync: str) -> None:
-    zk = AsyncZooKeeper(zk_connect)
-    await zk.start()
-    try:
-        spec = TopicSpec.build(
-            name=TOPIC,
-            partitions=partitions,
-            replication_factor=1,
-            config={"fsync.policy": fsync},
-            topic_id=uuid.uuid4().hex,
-            created_ms=int(time.time() * 1000),
-        )
-        await MetadataStore(zk).create_topic(spec)
-    finally:
-        await zk.stop()
+    await create_topic(zk_connect, TOPIC, partitions, {"fsync.policy": fsync})
 
 
 async def throughput(bootstrap: str, n: int, size: int, acks: int | str = 1) -> dict[str, float]:
