@@ -896,7 +896,12 @@ class Consumer:
     async def _reset(self, leader: int, query: dict[TopicPartition, int]) -> None:
         cluster = self._cluster
         assert cluster is not None
-        asked = {tp: self._states[tp].generation for tp in query}
+        # a partition revoked between the plan and this task's start is not asked for
+        asked = {tp: st.generation for tp in query if (st := self._states.get(tp)) is not None}
+        query = {tp: ts for tp, ts in query.items() if tp in asked}
+        if not query:
+            self._wake.set()
+            return
         isolation = READ_COMMITTED if self.config.read_committed else READ_UNCOMMITTED
         try:
             response: ListOffsetsResponse = await cluster.send(
@@ -934,6 +939,16 @@ class Consumer:
         cluster = self._cluster
         assert cluster is not None
         cfg = self.config
+        # a partition revoked (or repositioned) between the plan and this task's start: not
+        # fetched (a rebalance's new assignment can land in that gap)
+        live = [
+            tp for tp in tps if (st := self._states.get(tp)) is not None and st.position is not None
+        ]
+        if not live:
+            self._fetching[leader].discard(slot)
+            self._wake.set()
+            return
+        tps = live
         asked: dict[TopicPartition, tuple[int, int]] = {}
         topics: dict[tuple[str, str | None], list[FetchPartition]] = defaultdict(list)
         for tp in tps:
