@@ -222,13 +222,13 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
         async with Producer(conf) as producer:
             await _latencies(producer, 10)  # connection, login, metadata
             await asyncio.sleep(max(0.0, started + 12 - time.monotonic()))  # the window is over
-            for _ in range(6):
+            for _ in range(8):  # 640 samples a side: a p99 of 300 swung with the machine
                 os.kill(alice.pid, signal.SIGSTOP)
                 try:
-                    alone.extend(await _latencies(producer, 50))
+                    alone.extend(await _latencies(producer, 80))
                 finally:
                     os.kill(alice.pid, signal.SIGCONT)
-                beside.extend(await _latencies(producer, 50))
+                beside.extend(await _latencies(producer, 80))
 
     asyncio.run(bob())
     assert time.monotonic() < started + 21, "the latency blocks outlasted alice"
