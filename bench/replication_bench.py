@@ -17,35 +17,22 @@ import platform
 import shutil
 import tempfile
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
-from bench.common import publish, settle_writeback
+from bench.common import create_topic, publish, settle_writeback
 from bench.produce_bench import TOPIC, latency, throughput_batched
 from infra.agents import AgentProcess, start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Producer
-from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 async def _create_topic(zk_connect: str, partitions: int) -> None:
-    zk = AsyncZooKeeper(zk_connect)
-    await zk.start()
-    try:
-        spec = TopicSpec.build(
-            name=TOPIC,
-            partitions=partitions,
-            replication_factor=3,
-            config={"min.insync.replicas": 2},
-            topic_id=uuid.uuid4().hex,
-            created_ms=int(time.time() * 1000),
-        )
-        await MetadataStore(zk).create_topic(spec)
-    finally:
-        await zk.stop()
+    await create_topic(
+        zk_connect, TOPIC, partitions, {"min.insync.replicas": 2}, replication_factor=3
+    )
 
 
 async def _wait_in_sync(bootstrap: str, partitions: int) -> None:

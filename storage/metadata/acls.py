@@ -30,9 +30,7 @@ from typing import Any
 
 from storage.errors import (
     InvalidRequestError,
-    NodeExistsError,
     NodeNotFoundError,
-    VersionConflictError,
 )
 from storage.metadata.zk import AsyncZooKeeper
 
@@ -182,17 +180,4 @@ class AclStore:
         return removed
 
     async def _change(self, change: Any) -> None:
-        while True:
-            try:
-                data, stat = await self.zk.get(ACLS)
-            except NodeNotFoundError:
-                try:
-                    await self.zk.create(ACLS, encode_acls(change([])), makepath=True)
-                    return
-                except NodeExistsError:
-                    continue
-            try:
-                await self.zk.set(ACLS, encode_acls(change(decode_acls(data))), stat.version)
-                return
-            except (VersionConflictError, NodeNotFoundError):
-                continue
+        await self.zk.update(ACLS, lambda data: encode_acls(change(decode_acls(data))))

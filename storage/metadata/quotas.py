@@ -24,9 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError
 
 from storage.errors import (
     InvalidRequestError,
-    NodeExistsError,
     NodeNotFoundError,
-    VersionConflictError,
 )
 from storage.metadata.zk import AsyncZooKeeper
 
@@ -135,17 +133,4 @@ class QuotaStore:
     async def _change(
         self, change: Callable[[dict[str, QuotaConfig]], dict[str, QuotaConfig]]
     ) -> None:
-        while True:
-            try:
-                data, stat = await self.zk.get(QUOTAS)
-            except NodeNotFoundError:
-                try:
-                    await self.zk.create(QUOTAS, encode_quotas(change({})), makepath=True)
-                    return
-                except NodeExistsError:
-                    continue
-            try:
-                await self.zk.set(QUOTAS, encode_quotas(change(decode_quotas(data))), stat.version)
-                return
-            except (VersionConflictError, NodeNotFoundError):
-                continue
+        await self.zk.update(QUOTAS, lambda data: encode_quotas(change(decode_quotas(data))))

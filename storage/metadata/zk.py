@@ -285,6 +285,24 @@ class AsyncZooKeeper:
         )
         return created
 
+    async def update(self, path: str, change: Callable[[bytes | None], bytes]) -> None:
+        """Replace ``path``'s data by ``change(old)`` (``None``: no node yet, created), by
+        compare-and-set: retried while another writer gets in between."""
+        while True:
+            try:
+                data, stat = await self.get(path)
+            except NodeNotFoundError:
+                try:
+                    await self.create(path, change(None), makepath=True)
+                    return
+                except NodeExistsError:
+                    continue
+            try:
+                await self.set(path, change(data), stat.version)
+                return
+            except (VersionConflictError, NodeNotFoundError):
+                continue
+
     async def set(self, path: str, data: bytes, version: int = -1) -> ZnodeStat:
         stat: ZnodeStat = await self._call(
             self.client.set_async(path, data, version), f"set {path}"
