@@ -30,7 +30,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from bench.common import publish
+from bench.common import cpu_seconds, publish
 from handlers.delays import DelayAdmin
 from handlers.retries import RetryAdmin
 from infra.agents import start_agent
@@ -118,7 +118,7 @@ async def consume(bootstrap: str, group: str, n: int, *, retry: bool) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--records", type=int, default=200_000)
+    parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--write-docs", action="store_true")
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="strata-retry-bench-"))
@@ -141,14 +141,28 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         asyncio.run(fill(agent.address, args.records))
-        plain, retried, ratios = [], [], []
+        roles = {"agent": agent.pid, "scheduler": processes[1].pid, "router": processes[2].pid}
+        plain: list[float] = []
+        retried: list[float] = []
+        ratios: list[float] = []
+        cpu: dict[str, list[dict[str, float]]] = {"plain": [], "retry": []}
         for group in groups:
-            p = asyncio.run(consume(agent.address, f"{group}-plain", args.records, retry=False))
-            q = asyncio.run(consume(agent.address, f"{group}-retry", args.records, retry=True))
-            plain.append(p)
-            retried.append(q)
+            for kind in ("plain", "retry"):
+                before = {role: cpu_seconds(pid) for role, pid in roles.items()}
+                own = time.process_time()
+                rate = asyncio.run(
+                    consume(agent.address, f"{group}-{kind}", args.records, retry=kind == "retry")
+                )
+                used = {role: cpu_seconds(pid) - before[role] for role, pid in roles.items()}
+                used["consumer"] = time.process_time() - own
+                cpu[kind].append(used)
+                (plain if kind == "plain" else retried).append(rate)
+            p, q = plain[-1], retried[-1]
             ratios.append(q / p)
             print(f"{group}: plain {p:,.0f}/s, with retries {q:,.0f}/s, ratio {q / p:.2f}")
+            for kind in ("plain", "retry"):
+                used = cpu[kind][-1]
+                print(f"  CPU s, {kind}: " + ", ".join(f"{k} {v:.2f}" for k, v in used.items()))
     finally:
         for proc in reversed(processes):
             proc.stop()
@@ -163,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         "plain_msgs_s": plain,
         "retry_msgs_s": retried,
         "ratios": ratios,
+        "cpu_s": cpu,
     }
     table = "\n".join(
         [
@@ -181,6 +196,22 @@ def main(argv: list[str] | None = None) -> int:
             f"{max(retried):,.0f}) |",
             f"| with retries / plain, per alternated pair | {ratio:.2f} (median; "
             f"{min(ratios):.2f} to {max(ratios):.2f}); target ≥ 0.8 |",
+            "",
+            "CPU seconds per process while the group read the topic (median of the runs; a "
+            "run's figure also holds what the run before it left for the scheduler and the "
+            "router to finish):",
+            "",
+            "| run | " + " | ".join(cpu["plain"][0]) + " |",
+            "|---|" + "---:|" * len(cpu["plain"][0]),
+            *(
+                f"| {kind} | "
+                + " | ".join(
+                    f"{statistics.median(run[role] for run in cpu[kind]):.2f}"
+                    for role in cpu[kind][0]
+                )
+                + " |"
+                for kind in ("plain", "retry")
+            ),
             "<!-- retries-bench:end -->",
         ]
     )

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import struct
 
+import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from storage.codec import Compression, check_batch, encode_batch, read_header
 from storage.codec import summary as sm
+from storage.codec.body import HEADERS_TYPE, TAGS_TYPE
 from storage.errors import CorruptBatchError
 from tests.codec_support import reference_summary, summary_as_dict, with_crc
 
@@ -226,3 +228,51 @@ def test_few_tags_and_headers_counted_one_by_one_give_the_columnar_summary(
         sm.SMALL = saved
     assert small == columnar
     assert summary_as_dict(small) == reference_summary(n, tags, headers)
+
+
+_maybe_tags = st.lists(
+    st.one_of(st.none(), st.lists(st.sampled_from(["a", "b", "ü", ""]), max_size=3)),
+    min_size=1,
+    max_size=16,
+)
+_maybe_headers = st.lists(
+    st.one_of(
+        st.none(),
+        st.lists(
+            st.tuples(st.sampled_from(["k", "région", ""]), st.binary(max_size=4)), max_size=4
+        ),
+    ),
+    min_size=1,
+    max_size=16,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_maybe_tags, _maybe_headers, st.booleans(), st.booleans(), st.booleans())
+def test_plain_lists_laid_out_without_pyarrow_give_the_same_batch(
+    tags: list[list[str] | None],
+    headers: list[list[tuple[str, bytes]] | None],
+    with_tags: bool,
+    with_headers: bool,
+    summary: bool,
+) -> None:
+    """A few records whose tags and headers are plain lists skip pyarrow (the retry router's
+    and the scheduler's one-record batches): the batch is byte for byte the one pyarrow lays
+    out from the same values given as Arrow arrays."""
+    n = min(len(tags), len(headers))
+    t = tags[:n] if with_tags else None
+    h = headers[:n] if with_headers else None
+
+    def batch(tag_col: object, header_col: object) -> bytes:
+        return encode_batch(
+            [b"v%d" % i for i in range(n)],
+            keys=[None] * n,
+            timestamps=7,
+            tags=tag_col,
+            headers=header_col,
+            summary=summary,
+        )
+
+    arrow_tags = None if t is None else pa.array(t, TAGS_TYPE)
+    arrow_headers = None if h is None else pa.array(h, HEADERS_TYPE)
+    assert batch(t, h) == batch(arrow_tags, arrow_headers)

@@ -156,27 +156,48 @@ def _small_stats(
     header_pairs: pa.Array | None,
 ) -> tuple[int, dict[bytes, int] | None, dict[bytes, KeySummary] | None]:
     """``_tag_stats`` and ``_header_stats`` for few elements, counted one by one."""
-    untagged = n
-    tags: dict[bytes, int] | None = {}
+    tag_offs: list[int] = []
+    names: list[bytes] = []
     if tag_values is not None and len(tag_values):
-        offs = np.asarray(tag_offsets).tolist()
+        tag_offs = np.asarray(tag_offsets).tolist()
         names = [t.encode() for t in tag_values.to_pylist()]
+    header_offs: list[int] = []
+    keys: list[bytes] = []
+    values: list[bytes] = []
+    if header_pairs is not None and len(header_pairs):
+        header_offs = np.asarray(header_offsets).tolist()
+        keys = [k.encode() for k in header_pairs.field("key").to_pylist()]
+        values = header_pairs.field("value").cast(pa.binary()).to_pylist()
+    return count_small(n, tag_offs, names, header_offs, keys, values)
+
+
+def count_small(
+    n: int,
+    tag_offsets: list[int],
+    tags: list[bytes],
+    header_offsets: list[int],
+    keys: list[bytes],
+    values: list[bytes],
+) -> tuple[int, dict[bytes, int] | None, dict[bytes, KeySummary] | None]:
+    """The counts of ``_small_stats`` from plain lists: the records' tags (``tags``, record
+    ``i``'s are ``tags[tag_offsets[i]:tag_offsets[i + 1]]``; ``tag_offsets`` empty when no
+    record has one) and header pairs (``keys``/``values`` indexed by ``header_offsets``)."""
+    untagged = n
+    tag_counts: dict[bytes, int] | None = {}
+    if tags:
         counts: dict[bytes, int] = {}
         for i in range(n):
-            mine = set(names[offs[i] : offs[i + 1]])
+            mine = set(tags[tag_offsets[i] : tag_offsets[i + 1]])
             untagged -= bool(mine)
             for t in mine:
                 counts[t] = counts.get(t, 0) + 1
-        tags = counts if len(counts) <= MAX_TAGS else None
+        tag_counts = counts if len(counts) <= MAX_TAGS else None
     headers: dict[bytes, KeySummary] | None = {}
-    if header_pairs is not None and len(header_pairs):
-        offs = np.asarray(header_offsets).tolist()
-        keys = [k.encode() for k in header_pairs.field("key").to_pylist()]
-        values = header_pairs.field("value").cast(pa.binary()).to_pylist()
+    if keys:
         carriers: dict[bytes, int] = {}
         pairs: dict[bytes, dict[bytes, int]] = {}
         for i in range(n):
-            lo, hi = offs[i], offs[i + 1]
+            lo, hi = header_offsets[i], header_offsets[i + 1]
             for key in set(keys[lo:hi]):
                 carriers[key] = carriers.get(key, 0) + 1
             for key, value in set(zip(keys[lo:hi], values[lo:hi], strict=True)):
@@ -191,7 +212,19 @@ def _small_stats(
                 )
                 for key, count in carriers.items()
             }
-    return untagged, tags, headers
+    return untagged, tag_counts, headers
+
+
+def build_small(
+    n: int,
+    tag_offsets: list[int],
+    tags: list[bytes],
+    header_offsets: list[int],
+    keys: list[bytes],
+    values: list[bytes],
+) -> Summary:
+    """``build`` for a batch the body laid out from plain lists (``count_small``'s)."""
+    return _bounded(n, *count_small(n, tag_offsets, tags, header_offsets, keys, values))
 
 
 def _tag_section(tags: Mapping[bytes, int]) -> int:
