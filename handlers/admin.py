@@ -24,6 +24,10 @@ controller does the rest. Until the delete completes the name is taken: creating
 refused with ``TopicDeletionInProgressError`` (409, retriable), and so are changes to it; a
 second delete answers the status again. Lists show the topic under ``deleting`` only.
 
+Every route carries the rule of what its caller needs (``TOPIC_ROUTES`` below, and the other
+modules' route tables); with ``STRATA_ADMIN_AUTHORIZER=1`` the router's guard
+(``handlers.access``) checks it against the ACLs before the endpoint runs.
+
 Input is checked before ZooKeeper is touched wherever that is possible (a bad name, count or
 config is a 400 even when ZooKeeper is down). Configs use Kafka's dotted names only
 (``retention.ms``); ``null`` in an alter restores a config's default.
@@ -40,10 +44,25 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationError
 
+from handlers.access import GUARD
 from handlers.cluster import CLUSTER_ROUTES
 from handlers.delays import ROUTES as DELAY_ROUTES
 from handlers.groups import ROUTES as GROUP_ROUTES
-from handlers.http import Request, Response, Route, Router, describe_errors, parse_body
+from handlers.http import (
+    AnyOf,
+    Listing,
+    Request,
+    Response,
+    Route,
+    Router,
+    body_field,
+    describe_errors,
+    needs,
+    on_cluster,
+    on_topic,
+    parse_body,
+    path_param,
+)
 from handlers.retries import ROUTES as RETRY_ROUTES
 from handlers.runtime import Invocation
 from handlers.security import ROUTES as SECURITY_ROUTES
@@ -59,6 +78,7 @@ from storage.errors import (
     VersionConflictError,
 )
 from storage.metadata import MetadataStore, PartitionState, TopicConfig, TopicSpec
+from storage.metadata.acls import Operation, ResourceType
 from storage.metadata.models import MAX_PARTITIONS, TopicDeletion, validate_topic_name
 from storage.metadata.topic_rules import check_min_insync as check_min_insync
 from storage.metadata.topic_rules import replication_factor_for as replication_factor_for
@@ -344,14 +364,41 @@ def _alter_configs(request: Request, invocation: Invocation, name: str) -> Respo
     return Response(200, described.to_json())
 
 
+NAME = path_param("name")
+TOPIC_ROUTES = [
+    Route(
+        "POST",
+        "/topics",
+        _create_topic,
+        needs(
+            AnyOf((on_topic(Operation.CREATE, body_field("name")), on_cluster(Operation.CREATE)))
+        ),
+    ),
+    Route(
+        "GET",
+        "/topics",
+        _list_topics,
+        needs(
+            shows=(Listing("topics", ResourceType.TOPIC), Listing("deleting", ResourceType.TOPIC))
+        ),
+    ),
+    Route("GET", "/topics/{name}", _describe_topic, needs(on_topic(Operation.DESCRIBE, NAME))),
+    Route("DELETE", "/topics/{name}", _delete_topic, needs(on_topic(Operation.DELETE, NAME))),
+    Route(
+        "POST",
+        "/topics/{name}/partitions",
+        _create_partitions,
+        needs(on_topic(Operation.ALTER, NAME)),
+    ),
+    Route(
+        "PATCH", "/topics/{name}/configs", _alter_configs, needs(on_topic(Operation.ALTER, NAME))
+    ),
+]
+"""The topic routes; each says what its caller needs (``handlers.access``)."""
+
 ROUTER = Router(
     [
-        Route("POST", "/topics", _create_topic),
-        Route("GET", "/topics", _list_topics),
-        Route("GET", "/topics/{name}", _describe_topic),
-        Route("DELETE", "/topics/{name}", _delete_topic),
-        Route("POST", "/topics/{name}/partitions", _create_partitions),
-        Route("PATCH", "/topics/{name}/configs", _alter_configs),
+        *TOPIC_ROUTES,
         *GROUP_ROUTES,
         *CLUSTER_ROUTES,
         *DELAY_ROUTES,
@@ -359,6 +406,7 @@ ROUTER = Router(
         *SECURITY_ROUTES,
     ],
     invocation=Invocation,
+    guard=GUARD,
 )
 
 

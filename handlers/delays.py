@@ -31,7 +31,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from handlers.http import Request, Response, Route, parse_body
+from handlers.http import (
+    Request,
+    Response,
+    Route,
+    computed,
+    needs,
+    on_cluster,
+    on_topic,
+    parse_body,
+)
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
 from sdk import delays as d
@@ -45,6 +54,7 @@ from storage.errors import (
     UnknownTopicOrPartitionError,
 )
 from storage.metadata import MetadataStore, TopicConfig, TopicSpec
+from storage.metadata.acls import Operation
 from storage.metadata.delays import DelayStore
 from storage.metadata.groups import GroupStore
 from storage.metadata.models import DAY_MS
@@ -267,8 +277,22 @@ def _status(request: Request, invocation: Invocation) -> Response:
     return Response(200, invocation.run(lambda store: DelayAdmin(store).status()))
 
 
+def _scheduled_topic(request: Request, params: object) -> str:
+    schedule_id = request.json().get("schedule_id")
+    if not isinstance(schedule_id, str):
+        raise InvalidDelayError("schedule_id: a string is required")
+    return d.ScheduleId.parse(schedule_id).topic
+
+
 ROUTES = [
-    Route("POST", "/delays/topics", _ensure_topics),
-    Route("POST", "/delays/cancel", _cancel),
-    Route("GET", "/delays/status", _status),
+    Route("POST", "/delays/topics", _ensure_topics, needs(on_cluster(Operation.CREATE))),
+    Route(
+        "POST",
+        "/delays/cancel",
+        _cancel,
+        needs(on_topic(Operation.WRITE, computed("the schedule id's topic", _scheduled_topic))),
+    ),
+    Route("GET", "/delays/status", _status, needs(on_cluster(Operation.DESCRIBE))),
 ]
+"""The level topics are internal, so making them needs Create on the cluster; a cancel needs
+Write on the topic the record was scheduled for (who could send it may take it back)."""

@@ -29,7 +29,18 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr
 
-from handlers.http import Request, Response, Route, parse_body
+from handlers.http import (
+    Listing,
+    Request,
+    Response,
+    Route,
+    body_field,
+    needs,
+    on_group,
+    on_topic,
+    parse_body,
+    path_param,
+)
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
 from sdk.config import client_config
@@ -40,6 +51,7 @@ from storage.errors import (
     UnknownTopicOrPartitionError,
 )
 from storage.metadata import MetadataStore
+from storage.metadata.acls import Operation, ResourceType
 from storage.metadata.groups import (
     CommittedOffset,
     GroupStore,
@@ -247,9 +259,31 @@ def _delete_group(request: Request, invocation: Invocation, group: str) -> Respo
     return Response(204)
 
 
+GROUP = path_param("group")
 ROUTES = [
-    Route("GET", "/groups", _list_groups),
-    Route("GET", "/groups/{group}", _describe_group),
-    Route("POST", "/groups/{group}/offsets", _reset_offsets),
-    Route("DELETE", "/groups/{group}", _delete_group),
+    Route(
+        "GET",
+        "/groups",
+        _list_groups,
+        needs(shows=(Listing("groups", ResourceType.GROUP, "group_id"),)),
+    ),
+    Route(
+        "GET",
+        "/groups/{group}",
+        _describe_group,
+        needs(
+            on_group(Operation.DESCRIBE, GROUP),
+            shows=(Listing("offsets", ResourceType.TOPIC, "topic"),),
+        ),
+    ),
+    Route(
+        "POST",
+        "/groups/{group}/offsets",
+        _reset_offsets,
+        needs(on_group(Operation.READ, GROUP), on_topic(Operation.READ, body_field("topic"))),
+    ),
+    Route("DELETE", "/groups/{group}", _delete_group, needs(on_group(Operation.DELETE, GROUP))),
 ]
+"""Each route says what its caller needs (``handlers.access``): as Kafka's OffsetCommit, a
+reset needs Read on the group and on the topic; a describe shows only the offsets of topics
+the caller may describe."""

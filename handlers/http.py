@@ -9,6 +9,10 @@ runtime (``infra.local_runtime``, which builds 2.0 events) share this module:
   (base64 when ``isBase64Encoded``);
 * :class:`Router` matches ``(method, segments)`` against a table of routes;
   no path -> 404, a path without that method -> 405;
+* :func:`principal_of` finds who is calling (below);
+* every :class:`Route` carries the :class:`Rule` that says what its caller needs (ACLs in
+  Kafka's model); the router hands it to its ``guard`` (``handlers.access``) before the
+  endpoint runs, and lets the guard filter a listing's answer;
 * :func:`status_for` is the one place that gives every error its HTTP status, and
   :func:`error_response` the one body shape::
 
@@ -18,6 +22,17 @@ runtime (``infra.local_runtime``, which builds 2.0 events) share this module:
   same exception class with ``storage.errors.from_wire``. Anything that is not a
   :class:`StrataError` is a bug: it is logged with its traceback and answered with a 500 that
   shows only a request id.
+
+**Who is calling** (:func:`principal_of`), Kafka's ``User:<name>`` form:
+
+* API Gateway with IAM authorization: the caller's ARN, ``requestContext.authorizer.iam.userArn``
+  (payload 2.0) or ``requestContext.identity.userArn`` (1.0), as ``User:<arn>``; an
+  assumed-role session (``arn:aws:sts::<account>:assumed-role/<role>/<session>``) counts as
+  its role, ``User:arn:aws:iam::<account>:role/<role>``, so that ACLs name roles, not sessions;
+* a Lambda authorizer's context ``principal`` (``requestContext.authorizer.lambda.principal``
+  in 2.0, ``requestContext.authorizer.principal`` in 1.0), which is how the local runtime
+  passes the user it authenticated; ``alice`` and ``User:alice`` are the same;
+* otherwise ``User:ANONYMOUS``.
 """
 
 from __future__ import annotations
@@ -26,15 +41,20 @@ import base64
 import binascii
 import json
 import logging
+import re
 import urllib.parse
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
 from storage.errors import (
+    AuthenticationFailedError,
+    AuthorizationError,
+    ClusterAuthorizationFailedError,
+    GroupAuthorizationFailedError,
     GroupIdNotFoundError,
     InvalidRequestError,
     NodeNotFoundError,
@@ -42,9 +62,12 @@ from storage.errors import (
     RequestTimedOutError,
     StrataError,
     TopicAlreadyExistsError,
+    TopicAuthorizationFailedError,
     TopicDeletionInProgressError,
+    TransactionalIdAuthorizationFailedError,
     UnknownTopicOrPartitionError,
 )
+from storage.metadata.acls import CLUSTER_NAME, Operation, ResourceType
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +108,12 @@ class InternalError(StrataError):
 # else 500.
 _STATUS: dict[type[StrataError], int] = {
     InvalidRequestError: 400,
+    AuthenticationFailedError: 401,
+    AuthorizationError: 403,
+    TopicAuthorizationFailedError: 403,
+    GroupAuthorizationFailedError: 403,
+    ClusterAuthorizationFailedError: 403,
+    TransactionalIdAuthorizationFailedError: 403,
     RouteNotFoundError: 404,
     MethodNotAllowedError: 405,
     RequestReadTimeoutError: 408,
@@ -121,6 +150,8 @@ def error_body(exc: StrataError) -> dict[str, Any]:
 
 def error_response(exc: StrataError) -> Response:
     headers = {}
+    if isinstance(exc, AuthenticationFailedError):
+        headers["www-authenticate"] = 'Basic realm="strata", charset="UTF-8"'
     if isinstance(exc, MethodNotAllowedError):
         headers["allow"] = ", ".join(exc.allowed)
     if exc.retriable and status_for(exc) == 503:
@@ -161,6 +192,8 @@ class Request:
     """Lower-case names; repeated headers joined with ``,`` (as payload 2.0 does)."""
     query: Mapping[str, str]
     body: bytes
+    principal: str = "User:ANONYMOUS"
+    """Who is calling (:func:`principal_of`)."""
 
     @classmethod
     def from_event(cls, event: Mapping[str, Any]) -> Request:
@@ -194,6 +227,7 @@ class Request:
             headers=headers,
             query=query,
             body=_event_body(event),
+            principal=principal_of(event),
         )
 
     def json(self) -> dict[str, Any]:
@@ -211,6 +245,43 @@ class Request:
                 f"the request body must be a JSON object, not {type(value).__name__}"
             )
         return value
+
+
+ANONYMOUS = "User:ANONYMOUS"
+_ASSUMED_ROLE = re.compile(
+    r"^arn:(?P<partition>aws[a-z-]*):sts::(?P<account>\d{12}):assumed-role/(?P<role>[^/]+)/[^/]+$"
+)
+
+
+def iam_principal(arn: str) -> str:
+    """``User:<arn>``; an assumed-role session's ARN becomes its role's."""
+    found = _ASSUMED_ROLE.match(arn)
+    if found is not None:
+        return f"User:arn:{found['partition']}:iam::{found['account']}:role/{found['role']}"
+    return f"User:{arn}"
+
+
+def _at(tree: Any, *keys: str) -> Any:
+    for key in keys:
+        if not isinstance(tree, Mapping):
+            return None
+        tree = tree.get(key)
+    return tree
+
+
+def principal_of(event: Mapping[str, Any]) -> str:
+    """Who sent ``event`` (see the module's docstring); ``User:ANONYMOUS`` if no one says."""
+    context = event.get("requestContext")
+    arn = _at(context, "authorizer", "iam", "userArn") or _at(context, "identity", "userArn")
+    if isinstance(arn, str) and arn.startswith("arn:"):
+        return iam_principal(arn)
+    named = _at(context, "authorizer", "lambda", "principal")
+    if named is None:
+        named = _at(context, "authorizer", "principal")
+    if isinstance(named, str) and named.strip() and named.strip() != "User:":
+        named = named.strip()
+        return named if named.startswith("User:") else f"User:{named}"
+    return ANONYMOUS
 
 
 def _event_body(event: Mapping[str, Any]) -> bytes:
@@ -263,38 +334,173 @@ Endpoint = Callable[..., Response]
 """``endpoint(request, invocation, **path_params) -> Response``."""
 
 
+# ---------------------------------------------------------------- what a route needs
+
+
+@dataclass(frozen=True, slots=True)
+class Source:
+    """Where a needed resource's name comes from: ``text`` says it in the docs' table,
+    ``resolve(request, params, store)`` finds it (``store`` for names kept in ZooKeeper, such
+    as a redrive task's topics)."""
+
+    text: str
+    resolve: Callable[[Request, Mapping[str, str], Any], Awaitable[str]]
+
+
+def path_param(param: str) -> Source:
+    """The path parameter ``{param}``."""
+
+    async def resolve(request: Request, params: Mapping[str, str], store: Any) -> str:
+        return params[param]
+
+    return Source(f"`{{{param}}}`", resolve)
+
+
+def body_field(field_name: str) -> Source:
+    """The JSON body's string field ``field_name`` (missing or not a string: 400)."""
+
+    async def resolve(request: Request, params: Mapping[str, str], store: Any) -> str:
+        value = request.json().get(field_name)
+        if not isinstance(value, str):
+            raise InvalidRequestError(f"{field_name}: a string is required")
+        return value
+
+    return Source(f"body `{field_name}`", resolve)
+
+
+def computed(text: str, fn: Callable[[Request, Mapping[str, str]], str]) -> Source:
+    """A name derived from the request by ``fn`` (which raises a typed error if it cannot)."""
+
+    async def resolve(request: Request, params: Mapping[str, str], store: Any) -> str:
+        return fn(request, params)
+
+    return Source(text, resolve)
+
+
+async def _cluster(request: Request, params: Mapping[str, str], store: Any) -> str:
+    return CLUSTER_NAME
+
+
+THE_CLUSTER = Source("the cluster", _cluster)
+
+
+@dataclass(frozen=True, slots=True)
+class Need:
+    """``operation`` on the resource of type ``resource`` that ``name`` names."""
+
+    operation: Operation
+    resource: ResourceType
+    name: Source
+
+    def __str__(self) -> str:
+        op = self.operation.capitalize()
+        if self.name.text.startswith("the "):
+            return f"{op} on {self.name.text}"
+        return f"{op} on {self.resource.replace('_', ' ')} {self.name.text}"
+
+
+@dataclass(frozen=True, slots=True)
+class AnyOf:
+    """One of ``needs`` is enough (Create on the topic, or on the cluster)."""
+
+    needs: tuple[Need, ...]
+
+    def __str__(self) -> str:
+        return " or ".join(map(str, self.needs))
+
+
+@dataclass(frozen=True, slots=True)
+class Listing:
+    """A 200 answer's ``body[key]`` leaves out the entries the caller may not ``operation``:
+    entries are names, or objects whose ``field`` is the name."""
+
+    key: str
+    resource: ResourceType
+    field: str | None = None
+    operation: Operation = Operation.DESCRIBE
+
+    def __str__(self) -> str:
+        what = self.resource.replace("_", " ")
+        if self.field is None:
+            return f"`{self.key}` lists only the {what}s it may {self.operation}"
+        return f"`{self.key}` lists only entries whose `{self.field}` is a {what} it may {self.operation}"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """What a route's caller needs: every one of ``needs``; ``shows`` filters a listing."""
+
+    needs: tuple[Need | AnyOf, ...] = ()
+    shows: tuple[Listing, ...] = ()
+
+    def __str__(self) -> str:
+        parts = [str(n) for n in self.needs] or ["nothing"]
+        return "; ".join(parts + [str(s) for s in self.shows])
+
+
+def needs(*required: Need | AnyOf, shows: tuple[Listing, ...] = ()) -> Rule:
+    return Rule(tuple(required), shows)
+
+
+def on_topic(operation: Operation, name: Source) -> Need:
+    return Need(operation, ResourceType.TOPIC, name)
+
+
+def on_group(operation: Operation, name: Source) -> Need:
+    return Need(operation, ResourceType.GROUP, name)
+
+
+def on_cluster(operation: Operation) -> Need:
+    return Need(operation, ResourceType.CLUSTER, THE_CLUSTER)
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
-    """``pattern`` is a path such as ``/topics/{name}/partitions``."""
+    """``pattern`` is a path such as ``/topics/{name}/partitions``; ``rule`` says what the
+    caller needs (checked when the admin API's authorizer is on: ``handlers.access``)."""
 
     method: str
     pattern: str
     endpoint: Endpoint
+    rule: Rule
 
     @property
     def parts(self) -> tuple[str, ...]:
         return tuple(self.pattern.split("/")[1:])
 
 
+Guard = Callable[[Request, Route, Mapping[str, str], Any], Callable[[Response], Response] | None]
+"""``guard(request, route, params, invocation)`` raises an ``AuthorizationError`` when the
+caller may not use the route; it may return a function that filters the endpoint's answer."""
+
+
 class Router:
     """Routes proxy events to endpoints.
 
     ``invocation(context)`` builds what endpoints get as their second argument (for the
-    handlers: a :class:`handlers.runtime.Invocation`, the call's deadline and runtime).
+    handlers: a :class:`handlers.runtime.Invocation`, the call's deadline and runtime);
+    ``guard`` (if any) checks each call before its endpoint runs.
     """
 
-    def __init__(self, routes: Sequence[Route], *, invocation: Callable[[Any], Any]) -> None:
+    def __init__(
+        self,
+        routes: Sequence[Route],
+        *,
+        invocation: Callable[[Any], Any],
+        guard: Guard | None = None,
+    ) -> None:
         self.routes = tuple(routes)
         self.invocation = invocation
+        self.guard = guard
 
-    def match(self, request: Request) -> tuple[Endpoint, dict[str, str]]:
+    def match(self, request: Request) -> tuple[Route, dict[str, str]]:
         allowed: list[str] = []
         for route in self.routes:
             params = _match(route.parts, request.segments)
             if params is None:
                 continue
             if route.method == request.method:
-                return route.endpoint, params
+                return route, params
             allowed.append(route.method)
         if allowed:
             raise MethodNotAllowedError(request.method, request.path, allowed)
@@ -304,8 +510,14 @@ class Router:
         """Answer one proxy event with a proxy response; never raises."""
         try:
             request = Request.from_event(event)
-            endpoint, params = self.match(request)
-            response = endpoint(request, self.invocation(context), **params)
+            route, params = self.match(request)
+            invocation = self.invocation(context)
+            shown = None
+            if self.guard is not None:
+                shown = self.guard(request, route, params, invocation)
+            response = route.endpoint(request, invocation, **params)
+            if shown is not None:
+                response = shown(response)
         except StrataError as exc:
             response = error_response(exc)
         except Exception:

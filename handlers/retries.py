@@ -28,12 +28,28 @@ from __future__ import annotations
 import base64
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from handlers import redrive
-from handlers.http import Request, Response, Route, parse_body
+from handlers.http import (
+    AnyOf,
+    Listing,
+    Request,
+    Response,
+    Route,
+    Source,
+    body_field,
+    computed,
+    needs,
+    on_cluster,
+    on_group,
+    on_topic,
+    parse_body,
+    path_param,
+)
 from handlers.runtime import Invocation
 from sdk import Consumer, TopicPartition
 from sdk import retry as r
@@ -45,6 +61,7 @@ from storage.errors import (
     TopicAlreadyExistsError,
 )
 from storage.metadata import MetadataStore, TopicConfig, TopicSpec
+from storage.metadata.acls import Operation, ResourceType
 from storage.metadata.groups import validate_group_id
 from storage.metadata.retry import RetryStore
 from storage.names import validate_topic_name
@@ -281,17 +298,68 @@ def _cancel_task(request: Request, invocation: Invocation, task_id: str) -> Resp
     return Response(200, redrive.describe(doc))
 
 
+def _task_topic(end: str) -> Source:
+    """The ``source`` or ``target`` topic of the redrive task ``{task_id}`` names."""
+
+    async def resolve(request: Request, params: Mapping[str, str], store: Any) -> str:
+        doc, _ = await RetryStore(store.zk).read_task(_task_id(params["task_id"]))
+        return str(doc[end])
+
+    return Source(f"the task's {end} topic", resolve)
+
+
+def _dead_letter_topic(request: Request, params: Mapping[str, str]) -> str:
+    _names(params["group"], params["topic"])
+    return RetryPolicy.parse(request.json(), topic=params["topic"]).dlq_for(params["topic"])
+
+
+GROUP = path_param("group")
+TOPIC = path_param("topic")
+SOURCE, TARGET = _task_topic("source"), _task_topic("target")
+REDRIVE = needs(on_topic(Operation.READ, SOURCE), on_topic(Operation.WRITE, TARGET))
 ROUTES = [
-    Route("POST", "/dlq/{topic}/redrive", _redrive),
-    Route("GET", "/dlq/redrives", _tasks),
-    Route("GET", "/dlq/redrives/{task_id}", _task),
-    Route("POST", "/dlq/redrives/{task_id}/run", _run_task),
-    Route("DELETE", "/dlq/redrives/{task_id}", _cancel_task),
-    Route("GET", "/groups/{group}/retry", _list),
-    Route("PUT", "/groups/{group}/retry/{topic}", _set),
-    Route("GET", "/groups/{group}/retry/{topic}", _get),
-    Route("DELETE", "/groups/{group}/retry/{topic}", _delete),
-    Route("GET", "/retry/status", _status),
-    Route("GET", "/dlq/{topic}/count", _count),
-    Route("GET", "/dlq/{topic}/peek", _peek),
+    Route(
+        "POST",
+        "/dlq/{topic}/redrive",
+        _redrive,
+        needs(on_topic(Operation.READ, TOPIC), on_topic(Operation.WRITE, body_field("to"))),
+    ),
+    Route(
+        "GET",
+        "/dlq/redrives",
+        _tasks,
+        needs(shows=(Listing("tasks", ResourceType.TOPIC, "source"),)),
+    ),
+    Route("GET", "/dlq/redrives/{task_id}", _task, needs(on_topic(Operation.DESCRIBE, SOURCE))),
+    Route("POST", "/dlq/redrives/{task_id}/run", _run_task, REDRIVE),
+    Route("DELETE", "/dlq/redrives/{task_id}", _cancel_task, REDRIVE),
+    Route("GET", "/groups/{group}/retry", _list, needs(on_group(Operation.DESCRIBE, GROUP))),
+    Route(
+        "PUT",
+        "/groups/{group}/retry/{topic}",
+        _set,
+        needs(
+            on_group(Operation.ALTER, GROUP),
+            AnyOf(
+                (
+                    on_topic(
+                        Operation.CREATE,
+                        computed("the policy's dead-letter topic", _dead_letter_topic),
+                    ),
+                    on_cluster(Operation.CREATE),
+                )
+            ),
+        ),
+    ),
+    Route("GET", "/groups/{group}/retry/{topic}", _get, needs(on_group(Operation.DESCRIBE, GROUP))),
+    Route(
+        "DELETE", "/groups/{group}/retry/{topic}", _delete, needs(on_group(Operation.ALTER, GROUP))
+    ),
+    Route("GET", "/retry/status", _status, needs(on_cluster(Operation.DESCRIBE))),
+    Route("GET", "/dlq/{topic}/count", _count, needs(on_topic(Operation.READ, TOPIC))),
+    Route("GET", "/dlq/{topic}/peek", _peek, needs(on_topic(Operation.READ, TOPIC))),
 ]
+"""What each route's caller needs (``handlers.access``). A policy is the group's (Alter on it)
+and may create its dead-letter topic (Create on that topic, or on the cluster); a redrive
+reads its source and writes its target, whether it is made, run or cancelled; a task is
+described to whoever may describe its source."""
