@@ -40,7 +40,7 @@ from infra import local
 from infra.processes import LocalStackError
 from sdk import Consumer, Producer, TopicPartition
 from sdk.admin import DeletionStatus, SyncAdmin, TopicDescription
-from sdk.config import CLIENT_SECURITY_ENV, client_config
+from sdk.config import CLIENT_SECURITY_ENV, client_config, client_security
 from storage.errors import (
     GroupIdNotFoundError,
     RequestTimedOutError,
@@ -157,7 +157,12 @@ class Context:
                     "start the local stack with `strata local up --detach`"
                 )
             url = stack.admin_url
-        return SyncAdmin(url, timeout=30.0)
+        # the credentials in STRATA_CLIENT_*, else a secure local stack's admin user's
+        settings = client_security()
+        stack = self._stack() if not settings else None
+        if stack is not None and url == stack.admin_url:
+            settings = dict(stack.client)
+        return SyncAdmin(url, timeout=30.0, config=settings)
 
     @property
     def json(self) -> bool:

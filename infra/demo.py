@@ -227,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _timed("start the local stack", steps, up):
             return _summary(steps)
         state = state_box[0]
-        admin = SyncAdmin(state.admin_url)
+        admin = SyncAdmin(state.admin_url, config=state.client)
         configs = {"segment.bytes": 1 << 20, "segment.ms": 2000}
 
         def create() -> tuple[bool, str]:

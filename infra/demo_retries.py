@@ -18,7 +18,7 @@ from pathlib import Path
 from infra.event_source import start_event_source
 from sdk import Consumer, Producer
 from sdk.admin import SyncAdmin
-from sdk.config import client_config
+from sdk.config import client_config, client_security
 from sdk.retry import retry_info
 
 TOPIC = "demo-retry"
@@ -86,7 +86,7 @@ def run(bootstrap: str, admin_url: str, zookeeper: str, log_dir: Path, n: int = 
         extra_args=("--function", "handlers.retry:handler"),
     )
     try:
-        with SyncAdmin(admin_url) as admin:
+        with SyncAdmin(admin_url, config=client_security()) as admin:
             admin.set_retry_policy(GROUP, TOPIC, POLICY)
 
             async def produce() -> None:

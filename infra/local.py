@@ -26,7 +26,9 @@ point at objects that are gone.
 a throwaway CA under ``tls/`` signs the agents' certificate; users ``agents`` and ``admin``
 (SCRAM-SHA-512, random passwords) are made in ZooKeeper; the agents listen with SASL_SSL on
 both listeners and check ACLs, with ``User:agents`` and ``User:admin`` as super users; the
-admin runtime and the delay scheduler log in as ``admin`` (``STRATA_CLIENT_*``). The client
+admin runtime and the delay scheduler log in as ``admin`` (``STRATA_CLIENT_*``); the admin
+runtime itself asks for HTTP Basic credentials of those users and checks ACLs on its routes
+(``STRATA_ADMIN_AUTHORIZER``, the same super users). The client
 settings for ``admin`` are in ``stack.json`` (``client``; the state directory is the owner's
 alone) and in ``client.properties``; the ``strata`` CLI uses them by itself.
 """
@@ -68,7 +70,7 @@ from infra.zookeeper import (
     start_ensemble,
     start_zookeeper,
 )
-from sdk.admin import SyncAdmin
+from sdk.admin import AdminConfig, SyncAdmin
 from sdk.config import CLIENT_SECURITY_ENV
 from storage import jsonlog
 from storage.metadata import AsyncZooKeeper
@@ -183,6 +185,15 @@ class Security:
             "sasl.mechanism": MECHANISM,
             "sasl.username": user,
             "sasl.password": self.passwords[user],
+        }
+
+    def admin_runtime_env(self) -> dict[str, str]:
+        """The admin runtime's: it logs in to the agents as ``admin`` and checks ACLs on its
+        own routes (``handlers.access``)."""
+        return {
+            **self.client_env(),
+            "STRATA_ADMIN_AUTHORIZER": "1",
+            "STRATA_SUPER_USERS": ",".join(f"User:{u}" for u in SECURE_USERS),
         }
 
     def client_env(self, user: str = "admin") -> dict[str, str]:
@@ -371,11 +382,15 @@ class Stack:
                 "group.initial.rebalance.delay.ms": 300,
             }
             client_env: dict[str, str] = {}
+            admin_env: dict[str, str] = {}
+            admin_args: tuple[str, ...] = ()
             if self.config.secure:
                 self.security = Security.create(self.state_dir / "tls")
                 asyncio.run(self.security.add_users(zk))
                 configs.update(self.security.agent_configs())
                 client_env = self.security.client_env()
+                admin_env = self.security.admin_runtime_env()
+                admin_args = ("--authenticate",)
                 _write_properties(self.state_dir / "client.properties", self.security.client())
             for item in self.config.agent_configs:
                 key, _, value = item.partition("=")
@@ -384,11 +399,16 @@ class Stack:
                 self.config.agents, zk, self.state_dir, configs=configs, env=env
             )
             self.admin = start_local_runtime(
-                zk, log_path=self.state_dir / "admin.log", env=client_env
+                zk, log_path=self.state_dir / "admin.log", env=admin_env, extra_args=admin_args
             )
             log.info("admin API at %s", self.admin.url)
             self.scheduler = start_delay_scheduler(
-                self.admin.url, self.agents, zk, self.state_dir, env=client_env
+                self.admin.url,
+                self.agents,
+                zk,
+                self.state_dir,
+                env=client_env,
+                admin_config=self.security.client() if self.security is not None else {},
             )
             log.info("delay scheduler started (pid %d)", self.scheduler.pid)
         except BaseException:
@@ -501,10 +521,12 @@ def start_delay_scheduler(
     state_dir: Path,
     *,
     env: dict[str, str] | None = None,
+    admin_config: dict[str, str] | None = None,
 ) -> EventSourceProcess:
-    """Create the delay level topics (through the admin API) and start the event-source
-    runner that feeds them to the scheduler handler (``docs/delays.md``)."""
-    with SyncAdmin(admin_url) as admin:
+    """Create the delay level topics (through the admin API, with ``admin_config``'s
+    credentials) and start the event-source runner that feeds them to the scheduler handler
+    (``docs/delays.md``)."""
+    with SyncAdmin(admin_url, config=admin_config) as admin:
         admin.create_delay_topics()
     bootstrap = ",".join(a.address for a in agents)
     # not waited for: it imports, connects and joins its group while the stack is in use
@@ -768,9 +790,10 @@ def status(state: StackState) -> list[ComponentStatus]:
     return out
 
 
-def _http_ok(url: str) -> tuple[bool, str]:
+def _http_ok(url: str, headers: dict[str, str] | None = None) -> tuple[bool, str]:
     try:
-        with urllib.request.urlopen(url, timeout=1.0) as reply:
+        request = urllib.request.Request(url, headers=headers or {})
+        with urllib.request.urlopen(request, timeout=1.0) as reply:
             return reply.status == 200, f"HTTP {reply.status}"
     except urllib.error.HTTPError as exc:
         return False, f"HTTP {exc.code}"
@@ -804,7 +827,9 @@ def _probe_agent(agent: AgentInfo) -> tuple[bool, str]:
 
 
 def _probe_admin(state: StackState) -> tuple[bool, str]:
-    ok, detail = _http_ok(f"{state.admin_url}/topics")
+    # a secure stack's runtime wants the admin user's credentials
+    basic = AdminConfig.parse(state.client).basic_auth()
+    ok, detail = _http_ok(f"{state.admin_url}/topics", {"authorization": basic} if basic else {})
     return ok, "serving" if ok else detail
 
 

@@ -20,6 +20,11 @@ Bounds, as an API Gateway in front would impose them:
 * each invocation gets a context whose ``get_remaining_time_in_millis`` counts down from
   ``--handler-timeout`` s (30), as Lambda's does; the handlers bound their work by it.
 
+With ``--authenticate`` (a secured local stack) every request must carry HTTP Basic
+credentials of a SCRAM user in ZooKeeper (``infra.basic_auth``): a missing or wrong one gets
+401; a right one reaches the handler with its principal where a Lambda authorizer puts it
+(``requestContext.authorizer.lambda.principal``) and without the ``Authorization`` header.
+
 Errors produced here have the handlers' error body (``handlers.http.error_body``).
 :func:`start_local_runtime` runs it as a child process for the local stack; tests start it
 through their process group and read the URL with :func:`wait_for_listening`.
@@ -55,8 +60,10 @@ from handlers.http import (
     PayloadTooLargeError,
     RequestReadTimeoutError,
     error_body,
+    error_response,
     status_for,
 )
+from infra.basic_auth import BasicAuthenticator
 from infra.processes import (
     ChildProcess,
     LocalStackError,
@@ -67,6 +74,7 @@ from infra.processes import (
 )
 from storage import jsonlog
 from storage.errors import InvalidConfigError, InvalidRequestError, NetworkError, StrataError
+from storage.metadata.users import ScramCredential, UserStore
 
 log = logging.getLogger("infra.local_runtime")
 
@@ -112,6 +120,8 @@ class RuntimeOptions:
     handler_timeout: float = HANDLER_TIMEOUT
     max_connections: int = MAX_CONNECTIONS
     mounts: tuple[Mount, ...] = MOUNTS
+    authenticate: bool = False
+    """HTTP Basic against the SCRAM users in ZooKeeper (``infra.basic_auth``)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -247,6 +257,18 @@ class _RequestHandler(BaseHTTPRequestHandler):
         for name, value in self.headers.items():
             key = name.lower()
             headers[key] = f"{headers[key]},{value}" if key in headers else value
+        principal = None
+        authenticator = self.server.authenticator
+        if authenticator is not None:
+            try:
+                principal = authenticator.authenticate(
+                    headers.pop("authorization", None), self.client_address[0]
+                )
+            except StrataError as exc:
+                answer = error_response(exc).to_proxy()
+                self._send(answer["statusCode"], answer["headers"], answer["body"].encode())
+                log.info("%s %s -> %d", self.command, self.path, answer["statusCode"])
+                return
         event = build_event(
             method=self.command,
             target=self.path,
@@ -255,6 +277,8 @@ class _RequestHandler(BaseHTTPRequestHandler):
             source_ip=self.client_address[0],
             request_id=request_id,
         )
+        if principal is not None:
+            event["requestContext"]["authorizer"] = {"lambda": {"principal": principal}}
         context = LambdaContext(
             function_name=mount.function_name,
             aws_request_id=request_id,
@@ -352,6 +376,7 @@ class LocalRuntimeServer(ThreadingHTTPServer):
         self._slots = threading.BoundedSemaphore(options.max_connections)
         self._handlers: dict[str, Handler] = {m.handler: m.load() for m in options.mounts}
         self._mounts = sorted(options.mounts, key=lambda m: len(m.prefix), reverse=True)
+        self.authenticator = BasicAuthenticator(_zookeeper_users) if options.authenticate else None
         # the socket timeout of every connection (StreamRequestHandler.timeout)
         handler = type("RequestHandler", (_RequestHandler,), {"timeout": options.request_timeout})
         super().__init__((options.host, options.port), handler)
@@ -398,6 +423,16 @@ class LocalRuntimeServer(ThreadingHTTPServer):
         self.shutdown_request(request)
 
 
+def _zookeeper_users(user: str) -> dict[str, ScramCredential] | None:
+    """A user's verifiers, read through the handlers' ZooKeeper session."""
+    from handlers.runtime import shared_runtime
+
+    runtime = shared_runtime()
+    return runtime.call(
+        lambda store: UserStore(store.zk).get(user), timeout=runtime.config.call_timeout
+    )
+
+
 def serve(options: RuntimeOptions, *, ready: Callable[[str], None]) -> None:
     """Serve until SIGTERM or SIGINT (main thread only); ``ready(url)`` once listening."""
     from handlers.runtime import close_shared_runtime
@@ -428,6 +463,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[RuntimeOptions, str]:
     p.add_argument("--request-timeout", type=float, default=REQUEST_TIMEOUT, help="seconds")
     p.add_argument("--handler-timeout", type=float, default=HANDLER_TIMEOUT, help="seconds")
     p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS)
+    p.add_argument(
+        "--authenticate",
+        action="store_true",
+        help="require HTTP Basic credentials of a SCRAM user in ZooKeeper",
+    )
     args = p.parse_args(argv)
     options = RuntimeOptions(
         host=args.host,
@@ -436,6 +476,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[RuntimeOptions, str]:
         request_timeout=args.request_timeout,
         handler_timeout=args.handler_timeout,
         max_connections=args.max_connections,
+        authenticate=args.authenticate,
     )
     return options, args.zookeeper
 

@@ -24,6 +24,13 @@ the credentials botocore finds (environment, profile, instance role); the local 
 loopback URL stays unsigned. ``sign=True`` with ``region=`` signs any URL (a custom domain).
 The signature is botocore's ``SigV4Auth``, over the exact bytes sent.
 
+**Credentials.** ``config`` takes a client's settings, Kafka's names (:class:`AdminConfig`):
+with ``sasl.username`` and ``sasl.password`` and no signing, each request carries them as HTTP
+Basic credentials, which the local runtime of a secured stack checks against its SCRAM users
+(``docs/security.md``). A client's settings, such as a secured stack's ``client``, can be
+passed whole. The password goes in clear over ``http``, so it is sent that way to a loopback
+address only.
+
 The wire shapes (:class:`TopicDescription`, :class:`PartitionInfo`) are defined here, once:
 the admin handler builds its answers with them. This module imports neither kazoo nor
 ``broker_agents``; the SDK never talks to ZooKeeper.
@@ -32,8 +39,10 @@ the admin handler builds its answers with them. This module imports neither kazo
 from __future__ import annotations
 
 import asyncio
+import base64
 import enum
 import http.client
+import ipaddress
 import json
 import re
 import urllib.error
@@ -44,7 +53,10 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
+
 from storage.errors import (
+    InvalidConfigError,
     InvalidRequestError,
     NetworkError,
     RequestTimedOutError,
@@ -257,18 +269,84 @@ def signer_for(
     return SigV4Signer(region, credentials)
 
 
+class AdminConfig(BaseModel):
+    """The admin client's settings: a client's security settings, Kafka's names.
+
+    ``sasl.username`` / ``sasl.password``: HTTP Basic credentials (unless requests are signed
+    for AWS). The other settings concern the agents' listeners (an ``https`` admin URL is
+    checked against the system's CAs); they are accepted so that a client's settings can be
+    passed whole.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    sasl_username: str | None = Field(None, alias="sasl.username", min_length=1, pattern=r"^[^:]+$")
+    sasl_password: SecretStr | None = Field(None, alias="sasl.password")
+    ssl_cafile: str | None = Field(None, alias="ssl.cafile")
+    ssl_certfile: str | None = Field(None, alias="ssl.certfile")
+    ssl_keyfile: str | None = Field(None, alias="ssl.keyfile")
+    security_protocol: str | None = Field(None, alias="security.protocol")
+    sasl_mechanism: str | None = Field(None, alias="sasl.mechanism")
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any] | AdminConfig | None) -> AdminConfig:
+        if isinstance(values, AdminConfig):
+            return values
+        try:
+            config = cls.model_validate(dict(values or {}))
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidConfigError(f"invalid AdminConfig: {problems}") from None
+        if (config.sasl_username is None) != (config.sasl_password is None):
+            raise InvalidConfigError(
+                "invalid AdminConfig: sasl.username and sasl.password go together"
+            )
+        return config
+
+    def basic_auth(self) -> str | None:
+        """The ``Authorization`` header's value, if there are credentials."""
+        if self.sasl_username is None or self.sasl_password is None:
+            return None
+        pair = f"{self.sasl_username}:{self.sasl_password.get_secret_value()}"
+        return "Basic " + base64.b64encode(pair.encode()).decode("ascii")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class _Transport:
     """Blocking JSON-over-HTTP requests with a deadline; errors as ``StrataError``."""
 
-    def __init__(self, url: str, timeout: float, signer: SigV4Signer | None = None) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float,
+        signer: SigV4Signer | None = None,
+        config: AdminConfig | None = None,
+    ) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise InvalidRequestError(f"admin URL {url!r} is not http(s)://host:port[/prefix]")
         if not timeout > 0:
             raise InvalidRequestError(f"timeout must be positive, got {timeout!r}")
+        config = config or AdminConfig()
         self.base = url.rstrip("/")
         self.timeout = timeout
         self.signer = signer
+        self._authorization = None if signer is not None else config.basic_auth()
+        if self._authorization and parts.scheme == "http" and not _loopback(parts.hostname or ""):
+            raise InvalidConfigError(
+                f"the admin API at {parts.hostname} is plain http: sasl.password would cross "
+                "the network in clear text (use https, or a loopback address)"
+            )
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
     def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
@@ -276,6 +354,8 @@ class _Transport:
         headers = {"accept": "application/json"}
         if data is not None:
             headers["content-type"] = "application/json"
+        if self._authorization is not None:
+            headers["authorization"] = self._authorization
         if self.signer is not None:
             self.signer.sign(method, self.base + path, data, headers)
         req = urllib.request.Request(self.base + path, data=data, method=method, headers=headers)
@@ -335,8 +415,11 @@ class SyncAdmin:
         sign: bool | str = "auto",
         region: str | None = None,
         credentials: Any = None,
+        config: Mapping[str, Any] | AdminConfig | None = None,
     ) -> None:
-        self._http = _Transport(url, timeout, signer_for(url, sign, region, credentials))
+        self._http = _Transport(
+            url, timeout, signer_for(url, sign, region, credentials), AdminConfig.parse(config)
+        )
 
     @property
     def timeout(self) -> float:
@@ -603,9 +686,10 @@ class Admin:
         sign: bool | str = "auto",
         region: str | None = None,
         credentials: Any = None,
+        config: Mapping[str, Any] | AdminConfig | None = None,
     ) -> None:
         self._sync = SyncAdmin(
-            url, timeout=timeout, sign=sign, region=region, credentials=credentials
+            url, timeout=timeout, sign=sign, region=region, credentials=credentials, config=config
         )
 
     @property

@@ -330,13 +330,19 @@ CLIENT_SECURITY_ENV = {
 }
 
 
+def client_security(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The security settings ``env`` (default: the process's environment) names in
+    ``CLIENT_SECURITY_ENV`` (also what ``sdk.admin.Admin`` takes as its ``config``)."""
+    env = os.environ if env is None else env
+    return {key: env[name] for key, name in CLIENT_SECURITY_ENV.items() if env.get(name)}
+
+
 def client_config(
     bootstrap: str, settings: Mapping[str, Any] | None = None, env: Mapping[str, str] | None = None
 ) -> dict[str, Any]:
     """``bootstrap.servers``, the security settings ``env`` (default: the process's
     environment) names in ``CLIENT_SECURITY_ENV``, then ``settings``."""
-    env = os.environ if env is None else env
     out: dict[str, Any] = {"bootstrap.servers": bootstrap}
-    out.update({key: env[name] for key, name in CLIENT_SECURITY_ENV.items() if env.get(name)})
+    out.update(client_security(env))
     out.update(settings or {})
     return out
