@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -240,8 +241,8 @@ def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> No
 
 def test_a_secure_stack_serves_its_users_and_refuses_others(tmp_path: Path) -> None:
     """``up --secure``: agents on SASL_SSL with ACLs; the CLI uses the stack's client settings
-    by itself, the delay scheduler logs in as the stack's admin and delivers, and a client
-    with a wrong password is refused."""
+    by itself (the admin API wants them too), the delay scheduler logs in as the stack's admin
+    and delivers, and a client with a wrong password is refused."""
     state_dir = tmp_path / "stack"
     try:
         up = as_json(
@@ -263,6 +264,13 @@ def test_a_secure_stack_serves_its_users_and_refuses_others(tmp_path: Path) -> N
         for name in ("client.properties", "stack.json"):
             assert (state_dir / name).stat().st_mode & 0o777 == 0o600, name
         strata(state_dir, "topics", "create", "s", "-p", "1")
+        # the admin API asks for credentials (the CLI sent the stack's admin user's)
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(f"{up['admin_url']}/topics", timeout=5)
+        refused.value.close()
+        assert refused.value.code == 401
+        # `local status` probes the admin API with the stack's credentials
+        assert as_json(strata(state_dir, "-o", "json", "local", "status"))["healthy"]
         lines = "".join(f"secret {i}\n" for i in range(100))
         assert (
             as_json(strata(state_dir, "-o", "json", "produce", "s", stdin=lines))["messages"] == 100
