@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from handlers.http import (
+    InternalError,
     LengthRequiredError,
     MethodNotAllowedError,
     PayloadTooLargeError,
@@ -268,6 +269,10 @@ class _RequestHandler(BaseHTTPRequestHandler):
                 answer = error_response(exc).to_proxy()
                 self._send(answer["statusCode"], answer["headers"], answer["body"].encode())
                 log.info("%s %s -> %d", self.command, self.path, answer["statusCode"])
+                return
+            except Exception:
+                log.exception("authentication failed unexpectedly (request %s)", request_id)
+                self._send_error(InternalError(f"internal error (request id {request_id})"))
                 return
         event = build_event(
             method=self.command,
