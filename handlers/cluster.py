@@ -26,7 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from handlers.http import Request, Response, Route, needs, on_cluster, parse_body
+from handlers.http import CLUSTER_ALTER, CLUSTER_DESCRIBE, Request, Response, Route, parse_body
 from handlers.runtime import Invocation
 from storage.errors import (
     InvalidPartitionsError,
@@ -35,7 +35,6 @@ from storage.errors import (
     UnknownTopicOrPartitionError,
 )
 from storage.metadata import MetadataStore, PartitionState
-from storage.metadata.acls import Operation
 from storage.metadata.balance import Key, Plan, plan
 from storage.metadata.models import validate_topic_name
 from storage.metadata.requests import ControllerRequests
@@ -202,16 +201,14 @@ def _reassign(request: Request, invocation: Invocation, name: str, partition: st
     return Response(202, state.model_dump(mode="json"))
 
 
-DESCRIBE = needs(on_cluster(Operation.DESCRIBE))
-ALTER = needs(on_cluster(Operation.ALTER))
 CLUSTER_ROUTES = [
-    Route("GET", "/agents", _list_agents, DESCRIBE),
-    Route("POST", "/agents/{agent}/decommission", _decommission, ALTER),
-    Route("DELETE", "/agents/{agent}/decommission", _recommission, ALTER),
-    Route("GET", "/cluster/rebalance", _plan, DESCRIBE),
-    Route("POST", "/cluster/rebalance", _rebalance, ALTER),
-    Route("POST", "/cluster/preferred-leaders", _preferred, ALTER),
-    Route("POST", "/topics/{name}/partitions/{partition}/reassignment", _reassign, ALTER),
+    Route("GET", "/agents", _list_agents, CLUSTER_DESCRIBE),
+    Route("POST", "/agents/{agent}/decommission", _decommission, CLUSTER_ALTER),
+    Route("DELETE", "/agents/{agent}/decommission", _recommission, CLUSTER_ALTER),
+    Route("GET", "/cluster/rebalance", _plan, CLUSTER_DESCRIBE),
+    Route("POST", "/cluster/rebalance", _rebalance, CLUSTER_ALTER),
+    Route("POST", "/cluster/preferred-leaders", _preferred, CLUSTER_ALTER),
+    Route("POST", "/topics/{name}/partitions/{partition}/reassignment", _reassign, CLUSTER_ALTER),
 ]
 """Describe on the cluster to look, Alter to change (Kafka's ElectLeaders and
 AlterPartitionReassignments need Alter on the cluster too)."""

@@ -454,6 +454,12 @@ def on_cluster(operation: Operation) -> Need:
     return Need(operation, ResourceType.CLUSTER, THE_CLUSTER)
 
 
+CLUSTER_DESCRIBE = needs(on_cluster(Operation.DESCRIBE))
+"""The rule of a route that shows cluster-wide state (agents, users, ACLs, quotas)."""
+CLUSTER_ALTER = needs(on_cluster(Operation.ALTER))
+"""The rule of a route that changes cluster-wide state."""
+
+
 @dataclass(frozen=True, slots=True)
 class Route:
     """``pattern`` is a path such as ``/topics/{name}/partitions``; ``rule`` says what the

@@ -29,11 +29,11 @@ import json
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from handlers.http import Request, Response, Route, needs, on_cluster, parse_body
+from handlers.http import CLUSTER_ALTER, CLUSTER_DESCRIBE, Request, Response, Route, parse_body
 from handlers.runtime import Invocation
 from storage.errors import InvalidRequestError
 from storage.metadata import MetadataStore
-from storage.metadata.acls import AclBinding, AclStore, Operation
+from storage.metadata.acls import AclBinding, AclStore
 from storage.metadata.quotas import QuotaConfig, QuotaStore, parse_quota, validate_principal
 from storage.metadata.users import (
     DEFAULT_ITERATIONS,
@@ -150,17 +150,15 @@ def _delete_quota(request: Request, invocation: Invocation, principal: str) -> R
     return Response(200, {"deleted": deleted})
 
 
-DESCRIBE = needs(on_cluster(Operation.DESCRIBE))
-ALTER = needs(on_cluster(Operation.ALTER))
 ROUTES = [
-    Route("GET", "/users", _list_users, DESCRIBE),
-    Route("PUT", "/users/{name}", _set_user, ALTER),
-    Route("DELETE", "/users/{name}", _delete_user, ALTER),
-    Route("GET", "/acls", _list_acls, DESCRIBE),
-    Route("POST", "/acls", _add_acls, ALTER),
-    Route("DELETE", "/acls", _remove_acls, ALTER),
-    Route("GET", "/quotas", _list_quotas, DESCRIBE),
-    Route("PUT", "/quotas/{principal}", _set_quota, ALTER),
-    Route("DELETE", "/quotas/{principal}", _delete_quota, ALTER),
+    Route("GET", "/users", _list_users, CLUSTER_DESCRIBE),
+    Route("PUT", "/users/{name}", _set_user, CLUSTER_ALTER),
+    Route("DELETE", "/users/{name}", _delete_user, CLUSTER_ALTER),
+    Route("GET", "/acls", _list_acls, CLUSTER_DESCRIBE),
+    Route("POST", "/acls", _add_acls, CLUSTER_ALTER),
+    Route("DELETE", "/acls", _remove_acls, CLUSTER_ALTER),
+    Route("GET", "/quotas", _list_quotas, CLUSTER_DESCRIBE),
+    Route("PUT", "/quotas/{principal}", _set_quota, CLUSTER_ALTER),
+    Route("DELETE", "/quotas/{principal}", _delete_quota, CLUSTER_ALTER),
 ]
 """Users, ACLs and quotas are the cluster's: Describe on it to look, Alter to change."""
