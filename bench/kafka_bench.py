@@ -65,9 +65,12 @@ def kafka_produce(bootstrap: str, topic: str, n: int, value: bytes, batched: boo
     start = time.perf_counter()
     if batched:
         on_delivery = _on_error(errors)
+        deadline = time.monotonic() + 120
         for _ in range(n // 1000):
             todo = [{"value": value} for _ in range(1000)]
             while todo:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("confluent-kafka's queue stayed full for 120 s")
                 producer.produce_batch(topic, todo, on_delivery=on_delivery)
                 todo = [{"value": value} for m in todo if "_error" in m]  # queue full: again
                 producer.poll(0.01 if todo else 0)

@@ -294,9 +294,11 @@ def _small_body(
     tags: tuple[list[int], list[bytes]] | None,
     with_summary: bool,
 ) -> tuple[list[Any], bytes | None]:
-    """``encode_body``'s result for a few records whose headers and tags are plain lists, laid
-    out without pyarrow (whose per-call cost was most of a one-record batch with headers: the
-    retry router's and the delay scheduler's outputs). Byte for byte the same body."""
+    """``encode_body``'s result, laid out without pyarrow, for records whose headers and tags
+    are each either absent (any number of records: nothing to lay out) or a short plain list
+    (at most ``SMALL_BATCH`` records; pyarrow's per-call cost was most of a one-record batch
+    with headers: the retry router's and the delay scheduler's outputs). Byte for byte the
+    same body as the pyarrow path."""
     header_parts: tuple[Any, ...] = (_EMPTY,) * 5
     if headers is not None and headers[1]:
         offsets, keys, values = headers
