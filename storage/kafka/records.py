@@ -38,10 +38,11 @@ empty value (Strata's header values are never null).
 The conversion is columnar: finding where each record starts is the one loop that runs per
 record in Python (a record's length prefix says where the next one is); every field after
 that is read for all records at once with numpy, keys and values are gathered by Arrow
-(``take`` over an array whose offsets alternate between field starts and ends), and encoding
-builds the per-record prefixes with numpy and joins prefixes, keys and values with Arrow's
-``binary_join_element_wise`` — no Python code per record unless records carry headers or
-tags. Both directions check CRCs: the Kafka batch's CRC32C before decoding, the Strata
+(``take`` over an array whose offsets alternate between field starts and ends). Encoding
+writes every record's varints into one small buffer with numpy (a records x fields x bytes
+block, masked), then one Arrow ``take`` interleaves those pieces with the keys and values
+into the answer: one copy of each value, and no Python code per record unless records carry
+headers or tags. Both directions check CRCs: the Kafka batch's CRC32C before decoding, the Strata
 batch's (``check_batch``) before encoding.
 
 Strata stores a batch that arrived compressed with lz4 (or gzip or snappy) as lz4, with zstd
@@ -58,7 +59,6 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from storage.codec import Compression, check_batch, decode_batch, encode_batch
 from storage.crc import crc32c
@@ -220,33 +220,43 @@ def _record_bounds(data: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     """(start of each record's body, end of it); the records must fill ``data`` exactly.
 
     The one loop per record: each record's length prefix says where the next one starts.
-    Kept to plain ints and lists (a numpy item assignment costs more than the rest)."""
-    buf = data if isinstance(data, bytes) else bytes(data)
-    starts = []
-    ends = []
-    pos = 0
+    It only collects where each record begins (plain ints in a list, the cheapest step
+    Python has); the lengths are then read again and checked for all records at once."""
+    buf = data if isinstance(data, bytes) else memoryview(data).cast("B")
     end = len(buf)
-    for i in range(n):
-        if pos >= end:
-            raise CorruptBatchError(f"Kafka batch holds {i} records, its header says {n}")
-        b = buf[pos]
-        if b < 0x80:
-            raw = b
-            pos += 1
-        elif pos + 1 < end and buf[pos + 1] < 0x80:
-            raw = (b & 0x7F) | (buf[pos + 1] << 7)
-            pos += 2
-        else:
-            raw, pos = _read_raw_varint(buf, pos)
-        length = (raw >> 1) ^ -(raw & 1)
-        if length <= 0 or pos + length > end:
-            raise CorruptBatchError(f"Kafka record {i} of {length} bytes does not fit its batch")
-        starts.append(pos)
-        pos += length
-        ends.append(pos)
+    heads: list[int] = []
+    append = heads.append
+    pos = 0
+    try:
+        for _ in range(n):
+            append(pos)
+            b = buf[pos]
+            if b < 0x80:
+                pos += 1 + (b >> 1)
+            else:
+                c = buf[pos + 1]
+                if c < 0x80:
+                    pos += 2 + (((b & 0x7F) | (c << 7)) >> 1)
+                else:
+                    raw, pos = _read_raw_varint(buf, pos)
+                    pos += raw >> 1
+    except IndexError:
+        raise CorruptBatchError(
+            f"Kafka batch holds {len(heads) - 1} whole records, its header says {n}"
+        ) from None
     if pos != end:
-        raise CorruptBatchError(f"{end - pos} bytes after the last record of a Kafka batch")
-    return np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+        raise CorruptBatchError(
+            f"Kafka batch records end at byte {pos} of {end} (its header says {n} records)"
+        )
+    at = np.array(heads, dtype=np.int64)
+    limit = np.full(n, end, dtype=np.int64)
+    length, starts = _vread(np.frombuffer(buf, dtype=_U8), at, limit)
+    if (length <= 0).any():
+        raise CorruptBatchError("a Kafka record has a length of zero or less")
+    ends = starts + length
+    if (ends[:-1] != at[1:]).any() or ends[-1] != end:
+        raise CorruptBatchError("Kafka records do not follow each other")
+    return starts, ends
 
 
 def _read_raw_varint(data: Any, pos: int) -> tuple[int, int]:
@@ -399,57 +409,40 @@ def _varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
 
 
 # ---- Strata -> Kafka ------------------------------------------------------------------------
-def _sizes(z: np.ndarray) -> np.ndarray:
-    """Bytes of each unsigned varint in ``z`` (uint64)."""
-    s = np.ones(len(z), dtype=np.int64)
-    if len(z) == 0:
-        return s
-    top = int(z.max())
-    k = 1
-    while k < 10 and top >= 1 << (7 * k):
-        s += z >= np.uint64(1 << (7 * k))
-        k += 1
-    return s
-
-
 def _zigzag(v: np.ndarray) -> np.ndarray:
     v = v.astype(np.int64)
     return ((v << 1) ^ (v >> 63)).astype(np.uint64)
 
 
-def _put(out: np.ndarray, at: np.ndarray, z: np.ndarray, sizes: np.ndarray) -> None:
-    """Write the unsigned varints ``z`` at positions ``at`` of ``out``."""
-    k = 0
-    top = int(sizes.max()) if len(sizes) else 0
-    while k < top:
-        idx = np.flatnonzero(sizes > k) if k else slice(None)
-        zz = z[idx] >> np.uint64(7 * k)
-        byte = (zz & np.uint64(0x7F)).astype(_U8)
-        byte |= np.where(sizes[idx] > k + 1, _U8(0x80), _U8(0)).astype(_U8)
-        out[at[idx] + k] = byte
-        k += 1
+_SHIFTS = np.arange(10, dtype=np.uint64) * np.uint64(7)
+_BYTE_INDEX = np.arange(10)
 
 
-def _prefixes(fields: Sequence[np.ndarray], n: int) -> pa.Array:
-    """A binary array whose i-th value is the varints ``fields[j][i]`` back to back (each
-    ``fields[j]`` already zigzag-encoded where the format says so)."""
-    sizes = [_sizes(f) for f in fields]
-    lengths = np.zeros(n, dtype=np.int64)
-    for s in sizes:
-        lengths += s
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    out = np.zeros(int(offsets[-1]), dtype=_U8)
-    at = offsets[:-1].copy()
-    for f, s in zip(fields, sizes, strict=True):
-        _put(out, at, f, s)
-        at += s
-    return pa.Array.from_buffers(
-        pa.binary(), n, [None, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(out)]
-    )
+def _count_varint_bytes(z: np.ndarray, sizes: np.ndarray) -> None:
+    """Add to ``sizes`` (ones, or zeros where a field is absent) the bytes beyond the first
+    of each unsigned varint in ``z`` (same shape, uint64)."""
+    for k in range(1, 10):
+        more = z >= np.uint64(1 << (7 * k))
+        if not more.any():
+            return
+        sizes += more
 
 
-_EMPTY_SEP = pa.scalar(b"", pa.binary())
+def _varint_bytes(z: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """The unsigned varints ``z`` (records x fields, uint64) back to back, record by record,
+    each ``sizes[i, j]`` bytes long (0: that field is left out), as one uint8 array.
+
+    Every varint is first spread over a (records, fields, bytes) block, then the block's
+    bytes that belong to a varint are kept, in order: a fixed number of numpy calls whatever
+    the record count."""
+    width = int(sizes.max()) if sizes.size else 1
+    block = ((z[..., None] >> _SHIFTS[:width]) & np.uint64(0x7F)).astype(_U8)
+    last = sizes[..., None] - 1
+    block |= (_BYTE_INDEX[:width] < last).astype(_U8) << 7
+    kept: np.ndarray = block[_BYTE_INDEX[:width] <= last]
+    return kept
+
+
 #: batches of at most this many records are converted record by record (``strata_to_kafka``)
 SMALL_BATCH = 128
 
@@ -459,10 +452,10 @@ def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
     sent back to back; the Strata batch's size). The Strata CRC is checked first.
 
     Batches of up to ``SMALL_BATCH`` records are encoded record by record in Python: the
-    columnar path's fixed cost (some 40 numpy and Arrow calls, ~1.5 ms on a loaded 2-core
-    machine) is more than a few records cost one by one (~7 µs each; the two meet near 128
+    columnar path's fixed cost (some 30 numpy and Arrow calls, ~0.25 ms on this 2-core
+    machine) is more than a few records cost one by one (~3.5 µs each; the two meet near 100
     records), and a consumer of a topic written at a low rate reads mostly one-record
-    batches (0.27 ms each now, 1.7 ms before)."""
+    batches."""
     h = check_batch(buf, pos, exact=False)
     rb = decode_batch(buf, pos, verify=False)
     n = h.record_count
@@ -496,50 +489,71 @@ def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
 
 
 def _records_columnar(rb: pa.RecordBatch, n: int, first_timestamp: int) -> pa.Buffer:
-    """The Kafka records of ``rb``, built for all records at once (see the module docstring)."""
-    ts = rb.column(1).cast(pa.int64()).to_numpy(zero_copy_only=False)
+    """The Kafka records of ``rb``, built for all records at once (see the module docstring).
+
+    The varints of every record go into one small buffer, split into pieces at the keys and
+    values; one Arrow ``take`` over [pieces, keys, values, headers] in record order then
+    copies everything once into the answer."""
+    ts = _int64s(rb.column(1))
     keys = rb.column(2)
     values = rb.column(3)
     key_len = _lengths(keys)
     value_len = _lengths(values)
     suffix = _header_suffixes(rb, n)
-    ts_delta = ts - np.int64(first_timestamp)
-    first = _prefixes(
-        [
-            np.zeros(n, dtype=np.uint64),  # attributes (int8 0 = one zero byte)
-            _zigzag(ts_delta),
-            _zigzag(np.arange(n, dtype=np.int64)),
-            _zigzag(key_len),
-        ],
-        n,
+    has_keys = keys.null_count < n
+    plain_tail = suffix is None  # every record ends with a header count of 0: one zero byte
+    # per record, its varints in the order they are written: [0] the previous record's zero
+    # header count (when the tails are plain), [1] its length, [2] attributes (a zero
+    # byte), [3] timestamp delta, [4] offset delta, [5] key length, [6] value length
+    z = np.zeros((n, 7), dtype=np.uint64)
+    z[:, 3] = _zigzag(ts - np.int64(first_timestamp))
+    z[:, 4] = _zigzag(np.arange(n, dtype=np.int64))
+    z[:, 5] = _zigzag(key_len)
+    z[:, 6] = _zigzag(value_len)
+    sizes = np.ones((n, 7), dtype=np.int64)
+    sizes[0 if plain_tail else slice(None), 0] = 0
+    _count_varint_bytes(z[:, 3:], sizes[:, 3:])
+    tail_len: Any = 1 if plain_tail else _lengths(suffix)
+    body = sizes[:, 2:].sum(axis=1) + np.maximum(key_len, 0) + np.maximum(value_len, 0) + tail_len
+    z[:, 1] = _zigzag(body)
+    _count_varint_bytes(z[:, 1], sizes[:, 1])
+    gap_bytes = _varint_bytes(z, sizes)
+    if plain_tail:
+        gap_bytes = np.append(gap_bytes, _U8(0))  # the last record's header count
+    # the pieces of ``gap_bytes``: per record everything before its key, and (with keys)
+    # its value length between key and value; then the last record's tail
+    per_record = sizes.sum(axis=1)
+    cuts = 2 if has_keys else 1
+    bounds = np.empty(cuts * n + 1 + plain_tail, dtype=np.int64)
+    bounds[0] = 0
+    np.cumsum(per_record, out=bounds[cuts : cuts * n + 1 : cuts])
+    if has_keys:
+        bounds[1 : 2 * n : 2] = bounds[0 : 2 * n : 2] + per_record - sizes[:, 6]
+    if plain_tail:
+        bounds[-1] = len(gap_bytes)
+    pieces = len(bounds) - 1
+    gaps = pa.Array.from_buffers(
+        pa.binary(),
+        pieces,
+        [None, pa.py_buffer(bounds.astype(np.int32)), pa.py_buffer(gap_bytes)],
     )
-    second = _prefixes([_zigzag(value_len)], n)
-    if suffix is None:
-        tail_len = np.ones(n, dtype=np.int64)  # header count 0
-        tail = pa.Array.from_buffers(
-            pa.binary(),
-            n,
-            [None, pa.py_buffer(np.arange(n + 1, dtype=np.int32)), pa.py_buffer(bytes(n))],
-        )
-    else:
-        tail = suffix
-        tail_len = _lengths(suffix)
-    body_len = (
-        _lengths(first)
-        + np.maximum(key_len, 0)
-        + _lengths(second)
-        + np.maximum(value_len, 0)
-        + tail_len
-    )
-    lead = _prefixes([_zigzag(body_len)], n)
-    joined = pc.binary_join_element_wise(
-        lead, first, keys, second, values, tail, _EMPTY_SEP,
-        null_handling="replace", null_replacement="",
-    )  # fmt: skip
-    offsets = np.frombuffer(
-        joined.buffers()[1], dtype=np.int32, count=n + 1, offset=joined.offset * 4
-    )
-    start, end = int(offsets[0]), int(offsets[n])
+    # the order to take them in, record by record
+    arrays = [gaps]
+    order = [np.arange(0, cuts * n, cuts)]
+    if has_keys:
+        order += [pieces + np.arange(n), np.arange(1, 2 * n, 2)]
+        arrays.append(keys)
+    order.append(sum(len(x) for x in arrays) + np.arange(n))
+    arrays.append(values)
+    if not plain_tail:
+        order.append(sum(len(x) for x in arrays) + np.arange(n))
+        arrays.append(suffix)
+    index = np.stack(order, axis=1).ravel()
+    if plain_tail:
+        index = np.append(index, pieces - 1)
+    joined = pa.concat_arrays(arrays).take(pa.array(index))
+    offsets = _offsets(joined)
+    start, end = int(offsets[0]), int(offsets[-1])
     return joined.buffers()[2].slice(start, end - start)
 
 
@@ -571,14 +585,29 @@ def _records_one_by_one(rb: pa.RecordBatch, first_timestamp: int) -> bytes:
     return b"".join(out)
 
 
-def _lengths(arr: pa.Array) -> np.ndarray:
-    """Byte length of each value (-1 for null) of a binary array."""
-    offsets = np.frombuffer(
+def _offsets(arr: pa.Array) -> np.ndarray:
+    """The int32 offsets of a binary or list array (its length + 1), without a copy."""
+    return np.frombuffer(
         arr.buffers()[1], dtype=np.int32, count=len(arr) + 1, offset=arr.offset * 4
     )
-    out = np.diff(offsets).astype(np.int64)
-    if arr.null_count:
-        out[~arr.is_valid().to_numpy(zero_copy_only=False)] = -1
+
+
+def _int64s(arr: pa.Array) -> np.ndarray:
+    """The values of a non-null 64-bit array (int64, timestamp), without a copy."""
+    return np.frombuffer(arr.buffers()[1], dtype=np.int64, count=len(arr), offset=arr.offset * 8)
+
+
+def _lengths(arr: pa.Array) -> np.ndarray:
+    """Byte length of each value (-1 for null) of a binary array."""
+    n = len(arr)
+    nulls = arr.null_count
+    if nulls == n:
+        return np.full(n, -1, dtype=np.int64)
+    out = np.diff(_offsets(arr)).astype(np.int64)
+    if nulls:
+        bits = np.frombuffer(arr.buffers()[0], dtype=_U8)
+        valid = np.unpackbits(bits, count=arr.offset + n, bitorder="little")[arr.offset :]
+        out[valid == 0] = -1
     return out
 
 
@@ -587,9 +616,9 @@ def _header_suffixes(rb: pa.RecordBatch, n: int) -> pa.Array | None:
     ``strata.tag`` headers), or None when no record has either."""
     headers = rb.column(4)
     tags = rb.column(5)
-    if not pc.sum(pc.list_value_length(headers)).as_py() and not (
-        pc.sum(pc.list_value_length(tags)).as_py()
-    ):
+    h_off = _offsets(headers)
+    t_off = _offsets(tags)
+    if h_off[-1] == h_off[0] and t_off[-1] == t_off[0]:
         return None
     out = []
     tag_key = TAG_HEADER.encode()
