@@ -66,8 +66,8 @@ def kafka_produce(bootstrap: str, topic: str, n: int, value: bytes, batched: boo
     producer.produce(topic, value)
     producer.flush(30)  # metadata and connections ready
     start = time.perf_counter()
+    on_delivery = _on_error(errors)
     if batched:
-        on_delivery = _on_error(errors)
         deadline = time.monotonic() + 120
         for _ in range(n // 1000):
             todo = [{"value": value} for _ in range(1000)]
@@ -80,10 +80,10 @@ def kafka_produce(bootstrap: str, topic: str, n: int, value: bytes, batched: boo
     else:
         for _ in range(n):
             try:
-                producer.produce(topic, value, on_delivery=_on_error(errors))
+                producer.produce(topic, value, on_delivery=on_delivery)
             except BufferError:
                 producer.poll(0.01)
-                producer.produce(topic, value, on_delivery=_on_error(errors))
+                producer.produce(topic, value, on_delivery=on_delivery)
             producer.poll(0)
     if producer.flush(120):
         raise RuntimeError("confluent-kafka did not deliver everything")

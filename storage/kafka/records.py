@@ -249,13 +249,22 @@ def _record_bounds(data: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
             f"Kafka batch records end at byte {pos} of {end} (its header says {n} records)"
         )
     at = np.array(heads, dtype=np.int64)
-    limit = np.full(n, end, dtype=np.int64)
-    length, starts = _vread(np.frombuffer(buf, dtype=_U8), at, limit)
-    if (length <= 0).any():
-        raise CorruptBatchError("a Kafka record has a length of zero or less")
-    ends = starts + length
-    if (ends[:-1] != at[1:]).any() or ends[-1] != end:
-        raise CorruptBatchError("Kafka records do not follow each other")
+    ends = np.empty(n, dtype=np.int64)
+    ends[:-1] = at[1:]
+    ends[-1] = end
+    arr = np.frombuffer(buf, dtype=_U8)
+    first = arr[at]
+    if (first & 1).any():  # the zigzag sign bit: the loop above read every length as >= 0
+        raise CorruptBatchError("a Kafka record has a negative length")
+    two = first >= 0x80
+    if not two.any():
+        starts = at + 1
+    elif (arr[at[two] + 1] < 0x80).all():  # (the loop read that byte: it exists)
+        starts = at + 1 + two
+    else:  # some length takes three bytes or more: read them all again
+        _, starts = _vread(arr, at, ends)
+    if (starts >= ends).any():
+        raise CorruptBatchError("a Kafka record has a length of zero")
     return starts, ends
 
 
@@ -280,7 +289,11 @@ def _vread(arr: np.ndarray, pos: np.ndarray, ends: np.ndarray, *, long: bool = F
     positions after them)."""
     if (pos >= ends).any():
         raise CorruptBatchError("a Kafka record ends before its fields do")
-    b = arr[pos].astype(np.uint64)
+    first = arr[pos]
+    if first.max(initial=0) < 0x80:  # every varint one byte long: the common case
+        small = first.astype(np.int64)
+        return (small >> 1) ^ -(small & 1), pos + 1
+    b = first.astype(np.uint64)
     value = b & np.uint64(0x7F)
     nxt = pos + 1
     more = b >= 0x80
