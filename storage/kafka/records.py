@@ -289,11 +289,7 @@ def _vread(arr: np.ndarray, pos: np.ndarray, ends: np.ndarray, *, long: bool = F
     positions after them)."""
     if (pos >= ends).any():
         raise CorruptBatchError("a Kafka record ends before its fields do")
-    first = arr[pos]
-    if first.max(initial=0) < 0x80:  # every varint one byte long: the common case
-        small = first.astype(np.int64)
-        return (small >> 1) ^ -(small & 1), pos + 1
-    b = first.astype(np.uint64)
+    b = arr[pos].astype(np.uint64)
     value = b & np.uint64(0x7F)
     nxt = pos + 1
     more = b >= 0x80
