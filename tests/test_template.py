@@ -140,3 +140,27 @@ def test_the_delay_scheduler_runs_as_a_fargate_service_with_no_bucket_access(
     assert env["STRATA_ZOOKEEPER_CONNECT"] == {"Ref": "ZooKeeperConnect"}
     role = cfn["Resources"]["SchedulerTaskRole"]["Properties"]
     assert "Policies" not in role and "ManagedPolicyArns" not in role
+
+
+def test_admin_api_checks_acls_by_default_and_needs_a_super_user(cfn: dict[str, Any]) -> None:
+    """The admin function runs with the ACL checks on unless the operator says 0, and the
+    stack refuses to deploy with them on and no super user (nobody could grant the first
+    ACL); the values the template passes are ones ``handlers.access`` reads as meant."""
+    from handlers.access import AccessConfig
+
+    params = cfn["Parameters"]
+    env = cfn["Resources"]["AdminFunction"]["Properties"]["Environment"]["Variables"]
+    assert env["STRATA_ADMIN_AUTHORIZER"] == {"Ref": "AdminAuthorizer"}
+    assert env["STRATA_SUPER_USERS"] == {"Ref": "AdminSuperUsers"}
+    assert params["AdminAuthorizer"]["Default"] == "1"
+    rule = cfn["Rules"]["SuperUsersWhenAuthorizing"]
+    assert rule["RuleCondition"] == {"Fn::Equals": [{"Ref": "AdminAuthorizer"}, "1"]}
+    assert rule["Assertions"][0]["Assert"] == {
+        "Fn::Not": [{"Fn::Equals": [{"Ref": "AdminSuperUsers"}, ""]}]
+    }
+    pattern = re.compile(params["AdminSuperUsers"]["AllowedPattern"])
+    supers = "User:arn:aws:iam::123456789012:role/ops,User:alice"
+    assert pattern.fullmatch(supers) and not pattern.fullmatch("alice")
+    on = AccessConfig.from_env({"STRATA_ADMIN_AUTHORIZER": "1", "STRATA_SUPER_USERS": supers})
+    assert on.enabled and "User:alice" in on.super_users
+    assert not AccessConfig.from_env({"STRATA_ADMIN_AUTHORIZER": "0"}).enabled
