@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 from sdk.connection import Connection, Login
-from storage.codec.control import encode_marker
+from storage.codec.control import ControlMarker, encode_marker
 from storage.errors import (
     InvalidProducerEpochError,
     NetworkError,
@@ -313,14 +313,20 @@ class MarkerWriter:
                     f"{topic}-{index} has seen epoch {known} of producer {pid}, the marker is"
                     f" for epoch {marker.producer_epoch}"
                 )
+            commit = bool(marker.committed)
             batch = encode_marker(
                 pid,
                 marker.producer_epoch,
-                commit=bool(marker.committed),
+                commit=commit,
                 coordinator_epoch=marker.coordinator_epoch,
                 timestamp_ms=self.clock_ms(),
             )
-            info = p.log.append(batch, leader_epoch=p.state.leader_epoch, deep_check=False)
+            info = p.log.append(
+                batch,
+                leader_epoch=p.state.leader_epoch,
+                deep_check=False,
+                marker=ControlMarker(commit, marker.coordinator_epoch),
+            )
             self.markers_written += 1
             p.notify()
             p.advance_hw()

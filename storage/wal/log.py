@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 
 from storage.codec.batch import check_batch, decode_batch
-from storage.codec.control import read_marker
+from storage.codec.control import ControlMarker, read_marker
 from storage.codec.header import STAMP, BatchHeader
 from storage.config import FsyncPolicy, LogConfig
 from storage.errors import (
@@ -258,6 +258,7 @@ class PartitionLog:
         leader_epoch: int,
         deep_check: bool = True,
         checked: BatchHeader | None = None,
+        marker: ControlMarker | None = None,
     ) -> AppendInfo:
         """Verify ``batch`` (one whole encoded batch), stamp its offset and epoch, and write it.
 
@@ -267,8 +268,10 @@ class PartitionLog:
         with a good CRC but a malformed body can never be stored; a follower copying batches its
         leader already checked may skip it. ``checked`` is the header ``check_batch`` returned
         for exactly these bytes (and at most ``max.message.bytes``), when the caller has just
-        verified them: the CRC pass is not repeated. Durability is the caller's business: see
-        ``flush`` and ``storage.wal.group_commit``.
+        verified them: the CRC pass is not repeated. ``marker``: what the control batch
+        ``batch`` holds, when the caller encoded it (the transaction marker writer), so it is
+        not decoded again. Durability is the caller's business: see ``flush`` and
+        ``storage.wal.group_commit``.
         """
         self._check_open()
         if checked is not None and checked.size == len(batch) <= self.config.max_message_bytes:
@@ -286,7 +289,10 @@ class PartitionLog:
             active.created_at = now  # a segment's age counts from its first batch
         base = active.next_offset
         view = memoryview(batch)
-        marker = read_marker(view, 0, h) if h.is_control else None
+        if not h.is_control:
+            marker = None
+        elif marker is None:
+            marker = read_marker(view, 0, h)
         stamped = dataclasses.replace(h, base_offset=base, leader_epoch=leader_epoch)
         try:
             active.append(
