@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from pydantic import Field, SecretStr
@@ -10,6 +11,9 @@ from pydantic import Field, SecretStr
 from storage.config import _Config
 from storage.protocol import DEFAULT_MAX_FRAME
 from storage.tls import ClientAuth, SecurityProtocol, TlsFiles
+
+#: agent settings from the environment: this prefix and the key, upper-cased, ``_`` for ``.``
+ENV_PREFIX = "STRATA_AGENT_"
 
 
 class AgentConfig(_Config):
@@ -196,13 +200,22 @@ class AgentConfig(_Config):
         )
 
     @classmethod
-    def from_env(cls, prefix: str = "STRATA_AGENT_") -> AgentConfig:
-        """From ``STRATA_AGENT_AGENT_ID``, ``STRATA_AGENT_ZOOKEEPER_CONNECT``, ... (dots -> _)."""
+    def env_values(
+        cls, env: Mapping[str, str] = os.environ, prefix: str = ENV_PREFIX
+    ) -> dict[str, str]:
+        """The settings ``env`` gives: ``STRATA_AGENT_`` and the key upper-cased with ``_``
+        for ``.`` (``STRATA_AGENT_INTER_AGENT_SASL_PASSWORD``). Secrets belong here rather
+        than on the command line, where every process on the host can read them."""
         values = {}
         for name, field in cls.model_fields.items():
             alias = field.alias or name
             key = prefix + alias.replace(".", "_").upper()
-            if key in os.environ:
-                values[alias] = os.environ[key]
-        result: AgentConfig = cls.parse(values)
+            if key in env:
+                values[alias] = env[key]
+        return values
+
+    @classmethod
+    def from_env(cls, prefix: str = ENV_PREFIX) -> AgentConfig:
+        """From ``STRATA_AGENT_AGENT_ID``, ``STRATA_AGENT_ZOOKEEPER_CONNECT``, ... (dots -> _)."""
+        result: AgentConfig = cls.parse(cls.env_values(os.environ, prefix))
         return result

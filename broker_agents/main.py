@@ -16,16 +16,19 @@ import ctypes
 import gc
 import json
 import logging
+import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from broker_agents.agent import Agent
-from broker_agents.config import AgentConfig
+from broker_agents.config import ENV_PREFIX, AgentConfig
 from broker_agents.identity import resolve_agent_id
 from broker_agents.metrics import AgentMetrics
 from storage import jsonlog
+from storage.errors import InvalidConfigError
 from storage.wal import crashfs
 from storage.wal.group_commit import set_fsync_observer
 
@@ -73,31 +76,47 @@ def give_back_freed_memory() -> None:
     log.info("gave freed memory back in %.1f ms", (time.perf_counter() - started) * 1000)
 
 
-def parse_args(argv: list[str] | None = None) -> AgentConfig:
+def parse_args(argv: list[str] | None = None, env: Mapping[str, str] = os.environ) -> AgentConfig:
+    """The agent's settings: its command line over ``STRATA_AGENT_*`` variables of ``env``
+    (``AgentConfig.env_values``) over the defaults. A flag not given leaves the variable's
+    value in place."""
     p = argparse.ArgumentParser(description="Run a Strata broker agent")
     p.add_argument(
         "--agent-id", type=int, default=None, help="default: stored in the data dir, or allocated"
     )
-    p.add_argument("--listen", default="127.0.0.1:0", help="host:port (port 0 = any free port)")
-    p.add_argument("--zookeeper", required=True, help="host:port[/chroot]")
-    p.add_argument("--data-dir", type=Path, required=True)
-    p.add_argument("--session-timeout-ms", type=int, default=6000)
+    p.add_argument("--listen", default=None, help="host:port (port 0 = any free port)")
+    p.add_argument("--zookeeper", default=None, help="host:port[/chroot]")
+    p.add_argument("--data-dir", type=Path, default=None)
+    p.add_argument("--session-timeout-ms", type=int, default=None)
     p.add_argument(
         "--config", action="append", default=[], metavar="KEY=VALUE", help="any AgentConfig key"
     )
     args = p.parse_args(argv)
-    host, _, port = args.listen.rpartition(":")
     values: dict[str, object] = {
-        "agent.id": -1 if args.agent_id is None else args.agent_id,
-        "listen.host": host or "127.0.0.1",
-        "listen.port": int(port),
-        "zookeeper.connect": args.zookeeper,
-        "data.dir": args.data_dir,
-        "zookeeper.session.timeout.ms": args.session_timeout_ms,
+        "agent.id": -1,
+        "listen.host": "127.0.0.1",
+        "listen.port": 0,
+        "zookeeper.session.timeout.ms": 6000,
+        **AgentConfig.env_values(env),
     }
+    if args.agent_id is not None:
+        values["agent.id"] = args.agent_id
+    if args.listen is not None:
+        host, _, port = args.listen.rpartition(":")
+        values["listen.host"] = host or "127.0.0.1"
+        values["listen.port"] = int(port)
+    if args.zookeeper is not None:
+        values["zookeeper.connect"] = args.zookeeper
+    if args.data_dir is not None:
+        values["data.dir"] = args.data_dir
+    if args.session_timeout_ms is not None:
+        values["zookeeper.session.timeout.ms"] = args.session_timeout_ms
     for item in args.config:
         key, _, value = item.partition("=")
         values[key] = value
+    for key, flag in (("zookeeper.connect", "--zookeeper"), ("data.dir", "--data-dir")):
+        if key not in values:
+            p.error(f"{flag} (or {ENV_PREFIX}{key.replace('.', '_').upper()}) is required")
     result: AgentConfig = AgentConfig.parse(values)
     return result
 
@@ -144,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     jsonlog.configure()
     keep_freed_memory()
     crashfs.install_from_env()  # tests and fault drills only: off unless STRATA_CRASHFS is set
-    config = parse_args(argv)
+    try:
+        config = parse_args(argv)
+    except InvalidConfigError as exc:  # a usage error: say which setting, no traceback
+        print(f"broker_agents.main: bad settings: {exc}", file=sys.stderr)
+        return 2
     if config.agent_id < 0:
         agent_id = resolve_agent_id(None, config.data_dir, config.zookeeper)
         config = config.model_copy(update={"agent_id": agent_id})
