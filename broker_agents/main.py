@@ -99,18 +99,17 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] = os.enviro
         "zookeeper.session.timeout.ms": 6000,
         **AgentConfig.env_values(env),
     }
-    if args.agent_id is not None:
-        values["agent.id"] = args.agent_id
+    flags = {
+        "agent.id": args.agent_id,
+        "zookeeper.connect": args.zookeeper,
+        "data.dir": args.data_dir,
+        "zookeeper.session.timeout.ms": args.session_timeout_ms,
+    }
+    values.update({key: value for key, value in flags.items() if value is not None})
     if args.listen is not None:
         host, _, port = args.listen.rpartition(":")
         values["listen.host"] = host or "127.0.0.1"
         values["listen.port"] = int(port)
-    if args.zookeeper is not None:
-        values["zookeeper.connect"] = args.zookeeper
-    if args.data_dir is not None:
-        values["data.dir"] = args.data_dir
-    if args.session_timeout_ms is not None:
-        values["zookeeper.session.timeout.ms"] = args.session_timeout_ms
     for item in args.config:
         key, _, value = item.partition("=")
         values[key] = value
