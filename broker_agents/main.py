@@ -108,6 +108,8 @@ def parse_args(argv: list[str] | None = None, env: Mapping[str, str] = os.enviro
     values.update({key: value for key, value in flags.items() if value is not None})
     if args.listen is not None:
         host, _, port = args.listen.rpartition(":")
+        if not port.isdigit():
+            p.error(f"--listen takes host:port, not {args.listen!r}")
         values["listen.host"] = host or "127.0.0.1"
         values["listen.port"] = int(port)
     for item in args.config:

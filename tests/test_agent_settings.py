@@ -71,12 +71,17 @@ def test_the_environment_gives_settings_and_the_command_line_overrides_them(
     assert plain.session_timeout_ms == 6000
 
 
-def test_a_missing_zookeeper_or_data_dir_is_a_usage_error(tmp_path: Path) -> None:
+def test_a_missing_zookeeper_or_data_dir_or_a_bad_listen_address_is_a_usage_error(
+    tmp_path: Path,
+) -> None:
     with pytest.raises(SystemExit) as exc:
         parse_args(["--data-dir", str(tmp_path)], {})
     assert exc.value.code == 2
     with pytest.raises(SystemExit):
         parse_args([], {"STRATA_AGENT_ZOOKEEPER_CONNECT": "zk:2181"})
+    with pytest.raises(SystemExit) as exc:
+        parse_args(["--zookeeper", "zk:2181", "--data-dir", str(tmp_path), "--listen", "h:x"], {})
+    assert exc.value.code == 2
 
 
 def test_a_bad_value_from_the_environment_is_refused_with_its_name(tmp_path: Path) -> None:
