@@ -22,7 +22,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from storage.codec import decode_batches, iter_batches
 from storage.config import LogConfig
 from storage.errors import CorruptSegmentError, InvalidOffsetError
-from storage.wal import PartitionLog
+from storage.wal import PartitionLog, crashfs, fileio
 from tests import wal_writer
 from tests.wal_support import T0, Record, config, decode, produce, read_all
 
@@ -200,6 +200,88 @@ def test_missing_segment_in_the_middle_is_corruption(tmp_path: Path) -> None:
     with pytest.raises(CorruptSegmentError) as exc:
         PartitionLog.open(tmp_path, config())
     assert_quarantined(tmp_path, segments[2], exc.value)
+
+
+# ---- a torn tail across segments (policies that do not fsync at a roll) ---------------
+
+
+@pytest.mark.parametrize("policy", ["interval", "never"])
+def test_power_loss_mid_flush_with_rolls_behind_it_cuts_the_tail_not_the_partition(
+    tmp_path: Path, policy: str
+) -> None:
+    # Found by tests/test_power_loss.py in CI: a flush job fsyncs the segments it snapshotted,
+    # then the directory. Segments rolled while it ran are in that directory fsync by name,
+    # without their predecessor's unsynced end. After the power loss the log must open at
+    # the last fsynced record, not quarantine the segment past the gap.
+    data, journal = tmp_path / "data", tmp_path / "journal"
+    crashfs.start_recording(data, journal)
+    previous = fileio.set_file_system(crashfs.RecordingFileSystem(journal))
+    rng = random.Random(11)
+    records: list[Record] = []
+    try:
+        log = PartitionLog.open(data / "p-0", config(fsync_policy=policy))
+        for _ in range(60):
+            p = produce(rng, count=2, value_size=150)
+            records.extend(p.records(log.append(p.data, leader_epoch=1).base_offset))
+        job = log.prepare_flush()
+        assert job is not None
+        durable = job.end_offset
+        while len(log.segments) < len(job.segments) + 3:  # rolls while the job "runs"
+            p = produce(rng, count=2, value_size=150)
+            records.extend(p.records(log.append(p.data, leader_epoch=1).base_offset))
+        job.run()
+        log.complete_flush(job)
+        assert log.flushed_offset == durable < log.log_end_offset
+    finally:
+        fileio.set_file_system(previous)
+    crashfs.drop_unsynced(journal)  # the power loss (the log object is simply abandoned)
+
+    with PartitionLog.open(data / "p-0", config(fsync_policy=policy)) as log:
+        assert log.log_end_offset >= durable
+        assert read_all(log) == records[: log.log_end_offset]
+        end = log.log_end_offset
+        p = produce(rng, count=2, value_size=150)  # and it takes writes after them
+        assert log.append(p.data, leader_epoch=2).base_offset == end
+    assert not list((data / "p-0").glob("*.quarantined"))
+
+
+def cut_tail_across_segments(directory: Path, keep_index_of_next: bool) -> tuple[int, Path]:
+    """Give ``directory`` a power loss's shape: the last three segments lose their index
+    files, the first of them is cut after its first batch and the next one is emptied.
+    Returns the offset where the cut segment now ends and the emptied segment."""
+    segments = segment_files(directory)
+    assert len(segments) >= 4
+    short, emptied = segments[-3], segments[-2]
+    for seg in segments[-3:]:
+        seg.with_suffix(".index").unlink(missing_ok=True)
+    (header, _), (_, second) = list(iter_batches(short.read_bytes()))[:2]
+    os.truncate(short, second)
+    emptied.write_bytes(b"")
+    if keep_index_of_next:
+        emptied.with_suffix(".index").write_bytes(b"")
+    return header.next_offset, emptied
+
+
+def test_segments_past_a_torn_tail_are_removed(tmp_path: Path) -> None:
+    records, _ = build(tmp_path, seed=12, batches=60, count=2, value_size=150)
+    end, emptied = cut_tail_across_segments(tmp_path, keep_index_of_next=False)
+    with PartitionLog.open(tmp_path, config(fsync_policy="interval")) as log:
+        assert log.log_end_offset == end
+        assert read_all(log) == records[:end]
+        assert [s.path for s in log.segments] == segment_files(tmp_path)
+        assert not emptied.exists() and log.segments[-1].path.stat().st_size > 0
+    with PartitionLog.open(tmp_path, config()) as log:  # the next open finds nothing to cut
+        assert log.log_end_offset == end
+
+
+def test_a_short_segment_before_an_indexed_one_is_corruption(tmp_path: Path) -> None:
+    # an index is written only after an fsync covered its segment and every one before it:
+    # a short segment before an indexed one was not torn by a crash
+    build(tmp_path, seed=13, batches=60, count=2, value_size=150)
+    _, emptied = cut_tail_across_segments(tmp_path, keep_index_of_next=True)
+    with pytest.raises(CorruptSegmentError) as exc:
+        PartitionLog.open(tmp_path, config(fsync_policy="interval"))
+    assert_quarantined(tmp_path, emptied, exc.value)
 
 
 # ---- a writer killed with SIGKILL --------------------------------------------------------

@@ -25,10 +25,14 @@ Theory of operation
   on disk.
 * **Recovery.** ``open`` trusts a sealed segment whose index file checks out (it was written
   only after the segment's fsync) and scans the rest with CRC checks: every segment without a
-  valid index, and always the last one. In the last segment a failure with no valid batch
-  anywhere after it is a torn tail — the unflushed end of a crash — and is cut off. Any other
-  failure (a bad batch followed by good ones, or a bad batch in an earlier segment) is
-  corruption: the segment is renamed ``*.quarantined`` and ``CorruptSegmentError`` is raised,
+  valid index, and always the last one. A failure with no valid batch anywhere after it is a
+  torn tail — the unflushed end of a crash — and is cut off. A tail can be torn in the last
+  segment, and, under the policies that do not fsync at a roll, in any segment past the last
+  indexed one: a power loss can keep the names of newer segments without the unsynced end of
+  an older one. The segment that ends short (cut, or followed by a gap) is then the log's
+  end, and the segments after it are removed: segments are fsynced in order, so nothing past
+  a torn tail was ever covered by an fsync. Any other failure (a bad batch followed by good
+  ones, a bad or short indexed segment, a gap after one) is corruption: the segment is renamed ``*.quarantined`` and ``CorruptSegmentError`` is raised,
   now and on every later open, until an operator or a replica repairs the partition. Records
   are never skipped silently.
 * **Reads** return whole batches as zero-copy slices of a segment's mmap, from the batch that
@@ -50,6 +54,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +84,8 @@ from storage.wal.segment import INDEX_SUFFIX, LOG_SUFFIX, QUARANTINE_SUFFIX, Seg
 from storage.wal.txn import AbortedTxn, TransactionIndex
 
 Clock = Callable[[], float]  # seconds since the epoch
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,12 +204,20 @@ class PartitionLog:
             for n in names
             if n.endswith(LOG_SUFFIX) and n[: -len(LOG_SUFFIX)].isdigit()
         ]
+        # A segment's index is written only after an fsync covered the whole sealed segment,
+        # and segments are fsynced in order: past the last indexed segment nothing is known to
+        # have reached the disk, so a tail can be torn there (see *Recovery*).
+        indexed = {n[: -len(INDEX_SUFFIX)] for n in names if n.endswith(INDEX_SUFFIX)}
+        last_indexed = max(
+            (i for i, p in enumerate(logs) if p.name[: -len(LOG_SUFFIX)] in indexed), default=-1
+        )
         segments: list[Segment] = []
         try:
             for i, path in enumerate(logs):
                 seg = Segment.open_existing(path, config.index_interval_bytes)
                 segments.append(seg)
-                _recover(seg, last=i == len(logs) - 1, verify_all=verify_all)
+                last, tear_ok = i == len(logs) - 1, i > last_indexed
+                cut = _recover(seg, last=last, tear_ok=tear_ok, verify_all=verify_all)
                 if i and seg.base_offset != segments[i - 1].next_offset:
                     raise seg.quarantine(
                         StorageError(
@@ -210,6 +225,9 @@ class PartitionLog:
                         ),
                         0,
                     )
+                if not last and tear_ok and (cut or _base_of(logs[i + 1]) != seg.next_offset):
+                    _drop_past_torn_tail(seg, logs[i + 1 :])
+                    break
         except BaseException:
             for s in segments:
                 s.close()
@@ -596,15 +614,16 @@ class PartitionLog:
         self.close()
 
 
-def _recover(seg: Segment, *, last: bool, verify_all: bool) -> None:
-    """Bring ``seg``'s in-memory state back from disk, cutting a torn tail or quarantining."""
+def _recover(seg: Segment, *, last: bool, tear_ok: bool, verify_all: bool) -> bool:
+    """Bring ``seg``'s in-memory state back from disk, cutting a torn tail (allowed where
+    ``tear_ok``) or quarantining. Returns whether a torn tail was cut."""
     if not last and not verify_all and seg.index_path.exists():
         with storage_errors(f"cannot read {seg.index_path}"):
             index = SparseIndex.from_bytes(seg.index_path.read_bytes(), seg.size)
         if index is not None:
             try:
                 _load_sealed(seg, index)
-                return
+                return False
             except StrataError:
                 pass  # a header past the last index entry is damaged: verify the whole segment
     result = seg.scan(verify=True)
@@ -613,16 +632,45 @@ def _recover(seg: Segment, *, last: bool, verify_all: bool) -> None:
         seg.dirty = not last  # a sealed segment without a valid index gets one at the next flush
         if last:
             seg.fsync()  # what a killed writer left in the page cache is durable from here on
-        return
-    if last and not result.valid_batch_after_error:
+        return False
+    if tear_ok and not result.valid_batch_after_error:
         # torn tail: bytes of an append that never completed (or never reached the disk)
         with storage_errors(f"cannot truncate {seg.path}"):
             fileio.fs.ftruncate(seg.fd, result.valid_size)
             fileio.fs.fsync(seg.fd)
         seg.size = result.valid_size
         seg._map = None
-        return
+        return True
     raise seg.quarantine(result.error, result.valid_size)
+
+
+def _base_of(path: Path) -> int:
+    return int(path.name[: -len(LOG_SUFFIX)])
+
+
+def _drop_past_torn_tail(seg: Segment, later: list[Path]) -> None:
+    """``seg`` ends short of the next segment: the log's torn tail spans segments. Under a
+    policy that does not fsync at a roll, a power loss can keep the names of segments created
+    after ``seg`` (any directory fsync, or the file system's own journal, makes them durable)
+    without ``seg``'s unsynced end. Nothing past that end was ever covered by an fsync
+    (segments are fsynced in order), so the later segments are removed and ``seg`` is the
+    log's active segment again."""
+    for path in later:
+        for p in (path, path.with_name(path.name[: -len(LOG_SUFFIX)] + INDEX_SUFFIX)):
+            with storage_errors(f"cannot delete {p}"):
+                fileio.fs.unlink(p, missing_ok=True)
+    with storage_errors(f"cannot fsync {seg.directory}"):
+        fsync_dir(seg.directory)
+    _log.warning(
+        "%s: torn tail at offset %d (byte %d of %s); removed %d later segment(s) it cut off",
+        seg.directory.name,
+        seg.next_offset,
+        seg.size,
+        seg.path.name,
+        len(later),
+    )
+    seg.sealed = seg.dirty = False
+    seg.fsync()
 
 
 def _load_sealed(seg: Segment, index: SparseIndex) -> None:
