@@ -307,6 +307,8 @@ class Apis:
             result.error_code = RequestTimedOutError.code
             result.error_message = f"not durable within {timeout_ms} ms"
 
+        if acks == 1 and all(p.committer.acknowledgeable(end) for _, p, end in pending):
+            return  # (``interval`` and ``never``: the leader's page cache is enough)
         limit = max(timeout_ms, 1) / 1000
         if len(pending) == 1:  # the common case: no task, no asyncio.wait
             try:

@@ -163,15 +163,24 @@ class AgentMetrics:
             registry=r,
         )
         r.register(_StateCollector(agent))
+        #: api key -> its children of ``requests`` and ``request_seconds`` (no label lookup
+        #: per request)
+        self._per_api: dict[int, tuple[Any, Any]] = {}
         self._server: asyncio.Server | None = None
         self._lag_probe: asyncio.Task[None] | None = None
         self._gc_started = 0.0
 
     # ---- hooks (ServerObserver, fsync observer, Tiering.on_upload) --------------------------
     def request_done(self, api_key: int, seconds: float, failed: bool) -> None:
-        api = _api_name(api_key)
-        self.requests.labels(api).inc()
-        self.request_seconds.labels(api).observe(seconds)
+        children = self._per_api.get(api_key)
+        if children is None:  # (as many as the label values the registry keeps anyway)
+            api = _api_name(api_key)
+            children = self._per_api[api_key] = (
+                self.requests.labels(api),
+                self.request_seconds.labels(api),
+            )
+        children[0].inc()
+        children[1].observe(seconds)
 
     def bytes_in(self, n: int) -> None:
         self.bytes_in_total.inc(n)

@@ -42,6 +42,7 @@ from storage.protocol import (
     read_size,
 )
 from storage.protocol import messages as m
+from storage.protocol.frames import SMALL_PART
 from storage.protocol.schema import Message
 from tests.test_protocol import messages, plain
 
@@ -150,15 +151,41 @@ def test_request_and_response_frames_round_trip(api: m.Api, data: st.DataObject)
 
 
 def test_encode_request_returns_parts_without_copying_records() -> None:
-    records = bytes(1000)
+    records = bytes(SMALL_PART + 1)
     req = m.ProduceRequest(1, 0, [m.ProduceTopic("t", [m.ProducePartition(0, records)])])
     parts = encode_request(ApiKey.PRODUCE, 1, None, req)
     assert any(p is records for p in parts)  # for transport.writelines: no join on the way out
-    assert read_size(parts[0], DEFAULT_MAX_FRAME) == sum(len(p) for p in parts[1:])
+    assert read_size(parts[0][:4], DEFAULT_MAX_FRAME) == sum(len(p) for p in parts) - 4
+    # the small fields around it are joined: header and fields before, the rest after
+    assert len(parts) == 3
+
+
+def test_a_response_of_small_fields_is_one_buffer() -> None:
+    response = m.ApiVersionsResponse(0, [m.ApiVersionRange(k, 0, 0) for k in range(40)])
+    (frame,) = encode_response(7, response)
+    assert read_size(frame[:4], DEFAULT_MAX_FRAME) == len(frame) - 4
+    resp = parse_response(memoryview(frame)[4:])
+    assert resp.correlation_id == 7
+    assert m.ApiVersionsResponse.decode(resp.body) == response
+
+
+def test_a_field_out_of_range_is_named_by_its_type() -> None:
+    # fixed-width fields in a row are packed by one struct call; the error still names the field
+    for bad in (m.ApiVersionRange(3, 0, 40000), m.ApiVersionRange(3, -40000, 0)):
+        with pytest.raises(ValueError, match="int16 field cannot hold"):
+            encode_response(1, m.ApiVersionsResponse(0, [bad]))
+
+
+@pytest.mark.parametrize("cut", range(1, 7))
+def test_a_body_cut_inside_a_run_of_fixed_fields_is_malformed(cut: int) -> None:
+    body = b"".join(m.ApiVersionRange(3, 0, 9).encode())
+    assert m.ApiVersionRange.decode(body) == m.ApiVersionRange(3, 0, 9)
+    with pytest.raises(MalformedFrameError, match="frame ends inside an int16"):
+        m.ApiVersionRange.decode(body[:-cut])
 
 
 def test_a_bytes_field_given_as_parts_is_the_same_bytes_on_the_wire_without_a_join() -> None:
-    first, second = bytes(range(256)) * 3, b"\x07" * 200
+    first, second = bytes(range(256)) * 20, b"\x07" * (SMALL_PART + 200)  # large: never joined
     joined = m.ProduceRequest(1, 0, [m.ProduceTopic("t", [m.ProducePartition(0, first + second)])])
     split = m.ProduceRequest(1, 0, [m.ProduceTopic("t", [m.ProducePartition(0, [first, second])])])
     parts = encode_request(ApiKey.PRODUCE, 1, None, split)

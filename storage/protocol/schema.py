@@ -19,6 +19,7 @@ cannot make us allocate a billion-element list), and any violation raises
 
 from __future__ import annotations
 
+import operator
 import struct
 from dataclasses import fields, is_dataclass
 from typing import Any, ClassVar, Protocol
@@ -143,21 +144,68 @@ class Array:
         return out, pos
 
 
+class _FixedRun:
+    """Consecutive fixed-width fields of a struct, packed and unpacked by one ``struct`` call
+    (a response's fields are otherwise a Python call and a ``bytes`` each)."""
+
+    def __init__(self, fields: list[tuple[str, _Fixed]]) -> None:
+        self.fields = fields
+        self.s = struct.Struct("<" + "".join(t.s.format[1:] for _, t in fields))
+        self.min_size = self.s.size
+        self.get = operator.attrgetter(*(n for n, _ in fields))
+        self.single = len(fields) == 1
+
+    def encode(self, value: Any, out: list[Any]) -> None:
+        got = self.get(value)
+        try:
+            out.append(self.s.pack(got) if self.single else self.s.pack(*got))
+        except struct.error:
+            for (_, t), v in zip(self.fields, (got,) if self.single else got, strict=True):
+                t.encode(v, [])  # raises the error that names the field's type
+            raise
+
+    def decode(self, buf: memoryview, pos: int) -> tuple[tuple[Any, ...], int]:
+        end = pos + self.min_size
+        if end > len(buf):
+            for _, t in self.fields:
+                _, pos = t.decode(buf, pos)  # raises where the frame ends
+        return self.s.unpack_from(buf, pos), end
+
+
 class Struct:
     def __init__(self, cls: type) -> None:
         self.cls = cls
         self.schema: tuple[tuple[str, WireType], ...] = cls.SCHEMA  # type: ignore[attr-defined]
         self.min_size = sum(t.min_size for _, t in self.schema)
+        #: the schema with every run of fixed-width fields as one step
+        self.plan: list[tuple[str | None, Any]] = []
+        run: list[tuple[str, _Fixed]] = []
+        for name, t in self.schema:
+            if isinstance(t, _Fixed):
+                run.append((name, t))
+                continue
+            if run:
+                self.plan.append((None, _FixedRun(run)))
+                run = []
+            self.plan.append((name, t))
+        if run:
+            self.plan.append((None, _FixedRun(run)))
 
     def encode(self, value: Any, out: list[Any]) -> None:
-        for name, t in self.schema:
-            t.encode(getattr(value, name), out)
+        for name, t in self.plan:
+            if name is None:
+                t.encode(value, out)
+            else:
+                t.encode(getattr(value, name), out)
 
     def decode(self, buf: memoryview, pos: int) -> tuple[Any, int]:
-        values = []
-        for _, t in self.schema:
+        values: list[Any] = []
+        for name, t in self.plan:
             v, pos = t.decode(buf, pos)
-            values.append(v)
+            if name is None:
+                values.extend(v)
+            else:
+                values.append(v)
         return self.cls(*values), pos
 
 

@@ -57,6 +57,10 @@ class GroupCommitLog:
         await self.wait_acknowledgeable(info.last_offset + 1)
         return info
 
+    def acknowledgeable(self, offset: int) -> bool:
+        """Whether records below ``offset`` may be acknowledged now, without waiting."""
+        return self.policy != FsyncPolicy.ALWAYS or self.log.flushed_offset >= offset
+
     async def wait_acknowledgeable(self, offset: int) -> None:
         """Wait as the policy requires before records below ``offset`` are acknowledged: an
         fsync covering them under ``always``; nothing otherwise (they are in the page cache)."""
