@@ -18,6 +18,13 @@ with replication factor 3 (``min.insync.replicas=2``), at 1,000 and 10,000 msgs/
 runs ``--runs`` times (3), alternated with the others, and a figure is the median of its runs
 with the min-max beside it.
 
+**Produce→ack alone** (#27): the producer process with nothing else running, 1 KiB at
+1,000 msgs/s, ``linger.ms=0``: acks=1 on replication factor 1 and acks=all on 3, each under
+``fsync.policy=always`` and ``interval`` (a topic each), alternated with the other rows. Beside
+them, the **floors, measured in the same run**: a 4 KiB append + ``fdatasync`` on the agents'
+disk, an empty request (``ApiVersions``) through an agent and back, and one 1-record acks=1
+produce under ``interval`` through an agent and back, each closed-loop, p50 and p99.
+
 **Soak** (``--soak-minutes N``): acks=all, RF 3, keyed, 2,000 msgs/s, tiering on (segments of
 8 MiB uploaded to moto, local retention 0), for N minutes. Producer and consumer report every
 gap over 100 ms between consecutive acknowledgements (while sends were outstanding) or between
@@ -52,7 +59,9 @@ from infra.local import s3_client, s3_env
 from infra.moto_s3 import start_moto
 from infra.zookeeper import start_zookeeper
 from sdk import Consumer, Producer
+from sdk.connection import Connection
 from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
+from storage.protocol.messages import ApiVersionsRequest
 
 ROOT = Path(__file__).resolve().parent.parent
 PARTITIONS = 6
@@ -62,6 +71,11 @@ GAP_NS = 100_000_000
 SOAK_RATE = 2_000
 BUCKET = "strata-latency"
 ROWS = (("1", 1, 1_000), ("1", 1, 10_000), ("all", 3, 1_000), ("all", 3, 10_000))
+#: produce->ack with the producer alone (#27): (acks, replication factor, fsync.policy)
+ACK_ROWS = (("1", 1, "always"), ("1", 1, "interval"), ("all", 3, "always"), ("all", 3, "interval"))
+ACK_RATE = 1_000
+ACK_TARGET_MS = {"1": 1.0, "all": 5.0}
+FLOOR_SAMPLES = 2_000
 DOCS_IMG = ROOT / "docs" / "img"
 
 
@@ -243,6 +257,95 @@ async def _warm(bootstrap: str, topic: str) -> None:
             await producer.send_and_wait(topic, b"warm-up", partition=p)
 
 
+def _ms(samples_ns: list[int]) -> dict[str, float]:
+    q = statistics.quantiles(samples_ns, n=100)
+    return {"p50_ms": q[49] / 1e6, "p99_ms": q[98] / 1e6}
+
+
+def disk_floor(directory: Path, n: int = FLOOR_SAMPLES) -> dict[str, float]:
+    """4 KiB appends, each followed by ``fdatasync``: what one acknowledged write under
+    ``always`` costs the disk, before any Python."""
+    path = directory / f"floor-{os.getpid()}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    block, took = os.urandom(4096), []
+    try:
+        for i in range(n):
+            t = time.perf_counter_ns()
+            os.pwrite(fd, block, i * len(block))
+            os.fdatasync(fd)
+            took.append(time.perf_counter_ns() - t)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    return _ms(took)
+
+
+async def round_trip_floors(address: str, topic: str, n: int = FLOOR_SAMPLES) -> dict[str, Any]:
+    """Closed loops through one agent: an empty request (``ApiVersions``: framing, the
+    server's request path and two loopback hops, no work) and a 1-record acks=1 produce."""
+    host, port = address.rsplit(":", 1)
+    conn = Connection(host, int(port))
+    await conn.connect()
+    try:
+        took = []
+        for i in range(n + 100):
+            t = time.perf_counter_ns()
+            await conn.request(ApiVersionsRequest())
+            if i >= 100:  # warm-up
+                took.append(time.perf_counter_ns() - t)
+        empty = _ms(took)
+    finally:
+        await conn.close()
+    return {"empty": empty, "produce": await _closed_loop(address, topic, 1, n)}
+
+
+async def _closed_loop(bootstrap: str, topic: str, acks: int | str, n: int) -> dict[str, float]:
+    """One record at a time to partition 0, each sent once the previous one is acknowledged."""
+    config = {"bootstrap.servers": bootstrap, "acks": acks, "linger.ms": 0}
+    async with Producer(config) as producer:
+        value, took = os.urandom(SIZE), []
+        for i in range(n + 100):
+            t = time.perf_counter_ns()
+            await producer.send_and_wait(topic, value, partition=0)
+            if i >= 100:  # warm-up
+                took.append(time.perf_counter_ns() - t)
+    return _ms(took)
+
+
+def _ack_topic(rf: int, policy: str) -> str:
+    return f"ack-rf{rf}-{policy}"
+
+
+def run_ack_row(bootstrap: str, acks: str, rf: int, policy: str, seconds: float) -> dict[str, Any]:
+    producer = _role("producer", bootstrap, _ack_topic(rf, policy), acks, ACK_RATE, seconds)
+    return {"producer": _result(producer, seconds + 120)}
+
+
+async def _floors_via_leader(
+    connect: str, agents: list[AgentProcess], fallback: str
+) -> dict[str, Any]:
+    """The round-trip floors through the agent that leads partition 0 of the acks=1
+    ``interval`` topic (the produce loop writes there)."""
+    zk = AsyncZooKeeper(connect)
+    await zk.start()
+    try:
+        found = await MetadataStore(zk).get_partition_state(_ack_topic(1, "interval"), 0)
+    finally:
+        await zk.stop()
+    led_by = found[0].leader if found is not None else None
+    leader = next((a.address for a in agents if a.agent_id == led_by), fallback)
+    floors = await round_trip_floors(leader, _ack_topic(1, "interval"))
+    bootstrap = ",".join(a.address for a in agents)
+    floors["produce_all"] = await _closed_loop(
+        bootstrap, _ack_topic(3, "interval"), "all", FLOOR_SAMPLES // 2
+    )
+    return floors
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
 def _decode(text: str) -> HdrHistogram:
     return HdrHistogram.decode(text.encode())
 
@@ -317,6 +420,9 @@ def render(r: dict[str, Any]) -> str:
         "",
         "![End-to-end latency by percentile](img/latency-cdf.png)",
     ]
+    if not r["rows"]:
+        lines = lines[:1]
+    lines += _render_ack_alone(r)
     if "soak" in r:
         s = r["soak"]
         lines += [
@@ -328,6 +434,52 @@ def render(r: dict[str, Any]) -> str:
         ]
     lines.append("<!-- latency-bench:end -->")
     return "\n".join(lines)
+
+
+def _render_ack_alone(r: dict[str, Any]) -> list[str]:
+    rows, verdicts = [], []
+    for row in r.get("ack_rows", []):
+        c = row["ack"]
+        rows.append(
+            f"| acks={row['acks']}, RF {row['rf']} | `{row['policy']}` | {_fmt(c['p50_ms'])} |"
+            f" {_fmt(c['p99_ms'])} | {_fmt(c['p999_ms'])} | {_fmt(c['max_ms'])} |"
+        )
+        target = ACK_TARGET_MS[row["acks"]]
+        p99 = c["p99_ms"]["median"]
+        verdicts.append(
+            f"acks={row['acks']} `{row['policy']}` p99 {p99:.2f} ms against ≤ {target:g} ms:"
+            f" {'met' if p99 <= target else '**missed**'}"
+        )
+    if not rows:
+        return []
+    f = r["floors"]
+
+    def floor(what: str) -> str:
+        return f"p50 {_fmt(f[what]['p50_ms'])}, p99 {_fmt(f[what]['p99_ms'])} ms"
+
+    return [
+        "",
+        f"**Produce→ack with the producer alone** (#27): {ACK_RATE:,} msgs/s of 1 KiB,"
+        " `linger.ms=0`, the producer process the only client; a topic per row, 6 partitions"
+        f" over the three agents. Median of {r['runs']} alternated runs (min-max), ms.",
+        "",
+        "| setup | `fsync.policy` | p50 | p99 | p99.9 | max |",
+        "|---|---|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "Targets: " + "; ".join(verdicts) + ".",
+        "",
+        f"**Floors, measured in the same run** (closed loops of {FLOOR_SAMPLES:,} requests, median"
+        " of the runs (min-max)):",
+        f"* 4 KiB append + `fdatasync` on the agents' disk: {floor('disk')};",
+        "* an empty request (`ApiVersions`) through an agent and back, over loopback:"
+        f" {floor('empty')};",
+        "* a 1-record acks=1 produce through an agent and back (`interval`, nothing else"
+        f" running): {floor('produce')};",
+        "* a 1-record acks=all produce on replication factor 3, one at a time (`interval`:"
+        " the leader's append, both followers' fetch and next fetch, the high watermark):"
+        f" {floor('produce_all')}.",
+    ]
 
 
 def _agent_lines(agents: list[AgentProcess], start: float, end: float) -> list[str]:
@@ -358,6 +510,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--soak-minutes", type=float, default=0.0)
     parser.add_argument("--dir", type=Path, default=ROOT / "var" / "bench")
     parser.add_argument("--write-docs", action="store_true")
+    parser.add_argument(
+        "--skip-e2e", action="store_true", help="only produce->ack alone and the floors"
+    )
     args = parser.parse_args(argv)
     if args.role:
         return _role_main(args)
@@ -384,14 +539,31 @@ def main(argv: list[str] | None = None) -> int:
         for rf, name in topics.items():
             asyncio.run(_create(connect, name, rf, {"min.insync.replicas": min(rf, 2)}))
             asyncio.run(_warm(bootstrap, name))
+        for _, rf, policy in ACK_ROWS:
+            name = _ack_topic(rf, policy)
+            configs_ = {"min.insync.replicas": min(rf, 2), "fsync.policy": policy}
+            asyncio.run(_create(connect, name, rf, configs_))
+            asyncio.run(_warm(bootstrap, name))
         results: dict[tuple[str, int, int], list[dict[str, Any]]] = {row: [] for row in ROWS}
+        acked: dict[tuple[str, int, str], list[dict[str, Any]]] = {row: [] for row in ACK_ROWS}
+        floors: list[dict[str, Any]] = []
         for _ in range(args.runs):
-            for acks, rf, rate in ROWS:
+            settle_writeback(args.dir)
+            floor = {"disk": disk_floor(args.dir)}
+            floor.update(asyncio.run(_floors_via_leader(connect, agents, agents[0].address)))
+            floors.append(floor)
+            for acks, rf, rate in () if args.skip_e2e else ROWS:
                 settle_writeback(args.dir)
                 results[(acks, rf, rate)].append(
                     run_row(bootstrap, topics[rf], acks, rate, args.seconds)
                 )
                 print(f"acks={acks} RF {rf} {rate}/s done", file=sys.stderr)
+            for acks, rf, policy in ACK_ROWS:
+                settle_writeback(args.dir)
+                acked[(acks, rf, policy)].append(
+                    run_ack_row(bootstrap, acks, rf, policy, args.seconds)
+                )
+                print(f"alone: acks={acks} RF {rf} {policy} done", file=sys.stderr)
         report: dict[str, Any] = {
             "date": time.strftime("%Y-%m-%d"),
             "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
@@ -407,15 +579,25 @@ def main(argv: list[str] | None = None) -> int:
                     "ack": _median_row(runs, "ack"),
                 }
                 for (acks, rf, rate), runs in results.items()
+                if runs
             ],
+            "ack_rows": [
+                {"acks": acks, "rf": rf, "policy": policy, "ack": _median_row(runs, "ack")}
+                for (acks, rf, policy), runs in acked.items()
+            ],
+            "floors": {
+                what: {q: _spread([f[what][q] for f in floors]) for q in ("p50_ms", "p99_ms")}
+                for what in ("disk", "empty", "produce", "produce_all")
+            },
         }
         curves = {}
-        for (acks, rf, rate), runs in results.items():
+        for (acks, rf, rate), runs in results.items() if not args.skip_e2e else ():
             merged = _histogram()
             for r in runs:
                 merged.add(_decode(r["consumer"]["e2e"]))
             curves[f"acks={acks}, RF {rf}, {rate:,}/s"] = merged
-        _plot(curves, DOCS_IMG / "latency-cdf.png" if args.write_docs else work / "cdf.png")
+        if curves:
+            _plot(curves, DOCS_IMG / "latency-cdf.png" if args.write_docs else work / "cdf.png")
         if args.soak_minutes:
             report["soak"] = soak(connect, bootstrap, agents, args.soak_minutes)
     finally:

@@ -361,9 +361,13 @@ class ReplicaFetchers:
         group-commit fsync of what was just appended, so an acknowledged record is on the disk
         of every in-sync replica and survives all of them losing power at once; under
         ``interval`` and ``never``, nothing (in memory, as Kafka's acks=all)."""
-        await asyncio.gather(
-            *(p.committer.wait_acknowledgeable(p.log.log_end_offset) for p in partitions)
-        )
+        waits = [
+            p.committer.wait_acknowledgeable(end)
+            for p in partitions
+            if not p.committer.acknowledgeable(end := p.log.log_end_offset)
+        ]  # (none under ``interval`` and ``never``: no task per partition per fetch)
+        if waits:
+            await asyncio.gather(*waits)
 
     def _apply(self, resp: m.FetchResponse, partitions: list[Partition]) -> list[Partition]:
         """Append what the leader sent; returns the partitions that got records."""
