@@ -541,8 +541,8 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(_warm(bootstrap, name))
         for _, rf, policy in ACK_ROWS:
             name = _ack_topic(rf, policy)
-            configs_ = {"min.insync.replicas": min(rf, 2), "fsync.policy": policy}
-            asyncio.run(_create(connect, name, rf, configs_))
+            topic_configs = {"min.insync.replicas": min(rf, 2), "fsync.policy": policy}
+            asyncio.run(_create(connect, name, rf, topic_configs))
             asyncio.run(_warm(bootstrap, name))
         results: dict[tuple[str, int, int], list[dict[str, Any]]] = {row: [] for row in ROWS}
         acked: dict[tuple[str, int, str], list[dict[str, Any]]] = {row: [] for row in ACK_ROWS}
