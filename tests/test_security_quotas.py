@@ -203,7 +203,7 @@ def _p99(xs: list[float]) -> float:
 def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     cluster: Cluster, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
-    """Alice (a process of her own) sends as fast as she may for 22 s under a 1 MB/s quota;
+    """Alice (a process of her own) sends as fast as she may for 26 s under a 1 MB/s quota;
     her rate is taken over a 10 s window. Then Bob's produce latency is sampled in blocks,
     with Alice stopped (SIGSTOP: Bob alone, his unthrottled latency) and running by turns, so
     that the machine's own noise falls on both alike."""
@@ -211,7 +211,7 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     out = tmp_path / "alice.json"
     argv = [sys.executable, "-m", "tests.greedy_producer", "--bootstrap", cluster.bootstrap]
     argv += ["--user", "alice", "--password", PASSWORDS["alice"], "--topic", "greedy"]
-    argv += ["--seconds", "22", "--out", str(out)]
+    argv += ["--seconds", "26", "--out", str(out)]
     started = time.monotonic()
     alice = cluster.processes.start(argv, name="alice", cwd=ROOT)
     alone: list[float] = []
@@ -222,7 +222,9 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
         async with Producer(conf) as producer:
             await _latencies(producer, 10)  # connection, login, metadata
             await asyncio.sleep(max(0.0, started + 12 - time.monotonic()))  # the window is over
-            for _ in range(8):  # 640 samples a side: a p99 of 300 swung with the machine
+            # 960 samples a side: a p99 of 300 swung with the machine, and one of 640 (the
+            # 7th-largest sample) put a quiet CI run at 2.1x (2.7 ms alone, 5.8 ms beside)
+            for _ in range(12):
                 os.kill(alice.pid, signal.SIGSTOP)
                 try:
                     alone.extend(await _latencies(producer, 80))
@@ -231,12 +233,13 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
                 beside.extend(await _latencies(producer, 80))
 
     asyncio.run(bob())
-    assert time.monotonic() < started + 21, "the latency blocks outlasted alice"
+    assert time.monotonic() < started + 25, "the latency blocks outlasted alice"
     assert alice.wait(30) == 0
     result = json.loads(out.read_text())
     rate = _rate([(t, n) for t, n in result["acks"]], started + 1, started + 11)
     assert 0.9 * RATE <= rate <= 1.1 * RATE, f"{rate:,.0f} B/s against a quota of {RATE:,}"
     assert result["throttle_ms"] > 0, "the answers said they were held"
+    print(f"bob's p99: {_p99(alone) * 1000:.2f} ms alone, {_p99(beside) * 1000:.2f} ms beside alice")
     assert _p99(beside) <= 2 * _p99(alone), (
         f"bob's p99 {_p99(beside) * 1000:.1f} ms beside a throttled alice, "
         f"{_p99(alone) * 1000:.1f} ms alone"
