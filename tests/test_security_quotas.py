@@ -239,7 +239,9 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     rate = _rate([(t, n) for t, n in result["acks"]], started + 1, started + 11)
     assert 0.9 * RATE <= rate <= 1.1 * RATE, f"{rate:,.0f} B/s against a quota of {RATE:,}"
     assert result["throttle_ms"] > 0, "the answers said they were held"
-    print(f"bob's p99: {_p99(alone) * 1000:.2f} ms alone, {_p99(beside) * 1000:.2f} ms beside alice")
+    print(
+        f"bob's p99: {_p99(alone) * 1000:.2f} ms alone, {_p99(beside) * 1000:.2f} ms beside alice"
+    )
     assert _p99(beside) <= 2 * _p99(alone), (
         f"bob's p99 {_p99(beside) * 1000:.1f} ms beside a throttled alice, "
         f"{_p99(alone) * 1000:.1f} ms alone"
