@@ -258,8 +258,11 @@ async def _warm(bootstrap: str, topic: str) -> None:
 
 
 def _ms(samples_ns: list[int]) -> dict[str, float]:
-    q = statistics.quantiles(samples_ns, n=100)
-    return {"p50_ms": q[49] / 1e6, "p99_ms": q[98] / 1e6}
+    h = _histogram()
+    for ns in samples_ns:
+        h.record_value(max(1, ns // 1000))
+    summary = _summary(h)
+    return {"p50_ms": summary["p50_ms"], "p99_ms": summary["p99_ms"]}
 
 
 def disk_floor(directory: Path, n: int = FLOOR_SAMPLES) -> dict[str, float]:

@@ -278,6 +278,9 @@ class Apis:
         timeout_ms: int,
         acks: int,
     ) -> None:
+        if acks == 1 and all(p.committer.acknowledgeable(end) for _, p, end in pending):
+            return  # (``interval`` and ``never``: the leader's page cache is enough)
+
         async def one(result: m.ProducePartitionResult, p: Partition, end: int) -> None:
             epoch = p.state.leader_epoch
             try:
@@ -307,8 +310,6 @@ class Apis:
             result.error_code = RequestTimedOutError.code
             result.error_message = f"not durable within {timeout_ms} ms"
 
-        if acks == 1 and all(p.committer.acknowledgeable(end) for _, p, end in pending):
-            return  # (``interval`` and ``never``: the leader's page cache is enough)
         limit = max(timeout_ms, 1) / 1000
         if len(pending) == 1:  # the common case: no task, no asyncio.wait
             try:

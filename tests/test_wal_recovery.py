@@ -274,6 +274,21 @@ def test_segments_past_a_torn_tail_are_removed(tmp_path: Path) -> None:
         assert log.log_end_offset == end
 
 
+def test_the_last_segment_keeps_its_torn_tail_cut_even_with_a_stale_index(tmp_path: Path) -> None:
+    # a sealed segment whose successor could not be created is reopened as the active one
+    # with its index file still there; appends go on, and its torn tail is still a tail
+    records, _ = build(tmp_path, seed=14, batches=60, count=2, value_size=150)
+    active = segment_files(tmp_path)[-1]
+    active.with_suffix(".index").write_bytes(
+        segment_files(tmp_path)[-2].with_suffix(".index").read_bytes()
+    )
+    with active.open("ab") as f:
+        f.write(b"\x00" * 20)  # bytes of an append that never completed
+    with PartitionLog.open(tmp_path, config(fsync_policy="interval")) as log:
+        assert read_all(log) == records
+    assert not list(tmp_path.glob("*.quarantined"))
+
+
 def test_a_short_segment_before_an_indexed_one_is_corruption(tmp_path: Path) -> None:
     # an index is written only after an fsync covered its segment and every one before it:
     # a short segment before an indexed one was not torn by a crash

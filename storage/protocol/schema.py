@@ -166,9 +166,10 @@ class _FixedRun:
 
     def decode(self, buf: memoryview, pos: int) -> tuple[tuple[Any, ...], int]:
         end = pos + self.min_size
-        if end > len(buf):
+        if end > len(buf):  # field by field, for the error that names where the frame ends
+            at = pos
             for _, t in self.fields:
-                _, pos = t.decode(buf, pos)  # raises where the frame ends
+                _, at = t.decode(buf, at)
         return self.s.unpack_from(buf, pos), end
 
 

@@ -32,9 +32,10 @@ Theory of operation
   an older one. The segment that ends short (cut, or followed by a gap) is then the log's
   end, and the segments after it are removed: segments are fsynced in order, so nothing past
   a torn tail was ever covered by an fsync. Any other failure (a bad batch followed by good
-  ones, a bad or short indexed segment, a gap after one) is corruption: the segment is renamed ``*.quarantined`` and ``CorruptSegmentError`` is raised,
-  now and on every later open, until an operator or a replica repairs the partition. Records
-  are never skipped silently.
+  ones, a bad or short indexed segment before the last, a gap after one) is corruption: the
+  segment is renamed ``*.quarantined`` and ``CorruptSegmentError`` is raised, now and on every
+  later open, until an operator or a replica repairs the partition. Records are never skipped
+  silently.
 * **Reads** return whole batches as zero-copy slices of a segment's mmap, from the batch that
   holds the requested offset, at least one batch and otherwise at most ``max_bytes``.
 * **Transactions** (``storage.wal.txn``): every append (and the header walk at open) updates
@@ -207,16 +208,19 @@ class PartitionLog:
         # A segment's index is written only after an fsync covered the whole sealed segment,
         # and segments are fsynced in order: past the last indexed segment nothing is known to
         # have reached the disk, so a tail can be torn there (see *Recovery*).
-        indexed = {n[: -len(INDEX_SUFFIX)] for n in names if n.endswith(INDEX_SUFFIX)}
+        # (The last segment can always tear: reopened as the active one, a sealed segment
+        # keeps its old index file until it is sealed again.)
         last_indexed = max(
-            (i for i, p in enumerate(logs) if p.name[: -len(LOG_SUFFIX)] in indexed), default=-1
+            (i for i, p in enumerate(logs) if p.with_suffix(INDEX_SUFFIX).name in names),
+            default=-1,
         )
         segments: list[Segment] = []
         try:
             for i, path in enumerate(logs):
                 seg = Segment.open_existing(path, config.index_interval_bytes)
                 segments.append(seg)
-                last, tear_ok = i == len(logs) - 1, i > last_indexed
+                last = i == len(logs) - 1
+                tear_ok = last or i > last_indexed
                 cut = _recover(seg, last=last, tear_ok=tear_ok, verify_all=verify_all)
                 if i and seg.base_offset != segments[i - 1].next_offset:
                     raise seg.quarantine(
@@ -225,7 +229,7 @@ class PartitionLog:
                         ),
                         0,
                     )
-                if not last and tear_ok and (cut or _base_of(logs[i + 1]) != seg.next_offset):
+                if not last and tear_ok and (cut or int(logs[i + 1].stem) != seg.next_offset):
                     _drop_past_torn_tail(seg, logs[i + 1 :])
                     break
         except BaseException:
@@ -644,10 +648,6 @@ def _recover(seg: Segment, *, last: bool, tear_ok: bool, verify_all: bool) -> bo
     raise seg.quarantine(result.error, result.valid_size)
 
 
-def _base_of(path: Path) -> int:
-    return int(path.name[: -len(LOG_SUFFIX)])
-
-
 def _drop_past_torn_tail(seg: Segment, later: list[Path]) -> None:
     """``seg`` ends short of the next segment: the log's torn tail spans segments. Under a
     policy that does not fsync at a roll, a power loss can keep the names of segments created
@@ -656,7 +656,7 @@ def _drop_past_torn_tail(seg: Segment, later: list[Path]) -> None:
     (segments are fsynced in order), so the later segments are removed and ``seg`` is the
     log's active segment again."""
     for path in later:
-        for p in (path, path.with_name(path.name[: -len(LOG_SUFFIX)] + INDEX_SUFFIX)):
+        for p in (path, path.with_suffix(INDEX_SUFFIX)):
             with storage_errors(f"cannot delete {p}"):
                 fileio.fs.unlink(p, missing_ok=True)
     with storage_errors(f"cannot fsync {seg.directory}"):
