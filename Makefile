@@ -77,7 +77,7 @@ $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,bench]"
 	@touch $(BENCH_STAMP)
 
-# 3 alternated rounds, medians (about 15 min); BENCH_ARGS="--rounds 1 --scale 0.1" for a short run
+# 3 alternated rounds, medians (about 12 min); BENCH_ARGS="--rounds 1 --scale 0.1" for a short run
 bench-compare: bench-venv
 	$(PY) -m bench.compare_bench --write-docs $(BENCH_ARGS)
 

@@ -1,21 +1,28 @@
 """Strata against the physical limits and against the systems users would pick instead.
 
 Run with ``make bench-compare`` (``python -m bench.compare_bench [--write-docs]``; part of
-``make bench``). Everything is measured in this run, on loopback, with the same message sizes:
+``make bench``). Everything is measured in this run, on loopback, with the same message sizes,
+in ``--rounds`` alternated rounds (3 by default; odd rounds run the peers before Strata); each
+published figure is the median over the rounds with its min-max range, and each ratio is taken
+within a round before its median is taken:
 
-* **limits**: the disk's sequential write rate with ``fdatasync`` (``dd``, best of 3), 4 KiB
-  write+``fdatasync`` per second, loopback TCP bandwidth (one connection, 1 MiB writes);
-* **Strata**: produce 100 B / 1 KiB / 10 KiB, tuned for throughput (linger 5 ms, 1 MiB batches, 4 MiB requests;
-  per-message ``send`` and bulk ``send_batch``) with acks=1 on one agent and acks=all, RF=3 on
-  three agents; latency tuned (linger 0) at a fixed moderate rate: produce→ack and
-  produce→consume p50/p99/p99.9; consume from the agent's disk and from the object tier
-  (moto S3); agent peak RSS under overload;
-* **peers** (``bench/peers.py``): NATS JetStream (file storage), Redis Streams (AOF everysec),
-  RabbitMQ streams — same sizes, their usual Python clients, pipelined for throughput and one
-  awaited publish at a time for latency.
+* **limits**: the disk with the WAL's write pattern (1 MiB and 4 KiB appends, an
+  ``fdatasync`` after each), dd's one long write for reference, loopback TCP bandwidth (one
+  connection, 1 MiB writes);
+* **Strata**: produce 100 B / 1 KiB / 10 KiB, tuned for throughput (linger 5 ms, 1 MiB
+  batches, 4 MiB requests; per-message ``send`` and bulk ``send_batch``) with acks=1 on one
+  agent (``fsync.policy=always``, and ``interval`` at 1 KiB) and acks=all, RF=3 on three
+  agents; latency tuned (linger 0) at a fixed moderate rate: produce→ack and produce→consume
+  p50/p99/p99.9; consume from the agent's disk and from the object tier (moto S3); agent peak
+  RSS under overload;
+* **peers** (``bench/peers.py``): NATS JetStream, Redis Streams, RabbitMQ streams — same
+  sizes, their usual Python clients, pipelined for throughput and one awaited publish at a
+  time for latency; NATS and Redis also with an fsync per write (1 KiB), for the
+  same-durability table.
 
-Results: ``bench/results/compare.json``, plots under ``docs/img/``, and with ``--write-docs``
-the generated section of ``docs/benchmarks.md``. Each scenario is bounded in time
+Results: ``bench/results/compare.json`` (medians, ranges and every round), plots under
+``docs/img/``, and with ``--write-docs`` the generated section of ``docs/benchmarks.md``
+(``--from-json`` renders a saved result again). Each scenario is bounded in time
 (``--seconds`` per throughput run) and every child process stops with the benchmark.
 """
 
@@ -962,6 +969,23 @@ def _values(rounds: list[dict[str, Any]], *path: str) -> list[float]:
     return _numbers([_get(r, *path) for r in rounds])
 
 
+#: what an acknowledgement means for each row of the throughput and latency tables
+DURABILITY = {
+    "Strata acks=all": "fsync (group commit) on every in-sync replica",
+    "interval": "in the page cache; fsync within 50 ms",
+    "Strata": "fsync (group commit) before the ack",
+    "fsync per write": "fsync per write before the ack",
+    "NATS JetStream": "in the page cache; fsync every 2 min",
+    "Redis Streams": "in the page cache; AOF fsync once a second",
+    "RabbitMQ streams": "in the page cache; fsync left to the OS",
+}
+
+
+def _durability(row: str) -> str:
+    """The first entry of ``DURABILITY`` whose key the row's name contains."""
+    return next((text for key, text in DURABILITY.items() if key in row), "")
+
+
 def same_durability(r: dict[str, Any]) -> list[str]:
     """Strata against each peer at the same durability: fsync before the acknowledgement, and
     no fsync before it. Each ratio is taken within a round; the cell is its median (range)."""
@@ -1060,13 +1084,13 @@ def render(r: dict[str, Any]) -> str:
         " linger 5 ms, 1 MiB batches, 4 MiB requests; peers in their usual settings, see the"
         " same-durability table below for the others):",
         "",
-        "| system | 100 B msgs/s | 100 B MB/s | 1 KiB msgs/s | 1 KiB range | 1 KiB MB/s | 10 KiB msgs/s | 10 KiB MB/s | 1 KiB ÷ disk (1 MiB appends) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | durability at the ack | 100 B msgs/s | 100 B MB/s | 1 KiB msgs/s | 1 KiB range | 1 KiB MB/s | 10 KiB msgs/s | 10 KiB MB/s | 1 KiB ÷ disk (1 MiB appends) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
 
     def row(name: str, cells: dict[str, Any], path_1k: tuple[str, ...]) -> str:
         """``path_1k``: where a round keeps this row's 1 KiB figures (for the range)."""
-        parts = [f"| {name} "]
+        parts = [f"| {name} | {_durability(name)} "]
         for s in SIZES:
             c = cells.get(str(s))
             if c is None:
@@ -1098,7 +1122,7 @@ def render(r: dict[str, Any]) -> str:
         lines.append(row(name, p["produce"], ("peers", name, "produce", "1024")))
     for name, p in r["peers"].items():
         if "error" in p and "produce" not in p:
-            lines.append(f"| {name} | not measured: {p['error']} ||||||||")
+            lines.append(f"| {name} | | not measured: {p['error']} ||||||||")
     best = ("strata_acks1", "1024", "send_batch", "mb_per_s")
     one = ("strata_acks1", "1024", "send", "mb_per_s")
     to_disk = _per_round(rounds, best, ("limits", "append_1mib_mb_per_s"))
@@ -1135,10 +1159,10 @@ def render(r: dict[str, Any]) -> str:
     ]
     lines += [
         "",
-        f"**Latency** at a fixed {r['rate']:,} msgs/s of 1 KiB for {r['latency_seconds']:g} s, tuned for latency (Strata linger 0; peers: one awaited publish per message), ms. Two paced runs per system: *ack* with nothing else in the client process; *consume* (and *ack with consumer*) with a consumer in the producer's event loop. The fsync-per-write peers ran the *ack* run only:",
+        f"**Latency** at a fixed {r['rate']:,} msgs/s of 1 KiB for {r['latency_seconds']:g} s, tuned for latency (Strata linger 0; peers: one awaited publish per message), ms. Two paced runs per system: *ack* with nothing else in the client process; *consume* (and *ack with consumer*) with a consumer in the producer's event loop. The fsync-per-write peers ran both latency runs at 1 KiB (their other sizes and consume throughput are not measured):",
         "",
-        "| system | ack p50 | ack p99 (range) | ack p99.9 | consume p50 | consume p99 | consume p99.9 | ack with consumer p50 / p99 | achieved msgs/s |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| system | durability at the ack | ack p50 | ack p99 (range) | ack p99.9 | consume p50 | consume p99 | consume p99.9 | ack with consumer p50 / p99 | achieved msgs/s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     nan = float("nan")
     for name, path in lat_rows:
@@ -1146,7 +1170,7 @@ def render(r: dict[str, Any]) -> str:
         a, e, ac = lt["ack"], lt.get("e2e", {}), lt.get("ack_with_consumer", {})
         p99 = _spread(_values(rounds, *path, "ack", "p99_ms"), "{:.2f}")
         lines.append(
-            f"| {name} | {a['p50_ms']:.2f} | {p99} | {a['p999_ms']:.2f} | "
+            f"| {name} | {_durability(name)} | {a['p50_ms']:.2f} | {p99} | {a['p999_ms']:.2f} | "
             f"{e.get('p50_ms', nan):.2f} | {e.get('p99_ms', nan):.2f} | {e.get('p999_ms', nan):.2f} | "
             f"{ac.get('p50_ms', nan):.2f} / {ac.get('p99_ms', nan):.2f} | {lt['achieved_rate']:,.0f} |"
         )
