@@ -1036,7 +1036,7 @@ def same_durability(r: dict[str, Any]) -> list[str]:
             peer = (group, name, "produce", *k1, "msgs_per_s")
             peer_p99 = (group, name, "latency", "ack", "p99_ms")
             if not _values(rounds, *peer):
-                error = _get(r, group, name, "error") or "not measured"
+                error = _get(r, group, name, "error") or "not run (`--peers`)"
                 lines.append(f"| {label} | {name} | {setting} | not measured: {error} |||||")
                 continue
             lines.append(
@@ -1368,6 +1368,14 @@ def summarize(rounds: list[Any], pick: Callable[[list[float]], Any]) -> Any:
     return pick(numbers) if numbers and len(numbers) == len(rounds) else rounds[0]
 
 
+def combine(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The published result: each figure's median over the rounds, its ``range`` (min, max),
+    and the ``rounds`` themselves (raw samples left out), from which ratios are taken."""
+    kept = [_strip(r) for r in rounds]
+    result: dict[str, Any] = summarize(kept, lambda xs: float(np.median(xs)))
+    return result | {"rounds": kept, "range": summarize(kept, lambda xs: [min(xs), max(xs)])}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Strata vs physical limits and peers")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (medians)")
@@ -1402,8 +1410,7 @@ def main(argv: list[str] | None = None) -> int:
             rounds.append(one_round(work, args, index))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    kept = [_strip(r) for r in rounds]
-    result: dict[str, Any] = summarize(kept, lambda xs: float(np.median(xs)))
+    result = combine(rounds)
     result |= {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
@@ -1412,8 +1419,6 @@ def main(argv: list[str] | None = None) -> int:
         "rate": args.rate,
         "latency_seconds": args.latency_seconds,
         "shared": args.shared,
-        "rounds": kept,
-        "range": summarize(kept, lambda xs: [min(xs), max(xs)]),
         "elapsed_s": time.perf_counter() - began,
         # the CDF plots show the first round's samples
         "_lat": rounds[0]["_lat"],
