@@ -61,11 +61,15 @@ from bench.storage_bench import disk_rates, fsyncs_per_second
 from infra.agents import AgentProcess, start_agent
 from infra.zookeeper import start_zookeeper
 from sdk import Consumer, Producer, TopicPartition
+from storage.config import LogConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (100, 1024, 10240)
 STAMP = struct.Struct(">d")
 MiB = 1 << 20
+INTERVAL = {"fsync.policy": "interval"}
+#: the default ``fsync.interval.ms``, which the interval rows run with
+INTERVAL_MS = LogConfig.model_fields["fsync_interval_ms"].default
 
 
 def _count(size: int, scale: float) -> int:
@@ -972,7 +976,7 @@ def _values(rounds: list[dict[str, Any]], *path: str) -> list[float]:
 #: what an acknowledgement means for each row of the throughput and latency tables
 DURABILITY = {
     "Strata acks=all": "fsync (group commit) on every in-sync replica",
-    "interval": "in the page cache; fsync within 50 ms",
+    "interval": f"in the page cache; fsync within {INTERVAL_MS} ms",
     "Strata": "fsync (group commit) before the ack",
     "fsync per write": "fsync per write before the ack",
     "NATS JetStream": "in the page cache; fsync every 2 min",
@@ -1004,7 +1008,7 @@ def same_durability(r: dict[str, Any]) -> list[str]:
             "no fsync before the ack",
             ("strata_acks1_interval",),
             ("lat_strata_acks1_interval",),
-            "Strata acks=1, `fsync.policy=interval` (an fsync every 50 ms by default)",
+            f"Strata acks=1, `fsync.policy=interval` (an fsync every {INTERVAL_MS} ms by default)",
             "peers",
             {
                 "NATS JetStream": "`sync_interval` 2 min (default)",
@@ -1235,7 +1239,6 @@ def render(r: dict[str, Any]) -> str:
 # ------------------------------------------------------------------ main
 
 
-INTERVAL = {"fsync.policy": "interval"}
 #: peers with a setting that fsyncs before the acknowledgement (``bench/peers.py``)
 DURABLE_PEERS = ("nats", "redis")
 
@@ -1314,19 +1317,15 @@ def _peers_round(r: dict[str, Any], work: Path, args: argparse.Namespace) -> Non
             if packages[key] in problems:
                 into[client.name] = {"error": problems[packages[key]]}
                 continue
+            directory = work / f"{key}-{int(durable)}"
             try:
-                peer = start(
-                    work / f"{key}-{int(durable)}", **({"durable": True} if durable else {})
-                )
+                peer = start(directory, durable=True) if durable else start(directory)
             except PeerUnavailable as exc:
                 into[client.name] = {"error": str(exc).splitlines()[0][:300]}
                 continue
+            sizes, consume = ((1024,), False) if durable else (SIZES, True)
             try:
-                run = (
-                    run_peer(client(peer), args, (1024,), False)
-                    if durable
-                    else run_peer(client(peer), args)
-                )
+                run = run_peer(client(peer), args, sizes, consume)
                 raw = asyncio.run(asyncio.wait_for(run, timeout=300))
                 if not durable:
                     r["_peers_raw"][client.name] = {"_latency": raw["latency"]}
@@ -1426,7 +1425,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     # saved before rendering, so that a render bug loses no run (``--from-json``)
     save_result("compare", {k: v for k, v in result.items() if not k.startswith("_")})
-    plots(result, ROOT / "docs" / "img")
+    # the docs' plots change only with the docs' tables
+    plots(result, ROOT / ("docs" if args.write_docs else "bench/results") / "img")
     table = render(result)
     publish("compare", table, result, write_docs=args.write_docs)
     return 0
