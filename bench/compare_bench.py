@@ -48,7 +48,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import create_topic, publish, save_result, settle_writeback
+from bench.common import create_topic, publish, save_result, settle_writeback, spread
 from bench.peers import (
     Peer,
     PeerUnavailable,
@@ -97,10 +97,6 @@ def _rate(n: int, size: int, seconds: float) -> dict[str, float]:
         "msgs_per_s": n / seconds,
         "mb_per_s": n * size / 1e6 / seconds,
     }
-
-
-def _payload(size: int) -> bytes:
-    return STAMP.pack(time.perf_counter()) + os.urandom(max(0, size - STAMP.size))
 
 
 # ------------------------------------------------------------------ physical limits
@@ -937,10 +933,6 @@ def plots(r: dict[str, Any], img: Path) -> list[str]:
     return ["img/bench-throughput.png", "img/bench-latency-cdf.png"]
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b else "n/a"
-
-
 def _get(tree: Any, *path: str) -> Any:
     for key in path:
         if not isinstance(tree, dict) or key not in tree:
@@ -953,10 +945,10 @@ def _spread(values: list[float], fmt: str = "{:,.0f}") -> str:
     """``median (min-max)`` of per-round values."""
     if not values:
         return "n/a"
-    med = float(np.median(values))
+    s = spread(values)
     if len(values) == 1:
-        return fmt.format(med)
-    return f"{fmt.format(med)} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+        return fmt.format(s["median"])
+    return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}-{fmt.format(s['max'])})"
 
 
 def _per_round(rounds: list[dict[str, Any]], a: tuple[str, ...], b: tuple[str, ...]) -> list[float]:

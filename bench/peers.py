@@ -139,8 +139,12 @@ def start_nats(directory: Path, durable: bool = False) -> Peer:
     _wait_port(process, port, log, 20, "nats-server")
     peer = Peer("nats", port, log, process, extra={"monitor": monitor})
     if durable:
-        with urllib.request.urlopen(f"http://{HOST}:{monitor}/varz", timeout=5) as answer:
-            varz = json.load(answer)
+        try:
+            with urllib.request.urlopen(f"http://{HOST}:{monitor}/varz", timeout=5) as answer:
+                varz = json.load(answer)
+        except (OSError, ValueError) as exc:  # no answer, or not JSON: not shown durable
+            peer.stop()
+            raise PeerUnavailable(f"nats-server /varz unreadable: {exc}") from exc
         if not varz.get("jetstream", {}).get("config", {}).get("sync_always"):
             peer.stop()
             raise PeerUnavailable(f"nats-server {varz.get('version')} does not sync always")
