@@ -33,6 +33,9 @@ from broker_agents.kafka.admin import KafkaTopicAdmin
 from broker_agents.kafka.apis import KafkaApis
 from broker_agents.kafka.codec import KafkaCodec
 from broker_agents.partitions import PartitionManager
+from storage.wal.agent import AgentWal, AgentWalConfig
+from storage.wal.agent import replay as replay_wal
+from storage.wal.agent.journal import WAL_DIRECTORY
 from broker_agents.rebalancer import Rebalancer, RebalanceSettings
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
@@ -101,6 +104,18 @@ class Agent:
         )
         self.store = MetadataStore(self.zk)
         self.partitions = PartitionManager(config.agent_id, config.data_dir)
+        self.wal: AgentWal | None = None
+        if config.wal_mode == "agent":
+            self.wal = AgentWal(
+                config.data_dir / WAL_DIRECTORY,
+                AgentWalConfig(
+                    segment_bytes=config.wal_segment_bytes,
+                    max_bytes=config.wal_max_bytes,
+                    checkpoint_interval_ms=config.wal_checkpoint_interval_ms,
+                    fsync_interval_ms=config.wal_fsync_interval_ms,
+                ),
+            )
+            self.partitions.wal = self.wal
         self.partitions.on_disk_failure = self._disk_failure
         self.view = ClusterView()
         self.tiering = Tiering(
@@ -329,6 +344,24 @@ class Agent:
 
     async def run(self, on_ready: Callable[[str, int], None] | None = None) -> None:
         fileio.fs.make_dirs(self.config.data_dir)
+        if self.wal is not None:
+            # before any partition opens: the partition logs get back what only the WAL held
+            started = time.monotonic()
+            replayed = await asyncio.to_thread(
+                replay_wal, self.wal.directory, self.config.data_dir
+            )
+            if replayed.files:
+                log.info(
+                    "agent WAL replayed: %d file(s), %d entries, %d batches appended again to"
+                    " %d partition(s), %d torn bytes cut, in %.3f s",
+                    replayed.files,
+                    replayed.entries,
+                    replayed.batches_appended,
+                    replayed.partitions,
+                    replayed.torn_bytes,
+                    time.monotonic() - started,
+                )
+            await asyncio.to_thread(self.wal.open)
         await self.zk.start()
         try:
             await self.store.init()
@@ -369,6 +402,8 @@ class Agent:
                 tg.create_task(self.transactions.run(), name="txn-coordinator")
                 tg.create_task(self.removal.run(), name="topic-removal")
                 tg.create_task(self._sweep_stray_directories(), name="stray-directories")
+                if self.wal is not None:
+                    tg.create_task(self.wal.run(), name="agent-wal")
                 await self._stop.wait()
                 raise _Stop
         except* _Stop:
@@ -382,6 +417,8 @@ class Agent:
                 await self.kafka_server.stop()
             self.auth.close()
             await self.partitions.close()
+            if self.wal is not None:
+                await self.wal.close()
             await self.zk.stop()
 
     # ---- registration and session -----------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 
@@ -98,6 +99,17 @@ class AgentConfig(_Config):
     # a connection that sends nothing (or takes no answer) for this long is closed
     connections_max_idle_ms: int = Field(600_000, alias="connections.max.idle.ms", ge=100)
     # produce is refused (LogDirFullError, retriable) while the data directory has less free
+    # ---- the agent WAL (docs/architecture.md, "The agent WAL") ------------------------------
+    # agent: one WAL per data directory makes every partition's appends durable (one fsync a
+    # round, however many partitions); partition: each partition log fsyncs its own files
+    wal_mode: Literal["agent", "partition"] = Field("agent", alias="wal.mode")
+    # a checkpoint (partition files fsynced, older WAL files removed) starts at this size...
+    wal_max_bytes: int = Field(256 << 20, alias="wal.max.bytes", ge=1 << 16)
+    # ...or this long after the last one
+    wal_checkpoint_interval_ms: int = Field(30_000, alias="wal.checkpoint.interval.ms", ge=10)
+    wal_segment_bytes: int = Field(64 << 20, alias="wal.segment.bytes", ge=1 << 12)
+    # the fsync period of topics with fsync.policy=interval (one agent-wide flusher)
+    wal_fsync_interval_ms: int = Field(50, alias="wal.fsync.interval.ms", ge=1)
     log_dir_min_free_bytes: int = Field(256 << 20, alias="log.dir.min.free.bytes", ge=0)
     replica_fetch_max_bytes: int = Field(8 << 20, alias="replica.fetch.max.bytes", ge=1024)
     replica_fetch_wait_max_ms: int = Field(500, alias="replica.fetch.wait.max.ms", ge=0)

@@ -36,7 +36,9 @@ from pathlib import Path
 
 from storage.errors import NotLeaderError, StorageError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
+from storage.config import FsyncPolicy
 from storage.wal import GroupCommitLog, PartitionLog, fileio
+from storage.wal.agent import AgentWal, WalPartition
 from storage.wal.partition_meta import read_topic_id, write_topic_id
 
 log = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ class Partition:
     config: TopicConfig
     state: PartitionState
     log: PartitionLog
-    committer: GroupCommitLog
+    committer: GroupCommitLog | WalPartition
     role: str  # "leader" | "follower"
     agent_id: int = -1
     topic_id: str = ""  # the incarnation of the topic this log belongs to
@@ -185,6 +187,8 @@ class PartitionManager:
         #: of those, the ones closed after a failed fsync: the end of what their disk holds
         self._durable_end: dict[tuple[str, int], int] = {}
         self._failing: dict[tuple[str, int], asyncio.Task[None]] = {}
+        #: the agent WAL (None: each partition log fsyncs its own files)
+        self.wal: AgentWal | None = None
 
     def directory(self, topic: str, partition: int) -> Path:
         return self.data_dir / f"{topic}-{partition}"
@@ -294,7 +298,15 @@ class PartitionManager:
             if current is None:
                 assert config is not None
                 plog = await self._open_log(topic, partition, config, role, topic_id)
-                committer = GroupCommitLog(plog)
+                committer: GroupCommitLog | WalPartition
+                if self.wal is not None and plog.config.fsync_policy != FsyncPolicy.NEVER:
+                    try:
+                        committer = self.wal.register(plog, topic_id)
+                    except BaseException:
+                        plog.close()
+                        raise
+                else:
+                    committer = GroupCommitLog(plog)
                 await committer.start()
                 current = Partition(
                     topic,

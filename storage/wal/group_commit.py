@@ -37,6 +37,12 @@ def set_fsync_observer(observer: Callable[[float], None] | None) -> None:
     _fsync_observer = observer
 
 
+def observe_fsync(seconds: float) -> None:
+    """Report one fsync's duration to the observer (the agent WAL's fsyncs count too)."""
+    if _fsync_observer is not None:
+        _fsync_observer(seconds)
+
+
 class GroupCommitLog:
     def __init__(self, log: PartitionLog) -> None:
         self.log = log

@@ -147,6 +147,10 @@ class PartitionLog:
         self._failed: StorageError | None = None
         #: after a failed fsync: ``flushed_offset`` then, the end of what is known to be on disk
         self.durable_end_at_failure: int | None = None
+        #: the agent WAL's front (``storage.wal.agent.journal.WalPartition``), told of every
+        #: append, truncation and restart; with one, a roll does not fsync (the WAL is the
+        #: durability)
+        self.journal: Any = None
         #: told (on the thread that owns the log) when a disk error fences the log
         self.on_io_error: Callable[[StorageError], None] | None = None
         self._dir_dirty = False
@@ -323,6 +327,8 @@ class PartitionLog:
         except StorageError as exc:  # disk full, I/O error: the segment was rolled back
             self._report(exc)
             raise
+        if self.journal is not None:
+            self.journal.appended(view, base, leader_epoch, h.size)
         if not self.epochs or self.epochs[-1][0] != leader_epoch:
             self.epochs.append((leader_epoch, base))
         self.producers.update(stamped, now)
@@ -338,7 +344,7 @@ class PartitionLog:
             return old
         old.sealed = True
         old.dirty = True  # its index file is written by the next flush
-        if self.config.fsync_policy == FsyncPolicy.ALWAYS:
+        if self.config.fsync_policy == FsyncPolicy.ALWAYS and self.journal is None:
             # keep "only the last segment can have a torn tail" true for the strictest policy
             try:
                 old.fsync()
@@ -518,6 +524,8 @@ class PartitionLog:
         self.producers.truncate(end)
         self._rebuild_transactions()
         self.flushed_offset = min(self.flushed_offset, self.log_end_offset)
+        if self.journal is not None:
+            self.journal.truncated(end)
         return self.log_end_offset
 
     def delete_segments_before(self, offset: int) -> list[int]:
@@ -574,6 +582,8 @@ class PartitionLog:
         self.transactions = TransactionIndex()  # nothing of the old segments is left
         self.transactions.segment_started(offset)
         self.flushed_offset = offset
+        if self.journal is not None:
+            self.journal.restarted(offset)
 
     # ---- closing -----------------------------------------------------------------------
     def close(self) -> None:
@@ -587,6 +597,21 @@ class PartitionLog:
             self._closed = True
             for s in self._segments:
                 s.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def failed(self) -> bool:
+        return self._failed is not None
+
+    def fail(self, exc: StorageError, *, durable_end: int) -> None:
+        """Fence the log after a disk error elsewhere (the agent WAL's fsync failed): only
+        what is below ``durable_end`` is known to be on disk."""
+        if self._failed is None:
+            self.durable_end_at_failure = max(durable_end, self.log_start_offset)
+            self._fence(exc, fsync_failed=False)
 
     def _fence(self, exc: StorageError, *, fsync_failed: bool) -> StorageError:
         """Stop the log after a disk error and tell ``on_io_error``; returns the error every
