@@ -33,9 +33,6 @@ from broker_agents.kafka.admin import KafkaTopicAdmin
 from broker_agents.kafka.apis import KafkaApis
 from broker_agents.kafka.codec import KafkaCodec
 from broker_agents.partitions import PartitionManager
-from storage.wal.agent import AgentWal, AgentWalConfig
-from storage.wal.agent import replay as replay_wal
-from storage.wal.agent.journal import WAL_DIRECTORY
 from broker_agents.rebalancer import Rebalancer, RebalanceSettings
 from broker_agents.replication import IsrMaintenance, ReplicaFetchers
 from broker_agents.retention import LocalRetention
@@ -80,6 +77,9 @@ from storage.metadata.users import UserStore
 from storage.protocol import messages as m
 from storage.tls import ReloadingContext, client_context, server_context
 from storage.wal import fileio
+from storage.wal.agent import AgentWal, AgentWalConfig
+from storage.wal.agent import replay as replay_wal
+from storage.wal.agent.journal import WAL_DIRECTORY
 
 log = logging.getLogger(__name__)
 
@@ -347,9 +347,7 @@ class Agent:
         if self.wal is not None:
             # before any partition opens: the partition logs get back what only the WAL held
             started = time.monotonic()
-            replayed = await asyncio.to_thread(
-                replay_wal, self.wal.directory, self.config.data_dir
-            )
+            replayed = await asyncio.to_thread(replay_wal, self.wal.directory, self.config.data_dir)
             if replayed.files:
                 log.info(
                     "agent WAL replayed: %d file(s), %d entries, %d batches appended again to"

@@ -34,9 +34,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from storage.config import FsyncPolicy
 from storage.errors import NotLeaderError, StorageError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
-from storage.config import FsyncPolicy
 from storage.wal import GroupCommitLog, PartitionLog, fileio
 from storage.wal.agent import AgentWal, WalPartition
 from storage.wal.partition_meta import read_topic_id, write_topic_id

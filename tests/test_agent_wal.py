@@ -249,9 +249,7 @@ def check_cut(
 def test_damage_before_the_last_file_is_corruption_not_a_tail(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir()
-    build_history(
-        data, random.Random(5), rounds=12, wal_config=AgentWalConfig(segment_bytes=4096)
-    )
+    build_history(data, random.Random(5), rounds=12, wal_config=AgentWalConfig(segment_bytes=4096))
     files = wal_files(data)
     assert len(files) >= 2
     raw = bytearray(files[0].read_bytes())
@@ -289,9 +287,7 @@ def test_the_wal_stays_under_its_cap_and_a_checkpoint_empties_it(tmp_path: Path)
     async def main() -> tuple[int, int, int, int]:
         wal = AgentWal(
             tmp_path / WAL_DIRECTORY,
-            AgentWalConfig(
-                segment_bytes=32 << 10, max_bytes=cap, fsync_interval_ms=5
-            ),
+            AgentWalConfig(segment_bytes=32 << 10, max_bytes=cap, fsync_interval_ms=5),
         )
         wal.open()
         ticker = asyncio.create_task(wal.run())

@@ -88,9 +88,7 @@ def replay(wal_dir: Path, data_dir: Path) -> ReplayResult:
             with storage_errors(f"cannot read {path}"):
                 fd = os.open(path, os.O_RDWR)
             size = os.fstat(fd).st_size
-            buf: mmap.mmap | None = (
-                mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
-            )
+            buf: mmap.mmap | None = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
             maps.append((fd, buf))
             frames, end, error = read_frames(buf if buf is not None else b"")
             # (a frame's views of ``buf`` live in ``histories`` until the end)
