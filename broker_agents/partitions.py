@@ -301,7 +301,7 @@ class PartitionManager:
                 committer: GroupCommitLog | WalPartition
                 if self.wal is not None and plog.config.fsync_policy != FsyncPolicy.NEVER:
                     try:
-                        committer = self.wal.register(plog, topic_id)
+                        committer = await self.wal.register(plog, topic_id)
                     except BaseException:
                         plog.close()
                         raise

@@ -96,7 +96,7 @@ def test_one_fsync_covers_a_round_over_every_partition(tmp_path: Path) -> None:
             wal = AgentWal(tmp_path / WAL_DIRECTORY)
             wal.open()
             logs = open_logs(tmp_path, 256)
-            fronts = [wal.register(log, "id-t") for log in logs]
+            fronts = [await wal.register(log, "id-t") for log in logs]
             counting.fsyncs.clear()
             rng = random.Random(1)
             expected: dict[int, list[Record]] = {i: [] for i in range(256)}
@@ -128,7 +128,7 @@ def build_history(
     async def main() -> tuple[dict[int, list[Record]], AgentWal]:
         wal = AgentWal(data / WAL_DIRECTORY, wal_config)
         wal.open()
-        fronts = [wal.register(log, "id-t") for log in open_logs(data, 6)]
+        fronts = [await wal.register(log, "id-t") for log in open_logs(data, 6)]
         expected: dict[int, list[Record]] = {i: [] for i in range(6)}
         for r in range(rounds):
             await produce_round(fronts, rng, expected)
@@ -193,7 +193,7 @@ def test_a_torn_wal_tail_is_cut_at_every_byte_of_its_last_frame(tmp_path: Path) 
         wal2._seq = wal._seq  # continue the same file sequence, as a restart would not
         wal2._fd = os.open(wal_files(base)[-1], os.O_RDWR)
         wal2._file_size = os.fstat(wal2._fd).st_size
-        fronts = [wal2.register(log, "id-t") for log in logs]
+        fronts = [await wal2.register(log, "id-t") for log in logs]
         await wal2.sync()
         out = []
         for i, f in enumerate(fronts[:2]):
@@ -291,7 +291,7 @@ def test_the_wal_stays_under_its_cap_and_a_checkpoint_empties_it(tmp_path: Path)
         )
         wal.open()
         ticker = asyncio.create_task(wal.run())
-        fronts = [wal.register(log, "id-t") for log in open_logs(tmp_path, 16)]
+        fronts = [await wal.register(log, "id-t") for log in open_logs(tmp_path, 16)]
         rng = random.Random(2)
         expected: dict[int, list[Record]] = {i: [] for i in range(16)}
         largest = 0

@@ -44,6 +44,10 @@ from tests.harness import ProcessGroup, ZooKeeperChroot
 TOPIC = "events"
 CONFIG = {"fsync.policy": "always", "segment.bytes": 64 << 10, "min.insync.replicas": 2}
 NO_GUARD = "log.dir.min.free.bytes=0"  # let the disk really fill (the guard refuses earlier)
+#: the fsync that makes the partition's acknowledged records durable fails once: the agent
+#: WAL's (wal.mode=agent, the default) or, with wal.mode=partition, the partition files' own
+EIO_ONCE = {"agent": [("/wal/", 1)], "partition": [(f"/{TOPIC}-0/", 1)]}
+WAL_MODES = ["agent", "partition"]
 
 
 @pytest.fixture
@@ -81,10 +85,11 @@ def agent_log(cluster: Cluster, agent_id: int) -> str:
 # ---------------------------------------------------------------- fsync EIO
 
 
+@pytest.mark.parametrize("wal", WAL_MODES)
 def test_fsync_eio_on_one_agent_fences_reopens_and_acknowledges_nothing_it_lost(
-    cluster: Cluster,
+    cluster: Cluster, wal: str
 ) -> None:
-    agent = start_recorded(cluster, 1)
+    agent = start_recorded(cluster, 1, f"wal.mode={wal}")
     cluster.create_topic(TOPIC, 1, 1, CONFIG | {"min.insync.replicas": 1})
     cluster.wait_for_leaders(TOPIC)
     ledger = Ledger()
@@ -95,10 +100,12 @@ def test_fsync_eio_on_one_agent_fences_reopens_and_acknowledges_nothing_it_lost(
             produce(agent, TOPIC, 0, ledger, acks=1, batches=1 << 30, timeout_ms=2000)
         )
         await ledger.wait_acked(300)
-        crashfs.set_faults(journal_dir(cluster, 1), fsync_eio=[(f"/{TOPIC}-0/", 1)])
+        crashfs.set_faults(journal_dir(cluster, 1), fsync_eio=EIO_ONCE[wal])
         # the partition is closed, offline, opened again (cut back to its last good fsync),
         # and acknowledges again: the same connection, the same producer
         await ledger.wait_acked(len(ledger.acked) + 300)
+        # the fault happened once; a restarted process would read the rule afresh
+        crashfs.set_faults(journal_dir(cluster, 1))
         await asyncio.to_thread(power_loss, cluster, 1)
         errors.extend(await task)
 
@@ -108,7 +115,7 @@ def test_fsync_eio_on_one_agent_fences_reopens_and_acknowledges_nothing_it_lost(
     text = agent_log(cluster, 1)
     assert "disk error, closing the partition here" in text
     assert "is offline on this agent" in text
-    agent = start_recorded(cluster, 1)
+    agent = start_recorded(cluster, 1, f"wal.mode={wal}")
     cluster.wait_for_leaders(TOPIC)
     # the power loss after the fault: every acknowledged record, before and after it, is on
     # the disk (had the reopened log trusted the failed fsync, the bytes it never wrote would
@@ -116,11 +123,12 @@ def test_fsync_eio_on_one_agent_fences_reopens_and_acknowledges_nothing_it_lost(
     check_log(asyncio.run(read_log(cluster, TOPIC, 0)), ledger, ledger.acked)
 
 
+@pytest.mark.parametrize("wal", WAL_MODES)
 def test_fsync_eio_on_the_leader_moves_leadership_and_it_rejoins_the_isr(
-    cluster: Cluster,
+    cluster: Cluster, wal: str
 ) -> None:
     for a in (1, 2, 3):
-        start_recorded(cluster, a)
+        start_recorded(cluster, a, f"wal.mode={wal}")
     cluster.create_topic(TOPIC, 1, 3, CONFIG)
     leader, _ = metadata(cluster)
     leader = wait_isr(cluster, [1, 2, 3])
@@ -134,7 +142,7 @@ def test_fsync_eio_on_the_leader_moves_leadership_and_it_rejoins_the_isr(
             )
         )
         await ledger.wait_acked(300)
-        crashfs.set_faults(journal_dir(cluster, leader), fsync_eio=[(f"/{TOPIC}-0/", 1)])
+        crashfs.set_faults(journal_dir(cluster, leader), fsync_eio=EIO_ONCE[wal])
         injected.append(time.monotonic())
         await asyncio.to_thread(wait_moved, cluster, leader)
         print(f"EIO, RF 3 leader: leadership moved {time.monotonic() - injected[0]:.2f} s later")

@@ -381,6 +381,11 @@ class PartitionLog:
         return job
 
     @property
+    def needs_flush(self) -> bool:
+        """Whether anything (bytes, or a file's name in the directory) awaits an fsync."""
+        return self._dir_dirty or any(s.dirty for s in self._segments)
+
+    @property
     def has_unflushed_sealed_segment(self) -> bool:
         return any(s.sealed and s.dirty for s in self._segments)
 

@@ -14,7 +14,8 @@ A file (``<sequence:020d>.wal``) is a run of frames. A frame is written with one
     12      4     names_len    bytes of the names section
     16      8     payload_len  bytes of the payloads section (padding included)
     24      24*n  table        one ENTRY each (below)
-    ...     names_len  names   the NAME entries' "<dirname>\\n<topic id>" strings, UTF-8
+    ...     names_len  names   the NAME entries' "<dirname>\\n<topic id>" strings, UTF-8,
+                               zero padding to a multiple of 8
     ...     payload_len        the DATA entries' batches, back to back, then zero padding to
                                a multiple of 8 (frames start 8-aligned)
 
@@ -37,6 +38,8 @@ import struct
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from storage.crc import crc32c
 from storage.errors import CorruptBatchError
@@ -70,8 +73,40 @@ class Entry:
     data: Any = b""  # DATA: the batch (a buffer); NAME: (dirname, topic id)
 
 
-def file_name(sequence: int) -> str:
-    return f"{sequence:020d}{SUFFIX}"
+FAILED = ".failed"
+
+
+def file_name(sequence: int, *, failed: bool = False) -> str:
+    """``<sequence:020d>.wal``; a file left after a failed fsync is ``<sequence>.failed.wal``."""
+    return f"{sequence:020d}{FAILED if failed else ''}{SUFFIX}"
+
+
+def parse_name(name: str) -> tuple[int, bool] | None:
+    """(sequence, failed) of a WAL file's name; None for any other name."""
+    if not name.endswith(SUFFIX):
+        return None
+    stem = name[: -len(SUFFIX)]
+    failed = stem.endswith(FAILED)
+    if failed:
+        stem = stem[: -len(FAILED)]
+    return (int(stem), failed) if stem.isdigit() else None
+
+
+def valid_frame_after(buf: Any, position: int) -> bool:
+    """Whether a whole, valid frame starts at any 8-aligned byte past ``position`` (then the
+    damage at ``position`` is not a torn tail). Candidates are found with numpy."""
+    size = len(buf)
+    first = (position // 8 + 1) * 8
+    if size - first < FRAME.size:
+        return False
+    words = np.frombuffer(buf, dtype="<u2", count=(size - first) // 2, offset=first)
+    for i in np.flatnonzero(words[2::4] == MAGIC):
+        try:
+            _read_frame(buf, first + int(i) * 8, size)
+        except CorruptBatchError:
+            continue
+        return True
+    return False
 
 
 def encode_frame(
@@ -81,6 +116,7 @@ def encode_frame(
     strings in table order, ``payloads`` the DATA batches in table order, ``payload_len``
     their total size."""
     names_blob = b"".join(names)
+    names_blob += _PAD[: -len(names_blob) % 8]  # frames stay 8-aligned
     pad = -payload_len % 8
     body = FRAME.pack(0, MAGIC, VERSION, len(table), len(names_blob), payload_len + pad)[4:]
     head = body + b"".join(table) + names_blob

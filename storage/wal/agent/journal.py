@@ -45,7 +45,7 @@ from typing import Any
 from storage.config import FsyncPolicy
 from storage.errors import StorageError
 from storage.wal import fileio
-from storage.wal.agent.format import ENTRY, SUFFIX, Kind, encode_frame, file_name, name_entry
+from storage.wal.agent.format import ENTRY, Kind, encode_frame, file_name, name_entry, parse_name
 from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
 from storage.wal.group_commit import observe_fsync
 from storage.wal.log import AppendInfo, PartitionLog
@@ -183,14 +183,8 @@ class AgentWal:
         """Start a new file after the ones on disk (which ``replay`` has applied already)."""
         with storage_errors(f"cannot open the agent WAL in {self.directory}"):
             fileio.fs.make_dirs(self.directory)
-            seqs = [
-                int(p.name[: -len(SUFFIX)])
-                for p in self.directory.iterdir()
-                if p.name.endswith(SUFFIX) and p.name[: -len(SUFFIX)].isdigit()
-            ]
-        for s in seqs:
-            with contextlib.suppress(OSError):
-                self._files[s] = (self.directory / file_name(s)).stat().st_size
+            found = [parse_name(p.name) for p in self.directory.iterdir()]
+        seqs = [f[0] for f in found if f is not None]
         self._seq = max(seqs, default=0)
         self._new_file_now()
 
@@ -242,15 +236,21 @@ class AgentWal:
             self._retired_fds.clear()
 
     def _remove_all(self) -> None:
-        for s in list(self._files):
-            fileio.fs.unlink(self.directory / file_name(s), missing_ok=True)
+        for p in self.directory.iterdir():
+            if parse_name(p.name) is not None:
+                fileio.fs.unlink(p, missing_ok=True)
         fileio.fs.unlink(self.directory / CHECKPOINT, missing_ok=True)
         fsync_dir(self.directory)
         self._files.clear()
 
     # ---- partitions ----------------------------------------------------------------------
-    def register(self, log: PartitionLog, topic_id: str = "") -> WalPartition:
-        """The committer of ``log``: from now on its appends go through this WAL."""
+    async def register(self, log: PartitionLog, topic_id: str = "") -> WalPartition:
+        """The committer of ``log``: from now on its appends go through this WAL.
+
+        The OPEN entry says the log's files hold its end on disk; a new log (or one whose
+        directory changed) is fsynced first so that it is true, names included."""
+        if log.needs_flush:
+            await asyncio.to_thread(log.flush)
         self.reopen()
         self._check()
         front = WalPartition(self, log, log.directory.name, topic_id)
@@ -417,17 +417,18 @@ class AgentWal:
         if any(error is not None for error in errors):
             raise StorageError("a partition's fsync failed during the checkpoint; WAL kept")
         doc = json.dumps({"first_file": first, "anchors": anchors}).encode()
-        old = [s for s in self._files if s < first]
-        await asyncio.to_thread(self._commit_checkpoint, doc, old)
-        for s in old:
+        await asyncio.to_thread(self._commit_checkpoint, doc, first)
+        for s in [s for s in self._files if s < first]:
             self._files.pop(s, None)
         self.checkpoints += 1
 
-    def _commit_checkpoint(self, doc: bytes, old: list[int]) -> None:
+    def _commit_checkpoint(self, doc: bytes, first: int) -> None:
         write_file_atomically(self.directory / CHECKPOINT, doc)
         fsync_dir(self.directory)
-        for s in old:
-            fileio.fs.unlink(self.directory / file_name(s), missing_ok=True)
+        for p in self.directory.iterdir():
+            parsed = parse_name(p.name)
+            if parsed is not None and parsed[0] < first:
+                fileio.fs.unlink(p, missing_ok=True)
         fsync_dir(self.directory)
 
     @property
@@ -456,7 +457,18 @@ class AgentWal:
         self._payload_len = 0
         self._pending_ends = {}
         self._unsynced.clear()
-        self._retired_fds.append(self._fd)
+        # the failed file is closed (never fsynced again: fsyncgate) and renamed, so replay
+        # knows its tail may be torn while the files after it hold acknowledged records
+        for fd in (self._fd, *self._retired_fds):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._retired_fds.clear()
+        self._files.pop(self._seq, None)
+        with storage_errors("cannot set the failed agent WAL file aside"):
+            fileio.fs.replace(
+                self.directory / file_name(self._seq),
+                self.directory / file_name(self._seq, failed=True),
+            )
         self._new_file_now()
 
     def _check(self) -> None:
@@ -467,7 +479,9 @@ class AgentWal:
 
 
 def _fsync_all(fds: list[int]) -> None:
-    for fd in fds:
+    """The current file's fd first in ``fds``: fsynced last, so older files are whole on
+    disk before anything of a newer one is known to be (replay relies on it)."""
+    for fd in (*fds[1:], fds[0]):
         fileio.fs.fsync(fd)
 
 

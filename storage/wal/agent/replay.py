@@ -30,7 +30,14 @@ from storage.codec.header import read_header
 from storage.config import FsyncPolicy, LogConfig
 from storage.errors import CorruptSegmentError, StorageError, StrataError
 from storage.wal import fileio
-from storage.wal.agent.format import SUFFIX, Entry, Kind, read_frames
+from storage.wal.agent.format import (
+    Entry,
+    Frame,
+    Kind,
+    parse_name,
+    read_frames,
+    valid_frame_after,
+)
 from storage.wal.agent.journal import CHECKPOINT
 from storage.wal.fileio import fsync_dir, storage_errors
 from storage.wal.log import PartitionLog
@@ -72,58 +79,49 @@ def replay(wal_dir: Path, data_dir: Path) -> ReplayResult:
             doc = json.loads(ckpt.read_bytes())
         first = int(doc["first_file"])
         anchors = {(name, tid): int(end) for name, (tid, end) in doc["anchors"].items()}
-    seqs = sorted(
-        int(p.name[: -len(SUFFIX)])
-        for p in wal_dir.iterdir()
-        if p.name.endswith(SUFFIX) and p.name[: -len(SUFFIX)].isdigit()
+    files = sorted(
+        (parsed, p) for p in wal_dir.iterdir() if (parsed := parse_name(p.name)) is not None
     )
     histories: dict[tuple[str, str], _History] = {}
     maps: list[tuple[int, mmap.mmap | None]] = []
     try:
-        for i, seq in enumerate(seqs):
-            path = wal_dir / f"{seq:020d}{SUFFIX}"
+        for i, ((seq, failed), path) in enumerate(files):
             if seq < first:
                 continue  # applied by the checkpoint (a removal it did not finish)
             result.files += 1
             with storage_errors(f"cannot read {path}"):
-                fd = os.open(path, os.O_RDWR)
+                fd = fileio.fs.open(path, os.O_RDWR)
             size = os.fstat(fd).st_size
             buf: mmap.mmap | None = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
             maps.append((fd, buf))
             frames, end, error = read_frames(buf if buf is not None else b"")
             # (a frame's views of ``buf`` live in ``histories`` until the end)
+            later = [p for _, p in files[i + 1 :]]
             if error is not None:
-                if i != len(seqs) - 1:
+                if buf is not None and valid_frame_after(buf, end):
                     raise CorruptSegmentError(
-                        f"agent WAL file damaged before its end ({error})",
+                        f"agent WAL frame damaged with valid frames after it ({error})",
                         path=str(path),
                         position=end,
                     )
-                result.torn_bytes = size - end
+                # a torn tail: bytes no completed fsync covered (a power loss, or the fsync
+                # that failed before the file was set aside)
+                result.torn_bytes += size - end
                 _log.warning("agent WAL: torn tail cut at byte %d of %s", end, path.name)
                 with storage_errors(f"cannot cut {path}"):
                     fileio.fs.ftruncate(fd, end)
                     fileio.fs.fsync(fd)
-            names: dict[int, tuple[str, str]] = {}
-            for frame in frames:
-                for e in frame.entries:
-                    result.entries += 1
-                    if e.kind == Kind.NAME:
-                        names[e.pid] = e.data
-                        continue
-                    key = names.get(e.pid)
-                    if key is None:
-                        raise CorruptSegmentError(
-                            f"agent WAL entry for unnamed partition id {e.pid}",
-                            path=str(path),
-                            position=frame.position,
-                        )
-                    h = histories.setdefault(key, _History())
-                    if e.kind == Kind.OPEN:
-                        h.anchor = e.offset
-                        h.entries = []
-                    else:
-                        h.entries.append(e)
+                if later and not failed:
+                    # files are fsynced oldest first, and an acknowledgement waits for the
+                    # newest: nothing in a later file was ever acknowledged as durable
+                    _log.warning(
+                        "agent WAL: %d later file(s) dropped after the torn tail", len(later)
+                    )
+                    _apply_file(frames, path, histories, result)
+                    for p in later:
+                        fileio.fs.unlink(p)
+                    break
+            _apply_file(frames, path, histories, result)
         for key, h in histories.items():
             if h.anchor is None:
                 h.anchor = anchors.get(key)
@@ -139,6 +137,35 @@ def replay(wal_dir: Path, data_dir: Path) -> ReplayResult:
             os.close(fd)
     _clear(wal_dir)
     return result
+
+
+def _apply_file(
+    frames: list[Frame],
+    path: Path,
+    histories: dict[tuple[str, str], _History],
+    result: ReplayResult,
+) -> None:
+    """Add one file's entries to each partition's history (an OPEN starts it afresh)."""
+    names: dict[int, tuple[str, str]] = {}
+    for frame in frames:
+        for e in frame.entries:
+            result.entries += 1
+            if e.kind == Kind.NAME:
+                names[e.pid] = e.data
+                continue
+            key = names.get(e.pid)
+            if key is None:
+                raise CorruptSegmentError(
+                    f"agent WAL entry for unnamed partition id {e.pid}",
+                    path=str(path),
+                    position=frame.position,
+                )
+            h = histories.setdefault(key, _History())
+            if e.kind == Kind.OPEN:
+                h.anchor = e.offset
+                h.entries = []
+            else:
+                h.entries.append(e)
 
 
 def _apply(data_dir: Path, key: tuple[str, str], h: _History, result: ReplayResult) -> int:
@@ -221,7 +248,7 @@ def _clear(wal_dir: Path) -> None:
     """Everything the WAL held is in the partition logs, fsynced: remove it."""
     try:
         for p in wal_dir.iterdir():
-            if p.name.endswith(SUFFIX) or p.name in (CHECKPOINT, CHECKPOINT + ".tmp"):
+            if parse_name(p.name) is not None or p.name in (CHECKPOINT, CHECKPOINT + ".tmp"):
                 fileio.fs.unlink(p)
         fsync_dir(wal_dir)
     except OSError as exc:
