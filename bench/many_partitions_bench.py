@@ -86,9 +86,12 @@ async def create(connect: str, partitions: int) -> tuple[float, float]:
         admin_s = time.monotonic() - start
         while True:
             stat = await zk.exists(partitions_path(TOPIC))
-            if stat is not None and stat.numChildren >= partitions:
-                if len(await store.partition_states(TOPIC)) >= partitions:
-                    return admin_s, time.monotonic() - start
+            if (
+                stat is not None
+                and stat.numChildren >= partitions
+                and len(await store.partition_states(TOPIC)) >= partitions
+            ):
+                return admin_s, time.monotonic() - start
             if time.monotonic() - start > DEADLINE_S:
                 raise TimeoutError("partition states not all written")
             await asyncio.sleep(POLL_S)
@@ -176,9 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(dir=args.dir))
     zk = start_zookeeper(work / "zookeeper")
     try:
-        rows = [
-            one_round(zk.connect_string, work, args.partitions, i) for i in range(args.rounds)
-        ]
+        rows = [one_round(zk.connect_string, work, args.partitions, i) for i in range(args.rounds)]
     finally:
         zk.stop()
         shutil.rmtree(work, ignore_errors=True)
