@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-security bench-spark bench-latency bench-rebalance bench-venv bench-compare build-AdminFunction image lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-many-partitions bench-security bench-spark bench-latency bench-rebalance bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -63,6 +63,10 @@ bench-retries: venv
 bench-txn: venv
 	$(PY) -m bench.txn_bench --write-docs
 
+# one agent, a topic of 10,000 partitions: creation, leadership, RSS, graceful restart (3 rounds)
+bench-many-partitions: venv
+	$(PY) -m bench.many_partitions_bench --write-docs $(BENCH_ARGS)
+
 # TLS + SCRAM vs plaintext; BENCH_ARGS="--rounds 5 --seconds 6" for a longer run
 bench-security: venv
 	$(PY) -m bench.security_bench --write-docs $(BENCH_ARGS)
@@ -89,7 +93,7 @@ bench-latency: bench-venv
 bench-rebalance: bench-venv
 	$(PY) -m bench.rebalance_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-security bench-spark bench-latency bench-rebalance bench-compare
+bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-many-partitions bench-security bench-spark bench-latency bench-rebalance bench-compare
 
 # `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
 build-AdminFunction:

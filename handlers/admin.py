@@ -85,7 +85,7 @@ from storage.metadata.topic_rules import replication_factor_for as replication_f
 
 CAS_ATTEMPTS = 5
 STATE_READS_IN_FLIGHT = 32
-"""Partition states read concurrently by a describe."""
+"""Topic specs read concurrently by a list."""
 _jitter = random.Random()
 
 _DEFAULTS: dict[str, Any] = {
@@ -275,15 +275,10 @@ class TopicAdmin:
         )
 
     async def _describe(self, spec: TopicSpec) -> TopicDescription:
-        slots = asyncio.Semaphore(STATE_READS_IN_FLIGHT)
-
-        async def read(p: int) -> tuple[PartitionState, int] | None:
-            async with slots:
-                return await self.store.get_partition_state(spec.name, p)
-
-        found = await asyncio.gather(*(read(p) for p in range(spec.partitions)))
-        states = {p: got[0] for p, got in enumerate(found) if got is not None}
-        return describe(spec, states)
+        """``spec`` with its partitions' states, read pipelined (those the controller has
+        not written yet are pending: right after a create, all of them, read in one call)."""
+        found = await self.store.partition_states(spec.name)
+        return describe(spec, {p: state for p, (state, _) in found.items()})
 
 
 # ---------------------------------------------------------------- HTTP endpoints

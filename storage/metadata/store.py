@@ -16,17 +16,25 @@ Everything lives under one chroot per cluster (part of the connect string, e.g.
 
 Writers never blindly overwrite: a partition state or topic spec change reads the znode
 version and writes with it, so two controllers (or two admins) racing cannot both win.
+
+Many partitions at once: a topic's states are read pipelined (``AsyncZooKeeper.get_many``),
+and first states are created in transactions of up to ``TRANSACTION_BYTES`` each (ZooKeeper
+refuses a request over ``jute.maxbuffer``, 1 MiB by default). Each transaction is atomic, so
+a partition has its node and its state or neither.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Mapping
+from typing import Any
 
 from kazoo.protocol.states import ZnodeStat
 
 from storage.errors import (
     InvalidReplicationFactorError,
+    MetadataError,
     NodeExistsError,
     NodeNotFoundError,
     TopicAlreadyExistsError,
@@ -52,6 +60,10 @@ CONTROLLER = "/controller"
 CONTROLLER_EPOCH = "/controller_epoch"
 TOPICS = "/topics"
 GROUPS = "/groups"
+TRANSACTION_BYTES = 512 * 1024
+"""What one transaction of ``create_partition_states`` may carry, counting paths, data and
+``OP_OVERHEAD`` per operation (headers, ACL): half of ZooKeeper's 1 MiB request limit."""
+OP_OVERHEAD = 128
 
 
 def agent_path(agent_id: int) -> str:
@@ -293,6 +305,52 @@ class MetadataStore:
             await self.zk.create(partition_path(name, partition), b"")
         await self.zk.create(state_path(name, partition), dump(state))
 
+    async def create_partition_states(
+        self, name: str, states: Mapping[int, PartitionState]
+    ) -> tuple[list[int], list[tuple[list[int], MetadataError]]]:
+        """Create many partitions' first states (``create_partition_state`` in bulk), in
+        transactions of at most ``TRANSACTION_BYTES``, each creating the partition nodes not
+        there yet and the state nodes. Returns the partitions created, and the chunks that
+        failed with their error (nothing of such a chunk is written: e.g.
+        ``NodeExistsError`` when a racing controller made one of its states,
+        ``NodeNotFoundError`` when the topic was deleted meanwhile; never ``makepath``)."""
+        try:
+            have = {int(c) for c in await self.zk.get_children(partitions_path(name))}
+        except NodeNotFoundError as exc:
+            return [], [(sorted(states), exc)]
+        chunks: list[list[tuple[int, bytes]]] = [[]]
+        size = 0
+        for p in sorted(states):
+            data = dump(states[p])
+            cost = len(state_path(name, p)) * 2 + len(data) + OP_OVERHEAD * 2
+            if chunks[-1] and size + cost > TRANSACTION_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append((p, data))
+            size += cost
+        created: list[int] = []
+        failed: list[tuple[list[int], MetadataError]] = []
+        for i, chunk in enumerate(chunks):
+
+            def build(tx: Any, chunk: list[tuple[int, bytes]] = chunk) -> None:
+                for p, data in chunk:
+                    if p not in have:
+                        tx.create(partition_path(name, p), b"")
+                    tx.create(state_path(name, p), data)
+
+            try:
+                await self.zk.transaction(build)
+            except (NodeExistsError, NodeNotFoundError) as exc:
+                failed.append(([p for p, _ in chunk], exc))
+                if isinstance(exc, NodeNotFoundError):
+                    rest = [p for c in chunks[i + 1 :] for p, _ in c]
+                    if rest:
+                        failed.append((rest, exc))  # the topic is gone: nothing more to do
+                    break
+                continue
+            created.extend(p for p, _ in chunk)
+        return created, failed
+
     async def cas_partition_state(
         self, name: str, partition: int, state: PartitionState, version: int
     ) -> int:
@@ -351,13 +409,14 @@ class MetadataStore:
                 continue
 
     async def partition_states(self, name: str) -> dict[int, tuple[PartitionState, int]]:
-        out = {}
+        """Every partition state of ``name`` (with its znode version), read pipelined."""
         try:
-            children = await self.zk.get_children(partitions_path(name))
+            children = sorted(int(c) for c in await self.zk.get_children(partitions_path(name)))
         except NodeNotFoundError:
             return {}
-        for child in children:
-            got = await self.get_partition_state(name, int(child))
-            if got is not None:
-                out[int(child)] = got
-        return out
+        found = await self.zk.get_many([state_path(name, p) for p in children])
+        return {
+            p: (load(PartitionState, got[0]), got[1].version)
+            for p, got in zip(children, found, strict=True)
+            if got is not None
+        }

@@ -13,6 +13,11 @@ nowhere else:
   ``CONNECTED`` after ``SUSPENDED`` means the session survived;
 * watches (``watch_children`` / ``watch_data``) use kazoo's ChildrenWatch / DataWatch recipes,
   which re-arm themselves, and call their callback on the loop;
+* many nodes at once (``get_many``, ``watch_data_many``, chunked ``transaction``s in the
+  store): every request is sent before any answer is awaited. ZooKeeper answers a session's
+  requests in order on one connection, so N reads cost about one round trip plus the
+  server's work, not N round trips (10,000 partition states: a fraction of a second instead
+  of ten). kazoo's DataWatch would instead block the calling thread on one read per watch;
 * with credentials (``auth``, or ``STRATA_ZOOKEEPER_AUTH=user:password`` in the environment,
   so that agents, handlers, the CLI and the Spark driver all pick them up), the session
   authenticates with ZooKeeper's ``digest`` scheme and every znode it creates carries an ACL
@@ -24,14 +29,16 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kazoo.client import KazooClient
 from kazoo.exceptions import (
+    EXCEPTIONS,
     BadVersionError,
     ConnectionLoss,
     KazooException,
@@ -39,13 +46,24 @@ from kazoo.exceptions import (
     NoNodeError,
     NotEmptyError,
     OperationTimeoutError,
+    RolledBackError,
+    RuntimeInconsistency,
     SessionExpiredError,
+    UnimplementedError,
 )
 from kazoo.exceptions import (
     NodeExistsError as KazooNodeExists,
 )
 from kazoo.handlers.threading import KazooTimeoutError
-from kazoo.protocol.states import KazooState, ZnodeStat
+from kazoo.protocol.serialization import (
+    GetData,
+    MultiHeader,
+    int_struct,
+    multiheader_struct,
+    read_buffer,
+    stat_struct,
+)
+from kazoo.protocol.states import KazooState, WatchedEvent, ZnodeStat
 from kazoo.security import ACL, make_digest_acl
 
 from storage.errors import (
@@ -58,6 +76,55 @@ from storage.errors import (
 )
 
 log = logging.getLogger(__name__)
+MANY_IN_FLIGHT = 1024
+"""Nodes ``get_many`` reads per request (its answers are held until all are in)."""
+
+
+class MultiRead:
+    """ZooKeeper's ``multiRead`` request (opcode 22, servers 3.6 and later): many ``getData``
+    in one request, one answer each, in order. kazoo has the framing (``MultiHeader``) but not
+    this request; it sends any object with ``type``, ``serialize`` and ``deserialize``.
+
+    Request: per read ``MultiHeader(4 = getData, done=false, err=-1)`` and a ``GetData``
+    (path, watch=false), then ``MultiHeader(-1, done=true, -1)``. Answer: per read a
+    ``MultiHeader``, then the data buffer and a ``Stat`` for a getData, or an ``int`` error
+    code for type -1; a ``done`` header ends it. A node that does not exist answers
+    ``NoNodeError()`` in its place (``kazoo.exceptions.EXCEPTIONS[code]``), not a failure of
+    the whole request.
+    """
+
+    type = 22
+
+    def __init__(self, paths: Sequence[str]) -> None:
+        self.paths = paths
+
+    def serialize(self) -> bytearray:
+        b = bytearray()
+        head = MultiHeader(GetData.type, False, -1).serialize()
+        for path in self.paths:
+            b += head
+            b += GetData(path, None).serialize()
+        b += multiheader_struct.pack(-1, True, -1)
+        return b
+
+    @classmethod
+    def deserialize(cls, data: bytes, offset: int) -> list[Any]:
+        out: list[Any] = []
+        while True:
+            kind, done, _ = multiheader_struct.unpack_from(data, offset)
+            offset += multiheader_struct.size
+            if done:
+                return out
+            if kind == GetData.type:
+                value, offset = read_buffer(data, offset)
+                out.append((value, ZnodeStat._make(stat_struct.unpack_from(data, offset))))
+                offset += stat_struct.size
+            else:  # -1: an error code
+                (code,) = int_struct.unpack_from(data, offset)
+                offset += int_struct.size
+                out.append(EXCEPTIONS[code]())
+
+
 # kazoo warns when the chroot does not exist yet; ``start`` creates it right after connecting
 warnings.filterwarnings("ignore", message="No chroot path exists", category=UserWarning)
 
@@ -154,6 +221,7 @@ class AsyncZooKeeper:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._listeners: list[Callable[[SessionState], None]] = []
         self.connected = asyncio.Event()
+        self._multi_read = True
 
     # ---- lifecycle --------------------------------------------------------------------
     async def start(self) -> None:
@@ -329,10 +397,58 @@ class AsyncZooKeeper:
         tx = self.client.transaction()
         build(tx)
         results: list[Any] = await self._call(tx.commit_async(), "transaction")
-        for r in results:
-            if isinstance(r, BaseException):
-                raise translate(r, "transaction")
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            # the operations around the one that failed say only "rolled back"
+            cause = [
+                r for r in failed if not isinstance(r, (RolledBackError, RuntimeInconsistency))
+            ]
+            raise translate((cause or failed)[0], "transaction")
         return results
+
+    async def get_many(self, paths: Sequence[str]) -> list[tuple[bytes, ZnodeStat] | None]:
+        """Read every node of ``paths`` (None for one that does not exist), ``MANY_IN_FLIGHT``
+        per ``MultiRead`` request: one round trip and one hand-over between kazoo's thread
+        and the loop per request, where a ``get`` each costs both per node (about 0.2 ms of
+        CPU each through kazoo's threads). A server without multiRead (before 3.6) gets the
+        reads pipelined instead. Each request has the request deadline."""
+        out: list[tuple[bytes, ZnodeStat] | None] = []
+        for first in range(0, len(paths), MANY_IN_FLIGHT):
+            window = paths[first : first + MANY_IN_FLIGHT]
+            if self._multi_read:
+                try:
+                    got = await self._multi_get(window)
+                except UnimplementedError:
+                    self._multi_read = False
+                    log.warning("this ZooKeeper has no multiRead: reading nodes one by one")
+            if not self._multi_read:
+                got = await asyncio.gather(*(self._get_or_none(p) for p in window))
+            for path, r in zip(window, got, strict=True):
+                if isinstance(r, NoNodeError):
+                    out.append(None)
+                elif isinstance(r, BaseException):
+                    raise translate(r, f"get {path}")
+                else:
+                    out.append(r)
+        return out
+
+    async def _multi_get(self, paths: Sequence[str]) -> list[Any]:
+        chroot = self.client.chroot
+        result = self.client.handler.async_result()
+        self.client._call(MultiRead([chroot + p for p in paths]), result)
+        try:
+            got: list[Any] = await self._call(result, f"get {len(paths)} nodes")
+        except MetadataError as exc:
+            if isinstance(exc.__cause__, UnimplementedError):
+                raise exc.__cause__ from None
+            raise
+        return got
+
+    async def _get_or_none(self, path: str) -> tuple[bytes, ZnodeStat] | NoNodeError:
+        try:
+            return await self.get(path)
+        except NodeNotFoundError:
+            return NoNodeError()
 
     # ---- watches ----------------------------------------------------------------------
     def watch_children(
@@ -382,3 +498,110 @@ class AsyncZooKeeper:
             active[0] = False
 
         return cancel
+
+    def watch_data_many(
+        self,
+        paths: Sequence[str],
+        callback: Callable[[str, bytes | None, ZnodeStat | None], None],
+    ) -> Callable[[], None]:
+        """``watch_data`` for many nodes at once: ``callback(path, data, stat)`` on the loop
+        for each path now and at every change (None: no node). The first reads are
+        pipelined (one round trip for all, where a DataWatch each would block the loop for
+        one round trip per node). Returns a canceller for the whole group."""
+        watches = _DataWatches(self.client, asyncio.get_running_loop(), callback)
+        watches.start(paths)
+        return watches.cancel
+
+
+class _DataWatches:
+    """Data watches on a group of nodes, re-armed by hand (kazoo's DataWatch, batched).
+
+    Each node is read with a watch; a change event reads it again (with a new watch) and
+    delivers the data; a node that does not exist gets an ``exists`` watch instead, which
+    fires at its creation. A read that failed for a lost connection, and every node at each
+    reconnection (after a session expiry the server has forgotten the watches), is read
+    again once connected, as kazoo's DataWatch does. Everything kazoo calls here runs on its
+    threads; the callback runs on the loop, in the order the answers came.
+    """
+
+    def __init__(
+        self,
+        client: KazooClient,
+        loop: asyncio.AbstractEventLoop,
+        callback: Callable[[str, bytes | None, ZnodeStat | None], None],
+    ) -> None:
+        self.client = client
+        self.loop = loop
+        self.callback = callback
+        self.active = True
+        #: one watcher object per path: kazoo keeps a set of them, so a re-arm adds none
+        self.watchers: dict[str, Callable[[WatchedEvent], None]] = {}
+
+    def start(self, paths: Sequence[str]) -> None:
+        for path in paths:
+            self.watchers[path] = functools.partial(self._event, path)
+        self.client.add_listener(self._on_state)
+        # sent from kazoo's thread: each request wakes its connection thread, which would
+        # stall the loop for about 0.2 ms per node
+        self.client.handler.spawn(self._read_all)
+
+    def cancel(self) -> None:
+        self.active = False
+        self.client.remove_listener(self._on_state)
+
+    def _on_state(self, state: str) -> None:  # kazoo thread
+        if state == KazooState.CONNECTED and self.active:
+            self.client.handler.spawn(self._read_all)
+
+    def _read_all(self) -> None:
+        for path in list(self.watchers):
+            self._read(path)
+
+    def _read(self, path: str) -> None:
+        if not self.active:
+            return
+        try:
+            result = self.client.get_async(path, watch=self.watchers[path])
+        except KazooException:  # e.g. the client is closing: nothing to watch any more
+            return
+        result.rawlink(functools.partial(self._got, path))
+
+    def _event(self, path: str, event: WatchedEvent) -> None:
+        self._read(path)
+
+    def _got(self, path: str, result: Any) -> None:
+        try:
+            data, stat = result.get_nowait()
+        except NoNodeError:
+            try:
+                exists = self.client.exists_async(path, watch=self.watchers[path])
+            except KazooException:
+                return
+            exists.rawlink(functools.partial(self._exists, path))
+            return
+        except (ConnectionLoss, SessionExpiredError, KazooTimeoutError):
+            return  # read again at the reconnection
+        except KazooException as exc:
+            log.warning("watch of %s: %s", path, translate(exc, f"get {path}"))
+            return
+        self._deliver(path, data, stat)
+
+    def _exists(self, path: str, result: Any) -> None:
+        try:
+            stat = result.get_nowait()
+        except KazooException:
+            return  # read again at the reconnection
+        if stat is not None:
+            self._read(path)  # created between the two requests
+        else:
+            self._deliver(path, None, None)
+
+    def _deliver(self, path: str, data: bytes | None, stat: ZnodeStat | None) -> None:
+        if not self.active or self.loop.is_closed():
+            return
+
+        def deliver() -> None:
+            if self.active:
+                self.callback(path, data, stat)
+
+        self.loop.call_soon_threadsafe(deliver)
