@@ -180,7 +180,7 @@ _ENCODE_ERRORS = (StrataError, ValueError, TypeError, OverflowError)
 class RunsFuture:
     """The delivery report of one ``append_runs`` call: a future of one
     :class:`RecordsMetadata` per chunk of records stored together, in the order they were
-    appended. Every chunk takes a *slot*; the batch holding the chunk fills it in when it is
+    appended. Every chunk takes a *slot* (``ProducerBatch.extend``); the batch holding the chunk fills it in when it is
     acknowledged, and the future resolves once every slot is filled and the call is done
     appending (``seal``) — no future or callback per chunk, however many partitions the call
     touched. The first failure of any of its batches fails it."""
@@ -192,11 +192,6 @@ class RunsFuture:
         self.results: list[RecordsMetadata | None] = []
         self.pending = 0
         self.sealed = False
-
-    def slot(self) -> int:
-        self.pending += 1
-        self.results.append(None)
-        return len(self.results) - 1
 
     def done(self) -> bool:
         return self.future.done()
@@ -232,9 +227,6 @@ class ProducerBatch:
         "encoded",
         "futures",
         "groups",
-        "has_headers",
-        "has_keys",
-        "has_tags",
         "headers",
         "in_flight",
         "keys",
@@ -256,15 +248,15 @@ class ProducerBatch:
         self.created = created
         self.deadline = deadline
         self.values: list[bytes | None] = []
-        self.keys: list[bytes | None] = []
         self.timestamps: list[int] = []
-        self.headers: list[Headers | None] = []
-        self.tags: list[Sequence[str] | None] = []
+        #: the optional columns: None until a record has one (then None for those before)
+        self.keys: list[bytes | None] | None = None
+        self.headers: list[Headers | None] | None = None
+        self.tags: list[Sequence[str] | None] | None = None
         #: (index, future) per record appended alone; runs have one future in ``groups``
         self.futures: list[tuple[int, asyncio.Future[RecordMetadata]]] = []
         #: (report, its slot, first index, count) per run of records appended by ``extend``
         self.groups: list[tuple[RunsFuture, int, int, int]] = []
-        self.has_keys = self.has_headers = self.has_tags = False
         self.size = BATCH_OVERHEAD
         self.reserved = 0
         self.closed = False
@@ -275,7 +267,8 @@ class ProducerBatch:
         self.producer_id = self.producer_epoch = self.sequence = -1
         self.retry_at = 0.0
         self.last_error: BaseException | None = None
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        #: set when the batch is completed or failed; made only when a flush waits for it
+        self.done: asyncio.Future[None] | None = None
 
     @property
     def record_count(self) -> int:
@@ -290,22 +283,28 @@ class ProducerBatch:
         timestamp_ms: int,
         size: int,
     ) -> asyncio.Future[RecordMetadata]:
+        start = len(self.timestamps)
         self.values.append(value)
-        self.keys.append(key)
         self.timestamps.append(timestamp_ms)
-        self.headers.append(headers)
-        self.tags.append(tags)
-        if key is not None:
-            self.has_keys = True
-        if headers:
-            self.has_headers = True
-        if tags:
-            self.has_tags = True
+        if key is not None or self.keys is not None:
+            self._column("keys", start).append(key)
+        if headers or self.headers is not None:
+            self._column("headers", start).append(headers)
+        if tags or self.tags is not None:
+            self._column("tags", start).append(tags)
         self.size += size
         self.reserved += size
-        fut: asyncio.Future[RecordMetadata] = self.done.get_loop().create_future()
-        self.futures.append((len(self.timestamps) - 1, fut))
+        fut: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        self.futures.append((start, fut))
         return fut
+
+    def _column(self, name: str, count: int) -> list[Any]:
+        """An optional column, made (None for the ``count`` records before) if it is not."""
+        col: list[Any] | None = getattr(self, name)
+        if col is None:
+            col = [None] * count
+            setattr(self, name, col)
+        return col
 
     def extend(
         self,
@@ -321,26 +320,25 @@ class ProducerBatch:
         loop)."""
         n = len(values)
         start = len(self.timestamps)
-        self.values.extend(values)
-        self.timestamps.extend(timestamps)
+        self.values += values
+        self.timestamps += timestamps
         if keys is not None:
-            self.keys.extend(keys)
-            self.has_keys = True
-        else:
-            self.keys.extend(repeat(None, n))
+            (self.keys if self.keys is not None else self._column("keys", start)).extend(keys)
+        elif self.keys is not None:
+            self.keys += repeat(None, n)
         if headers is not None:
-            self.headers.extend(headers)
-            self.has_headers = True
-        else:
-            self.headers.extend(repeat(None, n))
+            self._column("headers", start).extend(headers)
+        elif self.headers is not None:
+            self.headers += repeat(None, n)
         if tags is not None:
-            self.tags.extend(tags)
-            self.has_tags = True
-        else:
-            self.tags.extend(repeat(None, n))
+            self._column("tags", start).extend(tags)
+        elif self.tags is not None:
+            self.tags += repeat(None, n)
         self.size += size
         self.reserved += size
-        self.groups.append((report, report.slot(), start, n))
+        report.pending += 1
+        report.results.append(None)
+        self.groups.append((report, len(report.results) - 1, start, n))
 
     def encode(
         self, encoder: Encoder, compression: Compression, sequencer: Sequencer | None = None
@@ -355,10 +353,10 @@ class ProducerBatch:
             try:
                 self.encoded = encoder(
                     self.values,
-                    keys=self.keys if self.has_keys else None,
+                    keys=self.keys,
                     timestamps=self.timestamps,
-                    headers=self.headers if self.has_headers else None,
-                    tags=self.tags if self.has_tags else None,
+                    headers=self.headers,
+                    tags=self.tags,
                     compression=compression,
                     producer_id=pid,
                     producer_epoch=epoch,
@@ -369,9 +367,8 @@ class ProducerBatch:
                     sequencer.unassign(self.tp, seq)
                 raise
             self.producer_id, self.producer_epoch, self.sequence = pid, epoch, seq
-            self.values = self.keys = []
-            self.headers = []
-            self.tags = []
+            self.values = []
+            self.keys = self.headers = self.tags = None
         return self.encoded
 
     def restamp(self, producer_id: int, epoch: int, sequence: int) -> None:
@@ -834,7 +831,8 @@ class RecordAccumulator:
         if batch in self._incomplete:
             self._incomplete.discard(batch)
             self.pool.release(batch.reserved)
-            batch.done.set_result(None)
+            if batch.done is not None:
+                batch.done.set_result(None)
             self.wakeup.set()
 
     @staticmethod
@@ -860,7 +858,12 @@ class RecordAccumulator:
         self._flushing += 1
         self.wakeup.set()
         try:
-            pending = [b.done for b in self._incomplete]
+            loop = asyncio.get_running_loop()
+            pending = []
+            for b in self._incomplete:
+                if b.done is None:
+                    b.done = loop.create_future()
+                pending.append(b.done)
             if pending:
                 await asyncio.wait(pending)
         finally:
