@@ -174,6 +174,7 @@ class BufferPool:
             fut.set_result(None)
 
 
+_new_tuple = tuple.__new__
 _ENCODE_ERRORS = (StrataError, ValueError, TypeError, OverflowError)
 
 
@@ -544,16 +545,24 @@ class RecordAccumulator:
                 self.pool.release(cum[-1])
                 raise ProducerClosedError("the producer was closed while send_batch() waited")
         batch_size = self.batch_size
+        queues = self._queues
         for r, tp in enumerate(tps):
             i, end = bounds[r], bounds[r + 1]
             while i < end:
-                batch = self._current(tp, sizes[i])
                 base = cum[i - 1] if i else 0
-                j = bisect.bisect_right(cum, base + max(batch_size - batch.size, 0), i, end)
-                if j == i:
-                    j = (
-                        i + 1
-                    )  # _current made room: an empty batch takes one record whatever its size
+                queue = queues.get(tp)
+                batch = queue[-1] if queue else None
+                if (
+                    batch is not None
+                    and not batch.closed
+                    and batch.size + cum[end - 1] - base <= batch_size
+                ):
+                    j = end  # the common case: the rest of the run fits in the open batch
+                else:
+                    batch = self._current(tp, sizes[i])
+                    j = bisect.bisect_right(cum, base + max(batch_size - batch.size, 0), i, end)
+                    # an empty batch (_current made room) takes one record whatever its size
+                    j = max(j, i + 1)
                 chunk = cum[j - 1] - base
                 if not reserved and not self.pool.try_reserve(chunk):
                     await self.pool.reserve(chunk, max_block)
@@ -785,7 +794,10 @@ class RecordAccumulator:
         for report, slot, start, count in batch.groups:
             if not report.done():
                 offset = base_offset + start if base_offset >= 0 else -1
-                report.fill(slot, RecordsMetadata(topic, partition, offset, count))
+                # tuple.__new__: the NamedTuple's own __new__ is a Python function
+                report.fill(
+                    slot, _new_tuple(RecordsMetadata, (topic, partition, offset, count, ()))
+                )
 
     def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
         self._landed(batch)
