@@ -5,8 +5,11 @@ Theory of operation
 ``send`` never talks to the network. It reserves the record's estimated encoded size from the
 :class:`BufferPool` (``buffer.memory`` bytes shared by every batch of the producer), then
 appends the record to the open batch at the tail of its partition's queue — appending means
-adding the value, key, timestamp, headers and tags to five Python lists and one future to a
-sixth; no encoding happens per record. A batch is *closed* when the next record would take it
+adding the value and timestamp to two Python lists (key, headers and tags to three more, once
+a record of the batch has one) and one future to another; no encoding happens per record.
+``send_batch`` appends runs of records (``append_runs``): each partition's run is a list
+slice added to its batch, the call's bytes are reserved at once, and one
+:class:`RunsFuture` reports on the whole call. A batch is *closed* when the next record would take it
 past ``batch.size`` (a record larger than that gets a batch of its own), and a partition is
 *ready* to send when its head batch is closed, is older than ``linger.ms``, or a flush or
 close is under way.
