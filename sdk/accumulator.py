@@ -9,8 +9,8 @@ adding the value and timestamp to two Python lists (key, headers and tags to thr
 a record of the batch has one) and one future to another; no encoding happens per record.
 ``send_batch`` appends runs of records (``append_runs``): each partition's run is a list
 slice added to its batch, the call's bytes are reserved at once, and one
-:class:`RunsFuture` reports on the whole call. A batch is *closed* when the next record would take it
-past ``batch.size`` (a record larger than that gets a batch of its own), and a partition is
+:class:`RunsFuture` reports on the whole call. A batch is *closed* when the next record would
+take it past ``batch.size`` (a record larger than that gets a batch of its own), and a partition is
 *ready* to send when its head batch is closed, is older than ``linger.ms``, or a flush or
 close is under way.
 
@@ -184,10 +184,11 @@ _ENCODE_ERRORS = (StrataError, ValueError, TypeError, OverflowError)
 class RunsFuture:
     """The delivery report of one ``append_runs`` call: a future of one
     :class:`RecordsMetadata` per chunk of records stored together, in the order they were
-    appended. Every chunk takes a *slot* (``ProducerBatch.extend``); the batch holding the chunk fills it in when it is
-    acknowledged, and the future resolves once every slot is filled and the call is done
-    appending (``seal``) — no future or callback per chunk, however many partitions the call
-    touched. The first failure of any of its batches fails it."""
+    appended. Every chunk takes a *slot* (``ProducerBatch.extend``); the batch holding the
+    chunk fills it in when it is acknowledged (``RecordAccumulator.complete``), and the future
+    resolves once every slot is filled and the call is done appending (``seal``): no future or
+    callback per chunk, however many partitions the call touched. The first failure of any of
+    its batches fails it."""
 
     __slots__ = ("future", "pending", "results", "sealed")
 
@@ -199,13 +200,6 @@ class RunsFuture:
 
     def done(self) -> bool:
         return self.future.done()
-
-    def fill(self, slot: int, meta: RecordsMetadata) -> None:
-        if self.results[slot] is None:
-            self.results[slot] = meta
-            self.pending -= 1
-            if not self.pending and self.sealed and not self.future.done():
-                self.future.set_result(self.results)  # type: ignore[arg-type]
 
     def seal(self) -> asyncio.Future[list[RecordsMetadata]]:
         """No more chunks: the future resolves when the pending ones are acknowledged."""
@@ -795,12 +789,15 @@ class RecordAccumulator:
                 offset = base_offset + i if base_offset >= 0 else -1
                 fut.set_result(RecordMetadata(topic, partition, offset, timestamps[i]))
         for report, slot, start, count in batch.groups:
-            if not report.done():
+            # RunsFuture.fill, inline (a call per run adds up over many partitions);
+            # tuple.__new__: the NamedTuple's own __new__ is a Python function
+            results = report.results
+            if results[slot] is None:
                 offset = base_offset + start if base_offset >= 0 else -1
-                # tuple.__new__: the NamedTuple's own __new__ is a Python function
-                report.fill(
-                    slot, _new_tuple(RecordsMetadata, (topic, partition, offset, count, ()))
-                )
+                results[slot] = _new_tuple(RecordsMetadata, (topic, partition, offset, count, ()))
+                report.pending -= 1
+                if not report.pending and report.sealed and not report.future.done():
+                    report.future.set_result(results)  # type: ignore[arg-type]
 
     def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
         self._landed(batch)
