@@ -5,9 +5,12 @@ Theory of operation
 ``send`` never talks to the network. It reserves the record's estimated encoded size from the
 :class:`BufferPool` (``buffer.memory`` bytes shared by every batch of the producer), then
 appends the record to the open batch at the tail of its partition's queue — appending means
-adding the value, key, timestamp, headers and tags to five Python lists and one future to a
-sixth; no encoding happens per record. A batch is *closed* when the next record would take it
-past ``batch.size`` (a record larger than that gets a batch of its own), and a partition is
+adding the value and timestamp to two Python lists (key, headers and tags to three more, once
+a record of the batch has one) and one future to another; no encoding happens per record.
+``send_batch`` appends runs of records (``append_runs``): each partition's run is a list
+slice added to its batch, the call's bytes are reserved at once, and one
+:class:`RunsFuture` reports on the whole call. A batch is *closed* when the next record would
+take it past ``batch.size`` (a record larger than that gets a batch of its own), and a partition is
 *ready* to send when its head batch is closed, is older than ``linger.ms``, or a flush or
 close is under way.
 
@@ -174,7 +177,40 @@ class BufferPool:
             fut.set_result(None)
 
 
+_new_tuple = tuple.__new__
 _ENCODE_ERRORS = (StrataError, ValueError, TypeError, OverflowError)
+
+
+class RunsFuture:
+    """The delivery report of one ``append_runs`` call: a future of one
+    :class:`RecordsMetadata` per chunk of records stored together, in the order they were
+    appended. Every chunk takes a *slot* (``ProducerBatch.extend``); the batch holding the
+    chunk fills it in when it is acknowledged (``RecordAccumulator.complete``), and the future
+    resolves once every slot is filled and the call is done appending (``seal``): no future or
+    callback per chunk, however many partitions the call touched. The first failure of any of
+    its batches fails it."""
+
+    __slots__ = ("future", "pending", "results", "sealed")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.future: asyncio.Future[list[RecordsMetadata]] = loop.create_future()
+        self.results: list[RecordsMetadata | None] = []
+        self.pending = 0
+        self.sealed = False
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def seal(self) -> asyncio.Future[list[RecordsMetadata]]:
+        """No more chunks: the future resolves when the pending ones are acknowledged."""
+        self.sealed = True
+        if not self.pending and not self.future.done():
+            self.future.set_result(self.results)  # type: ignore[arg-type]
+        return self.future
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
 
 
 class ProducerBatch:
@@ -189,9 +225,6 @@ class ProducerBatch:
         "encoded",
         "futures",
         "groups",
-        "has_headers",
-        "has_keys",
-        "has_tags",
         "headers",
         "in_flight",
         "keys",
@@ -213,15 +246,15 @@ class ProducerBatch:
         self.created = created
         self.deadline = deadline
         self.values: list[bytes | None] = []
-        self.keys: list[bytes | None] = []
         self.timestamps: list[int] = []
-        self.headers: list[Headers | None] = []
-        self.tags: list[Sequence[str] | None] = []
+        #: the optional columns: None until a record has one (then None for those before)
+        self.keys: list[bytes | None] | None = None
+        self.headers: list[Headers | None] | None = None
+        self.tags: list[Sequence[str] | None] | None = None
         #: (index, future) per record appended alone; runs have one future in ``groups``
         self.futures: list[tuple[int, asyncio.Future[RecordMetadata]]] = []
-        #: (future, first index, count) per run of records appended by ``extend``
-        self.groups: list[tuple[asyncio.Future[RecordsMetadata], int, int]] = []
-        self.has_keys = self.has_headers = self.has_tags = False
+        #: (report, its slot, first index, count) per run of records appended by ``extend``
+        self.groups: list[tuple[RunsFuture, int, int, int]] = []
         self.size = BATCH_OVERHEAD
         self.reserved = 0
         self.closed = False
@@ -232,7 +265,8 @@ class ProducerBatch:
         self.producer_id = self.producer_epoch = self.sequence = -1
         self.retry_at = 0.0
         self.last_error: BaseException | None = None
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        #: set when the batch is completed or failed; made only when a flush waits for it
+        self.done: asyncio.Future[None] | None = None
 
     @property
     def record_count(self) -> int:
@@ -247,57 +281,62 @@ class ProducerBatch:
         timestamp_ms: int,
         size: int,
     ) -> asyncio.Future[RecordMetadata]:
+        start = len(self.timestamps)
         self.values.append(value)
-        self.keys.append(key)
         self.timestamps.append(timestamp_ms)
-        self.headers.append(headers)
-        self.tags.append(tags)
-        if key is not None:
-            self.has_keys = True
-        if headers:
-            self.has_headers = True
-        if tags:
-            self.has_tags = True
+        if key is not None or self.keys is not None:
+            self._column("keys", start).append(key)
+        if headers or self.headers is not None:
+            self._column("headers", start).append(headers)
+        if tags or self.tags is not None:
+            self._column("tags", start).append(tags)
         self.size += size
         self.reserved += size
-        fut: asyncio.Future[RecordMetadata] = self.done.get_loop().create_future()
-        self.futures.append((len(self.timestamps) - 1, fut))
+        fut: asyncio.Future[RecordMetadata] = asyncio.get_running_loop().create_future()
+        self.futures.append((start, fut))
         return fut
+
+    def _column(self, name: str, count: int) -> list[Any]:
+        """An optional column, made (None for the ``count`` records before) if it is not."""
+        col: list[Any] | None = getattr(self, name)
+        if col is None:
+            col = [None] * count
+            setattr(self, name, col)
+        return col
 
     def extend(
         self,
-        values: list[bytes | None],
-        keys: list[bytes | None] | None,
-        headers: list[Headers | None] | None,
-        tags: list[Sequence[str] | None] | None,
-        timestamps: list[int],
+        values: Sequence[bytes | None],
+        keys: Sequence[bytes | None] | None,
+        headers: Sequence[Headers | None] | None,
+        tags: Sequence[Sequence[str] | None] | None,
+        timestamps: Sequence[int],
         size: int,
-    ) -> asyncio.Future[RecordsMetadata]:
-        """Append a run of records with one future for all of them (list extends, no loop)."""
+        report: RunsFuture,
+    ) -> None:
+        """Append a run of records, reported as one slot of ``report`` (list extends, no
+        loop)."""
         n = len(values)
         start = len(self.timestamps)
-        self.values.extend(values)
-        self.timestamps.extend(timestamps)
+        self.values += values
+        self.timestamps += timestamps
         if keys is not None:
-            self.keys.extend(keys)
-            self.has_keys = True
-        else:
-            self.keys.extend(repeat(None, n))
+            (self.keys if self.keys is not None else self._column("keys", start)).extend(keys)
+        elif self.keys is not None:
+            self.keys += repeat(None, n)
         if headers is not None:
-            self.headers.extend(headers)
-            self.has_headers = True
-        else:
-            self.headers.extend(repeat(None, n))
+            self._column("headers", start).extend(headers)
+        elif self.headers is not None:
+            self.headers += repeat(None, n)
         if tags is not None:
-            self.tags.extend(tags)
-            self.has_tags = True
-        else:
-            self.tags.extend(repeat(None, n))
+            self._column("tags", start).extend(tags)
+        elif self.tags is not None:
+            self.tags += repeat(None, n)
         self.size += size
         self.reserved += size
-        fut: asyncio.Future[RecordsMetadata] = self.done.get_loop().create_future()
-        self.groups.append((fut, start, n))
-        return fut
+        report.pending += 1
+        report.results.append(None)
+        self.groups.append((report, len(report.results) - 1, start, n))
 
     def encode(
         self, encoder: Encoder, compression: Compression, sequencer: Sequencer | None = None
@@ -312,10 +351,10 @@ class ProducerBatch:
             try:
                 self.encoded = encoder(
                     self.values,
-                    keys=self.keys if self.has_keys else None,
+                    keys=self.keys,
                     timestamps=self.timestamps,
-                    headers=self.headers if self.has_headers else None,
-                    tags=self.tags if self.has_tags else None,
+                    headers=self.headers,
+                    tags=self.tags,
                     compression=compression,
                     producer_id=pid,
                     producer_epoch=epoch,
@@ -326,9 +365,8 @@ class ProducerBatch:
                     sequencer.unassign(self.tp, seq)
                 raise
             self.producer_id, self.producer_epoch, self.sequence = pid, epoch, seq
-            self.values = self.keys = []
-            self.headers = []
-            self.tags = []
+            self.values = []
+            self.keys = self.headers = self.tags = None
         return self.encoded
 
     def restamp(self, producer_id: int, epoch: int, sequence: int) -> None:
@@ -366,7 +404,11 @@ class RecordAccumulator:
         self.clock = clock
         self._encoder = encoder
         self._on_batch_closed = on_batch_closed
+        #: partitions with batches queued (a queue that empties is dropped, so that the
+        #: sender's passes cost what is queued, not every partition ever written to)
         self._queues: dict[TopicPartition, deque[ProducerBatch]] = {}
+        #: no queued batch expires before this (``expire`` looks only then)
+        self._next_deadline = float("inf")
         #: idempotent producers: sequences (None: batches carry none, one request at a time)
         self.sequencer = sequencer
         #: transactional producers: whether a partition may be sent (it is in the
@@ -425,6 +467,8 @@ class RecordAccumulator:
             now = self.clock()
             batch = ProducerBatch(tp, now, now + self.delivery_timeout)
             queue.append(batch)
+            if batch.deadline < self._next_deadline:
+                self._next_deadline = batch.deadline
             self._incomplete.add(batch)
             self.wakeup.set()
         return batch
@@ -448,50 +492,96 @@ class RecordAccumulator:
     async def append_many(
         self,
         tp: TopicPartition,
-        values: list[bytes | None],
-        keys: list[bytes | None] | None,
-        headers: list[Headers | None] | None,
-        tags: list[Sequence[str] | None] | None,
-        timestamps: list[int],
-        sizes: list[int],
+        values: Sequence[bytes | None],
+        keys: Sequence[bytes | None] | None,
+        headers: Sequence[Headers | None] | None,
+        tags: Sequence[Sequence[str] | None] | None,
+        timestamps: Sequence[int],
+        sizes: Sequence[int],
         max_block: float = 0.0,
-    ) -> list[asyncio.Future[RecordsMetadata]]:
-        """Append a run of records to ``tp``, filling batches up to ``batch.size``: one future
-        per batch-sized chunk. ``sizes`` are the records' size estimates (``estimate_size``)."""
+    ) -> asyncio.Future[list[RecordsMetadata]]:
+        """Append a run of records to ``tp`` (``append_runs`` with one run)."""
+        return await self.append_runs(
+            [tp], [0, len(values)], values, keys, headers, tags, timestamps, sizes, max_block
+        )
+
+    async def append_runs(
+        self,
+        tps: Sequence[TopicPartition],
+        bounds: Sequence[int],
+        values: Sequence[bytes | None],
+        keys: Sequence[bytes | None] | None,
+        headers: Sequence[Headers | None] | None,
+        tags: Sequence[Sequence[str] | None] | None,
+        timestamps: Sequence[int],
+        sizes: Sequence[int],
+        max_block: float = 0.0,
+    ) -> asyncio.Future[list[RecordsMetadata]]:
+        """Append runs of records: records ``bounds[r]:bounds[r + 1]`` of the columns go to
+        ``tps[r]``, filling batches up to ``batch.size``. ``sizes`` are the records' size
+        estimates (``estimate_size``). Returns one future of a :class:`RecordsMetadata` per
+        batch-sized chunk, in order (see :class:`RunsFuture`).
+
+        The work is per chunk (a list slice into a batch), not per record, and there is no
+        future per chunk. The call's bytes are reserved at once (waiting up to ``max_block``
+        seconds), unless they are more than ``buffer.memory``: then each chunk waits for its
+        own bytes in turn."""
+        if self._closing:
+            raise ProducerClosedError("the producer is closed")
         cum = list(accumulate(sizes))
-        futures = []
-        i, n = 0, len(values)
         limit = min(self.max_request_size, self.pool.total)
-        while i < n:
+        if cum and max(sizes) + BATCH_OVERHEAD > limit:
+            raise BatchTooLargeError(max(sizes) + BATCH_OVERHEAD, limit)
+        report = RunsFuture(asyncio.get_running_loop())
+        # the whole call's bytes at once when the buffer can ever hold them: one wait, and
+        # either every record is appended or (BufferExhaustedError) none is
+        reserved = bool(cum) and cum[-1] <= self.pool.total
+        if reserved and not self.pool.try_reserve(cum[-1]):
+            await self.pool.reserve(cum[-1], max_block)
             if self._closing:
-                raise ProducerClosedError("the producer is closed")
-            batch = self._current(tp, sizes[i])
-            base = cum[i - 1] if i else 0
-            j = bisect.bisect_right(cum, base + max(self.batch_size - batch.size, 0), lo=i)
-            if j == i:
-                if sizes[i] + BATCH_OVERHEAD > limit:
-                    raise BatchTooLargeError(sizes[i] + BATCH_OVERHEAD, limit)
-                j = i + 1  # _current made room: an empty batch takes one record whatever its size
-            chunk = cum[j - 1] - base
-            if not self.pool.try_reserve(chunk):
-                await self.pool.reserve(chunk, max_block)
-                if self._closing:
-                    self.pool.release(chunk)
-                    raise ProducerClosedError("the producer was closed while send_batch() waited")
-                batch = self._current(tp, chunk)
-            fut = batch.extend(
-                values[i:j],
-                None if keys is None else keys[i:j],
-                None if headers is None else headers[i:j],
-                None if tags is None else tags[i:j],
-                timestamps[i:j],
-                chunk,
-            )
-            futures.append(fut)
-            if batch.size >= self.batch_size:
-                self._close(batch)
-            i = j
-        return futures
+                self.pool.release(cum[-1])
+                raise ProducerClosedError("the producer was closed while send_batch() waited")
+        batch_size = self.batch_size
+        queues = self._queues
+        for r, tp in enumerate(tps):
+            i, end = bounds[r], bounds[r + 1]
+            while i < end:
+                base = cum[i - 1] if i else 0
+                queue = queues.get(tp)
+                batch = queue[-1] if queue else None
+                if (
+                    batch is not None
+                    and not batch.closed
+                    and batch.size + cum[end - 1] - base <= batch_size
+                ):
+                    j = end  # the common case: the rest of the run fits in the open batch
+                else:
+                    batch = self._current(tp, sizes[i])
+                    j = bisect.bisect_right(cum, base + max(batch_size - batch.size, 0), i, end)
+                    # an empty batch (_current made room) takes one record whatever its size
+                    j = max(j, i + 1)
+                chunk = cum[j - 1] - base
+                if not reserved and not self.pool.try_reserve(chunk):
+                    await self.pool.reserve(chunk, max_block)
+                    if self._closing:
+                        self.pool.release(chunk)
+                        raise ProducerClosedError(
+                            "the producer was closed while send_batch() waited"
+                        )
+                    batch = self._current(tp, chunk)
+                batch.extend(
+                    values[i:j],
+                    None if keys is None else keys[i:j],
+                    None if headers is None else headers[i:j],
+                    None if tags is None else tags[i:j],
+                    timestamps[i:j],
+                    chunk,
+                    report,
+                )
+                if batch.size >= batch_size:
+                    self._close(batch)
+                i = j
+        return report.seal()
 
     async def append(
         self,
@@ -610,6 +700,8 @@ class RecordAccumulator:
                 first = False
                 if batch.attempts and sequencer is not None:
                     break  # a retried batch goes alone
+            if not queue:
+                del self._queues[tp]
             if full:
                 break
         return taken
@@ -652,6 +744,7 @@ class RecordAccumulator:
         queue = self._queues.get(batch.tp)
         if queue is None:
             queue = self._queues[batch.tp] = deque()
+        self._next_deadline = min(self._next_deadline, batch.deadline)
         if batch.sequence >= 0:
             if isinstance(error, OutOfOrderSequenceError):
                 self._out_of_order(batch)
@@ -695,10 +788,16 @@ class RecordAccumulator:
             if not fut.done():
                 offset = base_offset + i if base_offset >= 0 else -1
                 fut.set_result(RecordMetadata(topic, partition, offset, timestamps[i]))
-        for gfut, start, count in batch.groups:
-            if not gfut.done():
+        for report, slot, start, count in batch.groups:
+            # RunsFuture.fill, inline (a call per run adds up over many partitions);
+            # tuple.__new__: the NamedTuple's own __new__ is a Python function
+            results = report.results
+            if results[slot] is None:
                 offset = base_offset + start if base_offset >= 0 else -1
-                gfut.set_result(RecordsMetadata(topic, partition, offset, count))
+                results[slot] = _new_tuple(RecordsMetadata, (topic, partition, offset, count, ()))
+                report.pending -= 1
+                if not report.pending and report.sealed and not report.future.done():
+                    report.future.set_result(results)  # type: ignore[arg-type]
 
     def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
         self._landed(batch)
@@ -711,9 +810,17 @@ class RecordAccumulator:
     def expire(self, now: float) -> list[ProducerBatch]:
         """Fail queued (not in-flight) batches older than delivery.timeout.ms."""
         expired: list[ProducerBatch] = []
-        for queue in self._queues.values():
+        if now < self._next_deadline:
+            return expired
+        nearest = float("inf")
+        for tp, queue in list(self._queues.items()):
             while queue and queue[0].deadline <= now:
                 expired.append(queue.popleft())
+            if queue:
+                nearest = min(nearest, queue[0].deadline)
+            else:
+                del self._queues[tp]
+        self._next_deadline = nearest
         for batch in expired:
             exc = DeliveryTimeoutError(
                 f"{batch.record_count} record(s) for {batch.tp.topic}[{batch.tp.partition}] "
@@ -736,7 +843,8 @@ class RecordAccumulator:
         if batch in self._incomplete:
             self._incomplete.discard(batch)
             self.pool.release(batch.reserved)
-            batch.done.set_result(None)
+            if batch.done is not None:
+                batch.done.set_result(None)
             self.wakeup.set()
 
     @staticmethod
@@ -744,9 +852,8 @@ class RecordAccumulator:
         for _, fut in batch.futures:
             if not fut.done():
                 fut.set_exception(exc)
-        for gfut, _, _ in batch.groups:
-            if not gfut.done():
-                gfut.set_exception(exc)
+        for report, _, _, _ in batch.groups:
+            report.fail(exc)
 
     # ---- flush, close, abort -------------------------------------------------------------
     @property
@@ -763,7 +870,12 @@ class RecordAccumulator:
         self._flushing += 1
         self.wakeup.set()
         try:
-            pending = [b.done for b in self._incomplete]
+            loop = asyncio.get_running_loop()
+            pending = []
+            for b in self._incomplete:
+                if b.done is None:
+                    b.done = loop.create_future()
+                pending.append(b.done)
             if pending:
                 await asyncio.wait(pending)
         finally:
@@ -776,7 +888,8 @@ class RecordAccumulator:
 
     def abort(self, exc: BaseException) -> None:
         """Fail every batch that is not in flight (a forced close, an aborted transaction)."""
-        for queue in self._queues.values():
+        queues, self._queues = self._queues, {}
+        for queue in queues.values():
             while queue:
                 batch = queue.popleft()
                 self._finish(batch)
@@ -805,4 +918,5 @@ class RecordAccumulator:
             "incomplete_batches": len(self._incomplete),
             "queued_batches": self.queued(),
             "in_flight_partitions": len(self._in_flight),
+            "queued_partitions": len(self._queues),
         }

@@ -51,16 +51,28 @@ def murmur2(data: bytes) -> int:
 
 _M32 = np.uint32(_M)
 _SEED32 = np.uint32(_SEED)
+#: keys longer than this are hashed one by one (``murmur2``): the grid ``murmur2_many`` lays
+#: the keys out in is as wide as the longest key, so one huge key must not widen it for all
+WIDE_KEY = 256
 
 
 def murmur2_many(keys: Sequence[bytes]) -> np.ndarray:
     """``murmur2`` of every key at once (as unsigned 32-bit values), without a Python loop
     per key: the keys are laid out as rows of little-endian 4-byte blocks (zero past each
-    key's end) and each block column is mixed into every row that has that block."""
+    key's end) and each block column is mixed into every row that has that block. Keys over
+    ``WIDE_KEY`` bytes (rare) are hashed one at a time, so the grid stays at most
+    ``len(keys) * WIDE_KEY`` bytes."""
     n = len(keys)
     if not n:
         return np.zeros(0, dtype=np.uint32)
     lengths = np.fromiter(map(len, keys), dtype=np.int64, count=n)
+    if lengths.max() > WIDE_KEY:
+        wide = np.flatnonzero(lengths > WIDE_KEY).tolist()
+        narrow = np.flatnonzero(lengths <= WIDE_KEY)
+        out = np.empty(n, dtype=np.uint32)
+        out[narrow] = murmur2_many([keys[i] for i in narrow.tolist()])
+        out[wide] = [murmur2(keys[i]) & _MASK for i in wide]
+        return out
     width = (int(lengths.max()) + 3) & ~3 or 4
     flat = np.frombuffer(b"".join(keys) + bytes(width), dtype=np.uint8)
     starts = np.zeros(n, dtype=np.int64)
@@ -91,6 +103,17 @@ def murmur2_many(keys: Sequence[bytes]) -> np.ndarray:
 def partitions_for_keys(keys: Sequence[bytes], num_partitions: int) -> np.ndarray:
     """``partition_for_key`` of every key at once (int64 array)."""
     return (murmur2_many(keys) & np.uint32(0x7FFFFFFF)).astype(np.int64) % num_partitions
+
+
+def group_by_partition(parts: np.ndarray) -> tuple[np.ndarray, list[int], list[int]]:
+    """Records grouped by partition without a Python loop per record: ``order`` (a stable
+    argsort of ``parts``: input order kept within a partition), the partition of each run of
+    ``parts[order]``, and the runs' bounds (run ``r`` is ``order[bounds[r]:bounds[r + 1]]``)."""
+    order = np.argsort(parts, kind="stable")
+    ordered = parts[order]
+    starts = np.flatnonzero(ordered[1:] != ordered[:-1]) + 1
+    heads = np.concatenate(([0], starts)) if len(parts) else starts
+    return order, ordered[heads].tolist(), [*heads.tolist(), len(parts)]
 
 
 def to_positive(h: int) -> int:
@@ -138,8 +161,11 @@ class DefaultPartitioner:
         self, topic: str, num_partitions: int, available: Sequence[int], previous: int | None
     ) -> int:
         choices: Sequence[int] = available if available else range(num_partitions)
-        if len(choices) > 1 and previous is not None:
-            choices = [p for p in choices if p != previous]
         p = choices[self._rng.randrange(len(choices))]
+        if previous is not None and len(choices) > 1:
+            # uniform among the others without building a list of them (O(1) expected:
+            # at most half the draws hit ``previous``, which appears in ``choices`` once)
+            while p == previous:
+                p = choices[self._rng.randrange(len(choices))]
         self._sticky[topic] = p
         return p

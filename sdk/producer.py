@@ -57,8 +57,8 @@ import secrets
 import time
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from itertools import pairwise, repeat
-from operator import itemgetter
+from itertools import repeat
+from operator import is_not, itemgetter
 from types import TracebackType
 from typing import Any, Self
 
@@ -78,7 +78,12 @@ from sdk.config import ProducerConfig
 from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedError
 from sdk.group import OffsetAndMetadata
 from sdk.idempotence import Sequencer
-from sdk.partitioner import DefaultPartitioner, partition_for_key, partitions_for_keys
+from sdk.partitioner import (
+    DefaultPartitioner,
+    group_by_partition,
+    partition_for_key,
+    partitions_for_keys,
+)
 from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
 from sdk.transactions import ConsumerGroupMetadata, TransactionManager
 from storage.codec import encode_batch
@@ -353,6 +358,7 @@ class Producer:
         self._acc: RecordAccumulator | None = None
         self._sender: Sender | None = None
         self._tps: dict[tuple[str, int], TopicPartition] = {}
+        self._topic_tps: dict[str, list[TopicPartition]] = {}
         self._schedule_nonce = f"{secrets.randbits(40):010x}"
         self._scheduled = 0
         #: transactional producers (``transactional.id``): the transaction's state
@@ -697,81 +703,97 @@ class Producer:
                 f"partition {partition} of topic {topic!r} does not exist (it has {n})"
             )
         if header_list or tag_lists:
-            sizes = [
-                estimate_size(v, k, h, t)
-                for v, k, h, t in zip(
+            sizes = np.fromiter(
+                map(
+                    estimate_size,
                     values,
                     key_list or repeat(None),
                     header_list or repeat(None),
                     tag_lists or repeat(None),
-                    strict=False,
-                )
-            ]
+                ),
+                dtype=np.int64,
+                count=count,
+            )
         else:
-            sizes = list(map(len, values)) if None not in values else list(map(_len0, values))  # type: ignore[arg-type]
+            sizes = np.fromiter(
+                map(len, values) if None not in values else map(_len0, values),  # type: ignore[arg-type]
+                dtype=np.int64,
+                count=count,
+            )
             if key_list is not None:
-                key_sizes = map(len, key_list) if None not in key_list else map(_len0, key_list)  # type: ignore[arg-type]
-                sizes = list(map(int.__add__, sizes, key_sizes))
-            sizes = [RECORD_OVERHEAD + s for s in sizes]
+                sizes += np.fromiter(
+                    map(len, key_list) if None not in key_list else map(_len0, key_list),  # type: ignore[arg-type]
+                    dtype=np.int64,
+                    count=count,
+                )
+            sizes += RECORD_OVERHEAD
         if partition is None and key_list is None:
             partition = self._partitioner.sticky(topic)
             if partition is None or partition >= n:
                 partition = self._partitioner.partition(
                     topic, None, n, cluster.available_partitions(topic)
                 )
-        runs: list[tuple[int, list[int] | None]]
+        tps = self._topic_partitions(topic, n)
+        run_tps: Sequence[TopicPartition]
+        bounds: list[int]
         if partition is not None:
-            runs = [(partition, None)]
+            run_tps, bounds = (tps[partition],), [0, count]
         else:
             assert key_list is not None
-            runs = self._runs_by_key(topic, key_list, n)
-        futures: list[asyncio.Future[RecordsMetadata]] = []
-        for p, idx in runs:
-            tp = self._tps.get((topic, p))
-            if tp is None:
-                tp = self._tps[(topic, p)] = TopicPartition(topic, p)
-            if self._txn is not None:
+            order, parts, bounds = self._runs_by_key(topic, key_list, n)
+            run_tps = [tps[parts[0]]] if len(parts) == 1 else itemgetter(*parts)(tps)
+            if len(parts) > 1:
+                # every column in partition order at once (C loops), then one slice a run
+                take = itemgetter(*order.tolist())
+                values = take(values)
+                key_list = take(key_list)
+                header_list = None if header_list is None else take(header_list)
+                tag_lists = None if tag_lists is None else take(tag_lists)
+                if timestamp_ms is not None and not isinstance(timestamp_ms, int):
+                    timestamps = take(timestamps)
+                sizes = sizes[order]
+        if self._txn is not None:
+            for tp in run_tps:
                 self._txn.maybe_add(tp)
+        return await acc.append_runs(
+            run_tps,
+            bounds,
+            values,
+            key_list,
+            header_list,
+            tag_lists,
+            timestamps,
+            sizes.tolist(),
+            max_block - (self._clock() - started),
+        )
 
-            def pick(col: list[Any] | None, idx: list[int] | None = idx) -> list[Any] | None:
-                if col is None or idx is None:
-                    return col
-                return [col[idx[0]]] if len(idx) == 1 else list(itemgetter(*idx)(col))
-
-            remaining = max_block - (self._clock() - started)
-            futures += await acc.append_many(
-                tp,
-                pick(values) or [],
-                pick(key_list),
-                pick(header_list),
-                pick(tag_lists),
-                pick(timestamps) or [],
-                pick(sizes) or [],
-                remaining,
-            )
-        gathered: asyncio.Future[list[RecordsMetadata]] = asyncio.gather(*futures)
-        return gathered
+    def _topic_partitions(self, topic: str, n: int) -> list[TopicPartition]:
+        """``TopicPartition(topic, p)`` for every partition ``p`` of ``topic``, built once per
+        partition count (``send_batch`` picks its runs' partitions from it by index)."""
+        tps = self._topic_tps.get(topic)
+        if tps is None or len(tps) != n:
+            tps = self._topic_tps[topic] = [TopicPartition(topic, p) for p in range(n)]
+        return tps
 
     def _runs_by_key(
-        self, topic: str, keys: list[bytes | None], n: int
-    ) -> list[tuple[int, list[int] | None]]:
-        """The records' indexes grouped by partition, in input order within each: keys hashed
-        all at once (``partitions_for_keys``), keyless records to the sticky partition."""
-        keyless = [i for i, k in enumerate(keys) if k is None] if None in keys else []
-        if keyless:
+        self, topic: str, keys: Sequence[bytes | None], n: int
+    ) -> tuple[np.ndarray, list[int], list[int]]:
+        """The records grouped by partition (``group_by_partition``: the order, each run's
+        partition, the runs' bounds): keys hashed all at once (``partitions_for_keys``),
+        keyless records to the sticky partition."""
+        if None in keys:
+            mask = np.fromiter(map(is_not, keys, repeat(None)), dtype=bool, count=len(keys))
+            keyed = np.flatnonzero(mask)
             sticky = self._partitioner.partition(
                 topic, None, n, self._cluster.available_partitions(topic) if self._cluster else ()
             )
-            keyed = [i for i, k in enumerate(keys) if k is not None]
             parts = np.full(len(keys), sticky, dtype=np.int64)
-            if keyed:
-                parts[keyed] = partitions_for_keys([keys[i] for i in keyed], n)  # type: ignore[misc]
+            if len(keyed):
+                picked = itemgetter(*keyed.tolist())(keys) if len(keyed) > 1 else [keys[keyed[0]]]
+                parts[keyed] = partitions_for_keys(picked, n)
         else:
             parts = partitions_for_keys(keys, n)  # type: ignore[arg-type]
-        order = np.argsort(parts, kind="stable")
-        ordered = parts[order]
-        bounds = [0, *(np.flatnonzero(np.diff(ordered)) + 1).tolist(), len(order)]
-        return [(int(ordered[a]), order[a:b].tolist()) for a, b in pairwise(bounds)]
+        return group_by_partition(parts)
 
     async def send_and_wait(
         self,
@@ -963,7 +985,7 @@ class Producer:
         extra = 16 + len(hdr_id) + len(hdr_ts) + len(stamp) + max(map(len, ids))
         if stamp == str(now).encode():
             stamp = b""
-        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[RecordsMetadata]]]] = []
+        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[list[RecordsMetadata]]]]] = []
         for (p, lane), idx in groups.items():
             every = len(idx) == count
             vals = values if every else [values[i] for i in idx]
@@ -987,16 +1009,18 @@ class Producer:
                     s + sum(4 + len(t.encode()) for t in tg or ())
                     for s, tg in zip(sizes, tgs, strict=True)
                 ]
-            stored = await acc.append_many(
-                TopicPartition(level_topic, lane),
-                vals,
-                ks,
-                hdrs,
-                tgs,
-                [now] * len(idx),
-                sizes,
-                max_block - (self._clock() - started),
-            )
+            stored = [
+                await acc.append_many(
+                    TopicPartition(level_topic, lane),
+                    vals,
+                    ks,
+                    hdrs,
+                    tgs,
+                    [now] * len(idx),
+                    sizes,
+                    max_block - (self._clock() - started),
+                )
+            ]
             runs.append((p, tuple(run_ids), stored))
 
         async def settle() -> list[RecordsMetadata]:
@@ -1079,7 +1103,7 @@ class Producer:
                 p = self._target_partition(topic, k, partition, n)
             schedule = delays.ScheduleId.new(due, topic, p, k, self._next_schedule_nonce())
             groups[(p, delays.level_for(due - now))].append((i, schedule))
-        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[RecordsMetadata]]]] = []
+        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[list[RecordsMetadata]]]]] = []
         for (p, level), members in groups.items():
             level_topic = delays.level_topic(level)
             lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
@@ -1087,7 +1111,7 @@ class Producer:
             for i, schedule in members:
                 by_lane[schedule.lane_in(lanes)].append((i, schedule))
             ids: list[str] = []
-            stored: list[asyncio.Future[RecordsMetadata]] = []
+            stored: list[asyncio.Future[list[RecordsMetadata]]] = []
             for lane, lane_members in by_lane.items():
                 hdrs: list[Headers | None] = []
                 for i, schedule in lane_members:
@@ -1103,15 +1127,17 @@ class Producer:
                 ks = [key_list[i] for i in idx]
                 tgs: list[Sequence[str] | None] = [tag_lists[i] for i in idx]
                 sizes = [estimate_size(*rec) for rec in zip(vals, ks, hdrs, tgs, strict=True)]
-                stored += await acc.append_many(
-                    TopicPartition(level_topic, lane),
-                    vals,
-                    ks,
-                    hdrs,
-                    tgs,
-                    [now] * len(idx),
-                    sizes,
-                    max_block - (self._clock() - started),
+                stored.append(
+                    await acc.append_many(
+                        TopicPartition(level_topic, lane),
+                        vals,
+                        ks,
+                        hdrs,
+                        tgs,
+                        [now] * len(idx),
+                        sizes,
+                        max_block - (self._clock() - started),
+                    )
                 )
             runs.append((p, tuple(ids), stored))
 

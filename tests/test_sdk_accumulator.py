@@ -600,3 +600,150 @@ def test_sequences_given_to_a_batch_that_cannot_be_encoded_are_not_lost() -> Non
             await bad
 
     run(go)
+
+
+# ---- append_runs: many partitions in one call (issue #30) -------------------------------
+def _runs_columns(parts: list[int]) -> tuple[list[bytes], list[int]]:
+    values = [f"v{i}".encode() for i in range(len(parts))]
+    return values, [estimate_size(v, None, None, None) for v in values]
+
+
+def test_append_runs_reports_one_chunk_per_partition_in_call_order() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock)
+        tps = [TopicPartition("t", p) for p in (3, 0, 7)]
+        values, sizes = _runs_columns([3, 3, 0, 7, 7, 7])
+        report = await acc.append_runs(tps, [0, 2, 3, 6], values, None, None, None, [1] * 6, sizes)
+        assert acc.pool.used == sum(sizes)  # reserved at once, for the whole call
+        assert not report.done()
+        clock.now += 1
+        ready, _ = acc.ready(clock.now)
+        batches = acc.drain(ready)
+        assert sorted(b.tp.partition for b in batches) == [0, 3, 7]
+        for b in batches:
+            acc.complete(b, {0: 10, 3: 30, 7: 70}[b.tp.partition])
+        got = await report
+        assert [(m.partition, m.base_offset, m.record_count) for m in got] == [
+            (3, 30, 2),
+            (0, 10, 1),
+            (7, 70, 3),
+        ]
+        assert acc.pool.used == 0
+        assert acc.stats()["queued_partitions"] == 0  # drained queues are dropped
+
+    run(go)
+
+
+def test_append_runs_splits_a_run_over_batches_and_resolves_after_every_one() -> None:
+    async def go() -> None:
+        clock = Clock()
+        size = estimate_size(b"x" * 100, None, None, None)
+        acc = make(clock, batch_size=BATCH_OVERHEAD + 2 * size)
+        values = [b"x" * 100] * 5
+        report = await acc.append_runs([TP], [0, 5], values, None, None, None, [1] * 5, [size] * 5)
+        queued = acc.batches(TP)
+        assert [b.record_count for b in queued] == [2, 2, 1]
+        full = acc.drain([TP])  # the closed batches; the open one waits for linger
+        assert [b.record_count for b in full] == [2, 2]
+        acc.complete(full[0], 0)
+        acc.complete(full[1], 2)
+        assert not report.done()  # the last chunk is still queued
+        clock.now += 1
+        (last,) = acc.drain(acc.ready(clock.now)[0])
+        acc.complete(last, 4)
+        assert [(m.base_offset, m.record_count) for m in await report] == [(0, 2), (2, 2), (4, 1)]
+
+    run(go)
+
+
+def test_append_runs_fails_with_the_first_failed_batch() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=0)
+        values, sizes = _runs_columns([0, 1])
+        report = await acc.append_runs(
+            [TP, TP1], [0, 1, 2], values, None, None, None, [1, 1], sizes
+        )
+        batches = acc.drain(acc.ready(clock.now)[0])
+        acc.complete(batches[0], 0)
+        acc.fail(batches[1], NotLeaderError("gone"))
+        with pytest.raises(NotLeaderError):
+            await report
+        assert acc.pool.used == 0
+
+    run(go)
+
+
+def test_append_runs_waits_for_the_whole_call_then_appends_it_all() -> None:
+    async def go() -> None:
+        clock = Clock()
+        values = [b"v" * 300] * 3
+        sizes = [estimate_size(v, None, None, None) for v in values]
+        acc = make(clock, buffer_memory=sum(sizes) + 50, linger_ms=0)
+        await acc.append(TP, b"x" * 100)  # leaves less room than the call needs
+        waiting = asyncio.ensure_future(
+            acc.append_runs([TP, TP1], [0, 1, 3], values, None, None, None, [1] * 3, sizes, 5)
+        )
+        await asyncio.sleep(0)
+        assert not waiting.done() and acc.batches(TP1) == ()  # nothing appended yet
+        (head,) = acc.drain([TP])
+        acc.complete(head, 0)
+        report = await waiting
+        assert [b.record_count for b in acc.batches(TP)] == [1]
+        assert [b.record_count for b in acc.batches(TP1)] == [2]
+        for b in acc.drain(acc.ready(clock.now)[0]):
+            acc.complete(b, 1)
+        assert [m.record_count for m in await report] == [1, 2]
+
+    run(go)
+
+
+def test_a_call_too_big_for_the_buffer_waits_chunk_by_chunk() -> None:
+    async def go() -> None:
+        clock = Clock()
+        size = estimate_size(b"x" * 100, None, None, None)
+        acc = make(
+            clock,
+            buffer_memory=BATCH_OVERHEAD + size,  # less than the call's 5 records
+            batch_size=BATCH_OVERHEAD + size,
+            linger_ms=0,
+        )
+        values = [b"x" * 100] * 5
+        assert 5 * size > acc.pool.total
+        call = asyncio.ensure_future(
+            acc.append_runs([TP], [0, 5], values, None, None, None, [1] * 5, [size] * 5, 5)
+        )
+        offset, waits = 0, 0
+        while not call.done():
+            await asyncio.sleep(0)
+            waits += 1
+            for b in acc.drain(acc.ready(clock.now)[0]):
+                acc.complete(b, offset)
+                offset += b.record_count
+        report = await call
+        for b in acc.drain(acc.ready(clock.now)[0]):
+            acc.complete(b, offset)
+            offset += b.record_count
+        assert [m.base_offset for m in await report] == [0, 1, 2, 3, 4]
+        assert waits > 1  # it went on as the earlier chunks were acknowledged
+
+    run(go)
+
+
+def test_expire_looks_again_only_when_a_deadline_is_due() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, delivery_timeout_ms=1000)
+        await acc.append(TP, b"a")
+        clock.now += 0.5
+        await acc.append(TP1, b"b")
+        assert acc.expire(clock.now + 0.49) == []
+        (first,) = acc.expire(clock.now + 0.5)
+        assert first.tp == TP
+        assert acc.expire(clock.now + 0.99) == []
+        (second,) = acc.expire(clock.now + 1.0)
+        assert second.tp == TP1
+        assert acc.stats()["queued_partitions"] == 0
+
+    run(go)

@@ -5,13 +5,16 @@ from __future__ import annotations
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from sdk import Producer
 from sdk.partitioner import (
+    WIDE_KEY,
     DefaultPartitioner,
+    group_by_partition,
     murmur2,
     murmur2_many,
     partition_for_key,
@@ -161,14 +164,57 @@ def test_send_batch_groups_keyed_records_by_murmur2_and_keyless_ones_sticky(
     keys: list[bytes | None],
 ) -> None:
     producer = Producer({"bootstrap.servers": "127.0.0.1:1"})
-    runs = producer._runs_by_key("t", keys, 7)
+    order, parts, bounds = producer._runs_by_key("t", keys, 7)
     sticky = producer._partitioner.sticky("t")
     seen = []
-    for partition, idx in runs:
-        assert idx is not None and idx == sorted(idx)  # input order kept within a partition
+    for partition, a, b in zip(parts, bounds, bounds[1:], strict=False):
+        idx = order[a:b].tolist()
+        assert idx and idx == sorted(idx)  # input order kept within a partition
         for i in idx:
             key = keys[i]
             assert partition == (sticky if key is None else partition_for_key(key, 7))
         seen += idx
+    assert len(bounds) == len(parts) + 1 and bounds[-1] == len(keys)
     assert sorted(seen) == list(range(len(keys)))  # every record once
-    assert len({p for p, _ in runs}) == len(runs)  # one run per partition
+    assert len(set(parts)) == len(parts)  # one run per partition
+
+
+def test_murmur2_many_equals_the_scalar_hash_on_many_random_keys() -> None:
+    rng = random.Random(30)
+    # every length up to past WIDE_KEY (hashed one by one), many keys of each
+    keys = [rng.randbytes(rng.randrange(0, WIDE_KEY + 40)) for _ in range(20_000)]
+    keys += [rng.randbytes(n) for n in range(0, 40) for _ in range(50)]
+    rng.shuffle(keys)
+    expected = [murmur2(k) & 0xFFFFFFFF for k in keys]
+    assert murmur2_many(keys).tolist() == expected
+    for n in (1, 16, 1024, 4096, 10_000):
+        assert partitions_for_keys(keys, n).tolist() == [partition_for_key(k, n) for k in keys]
+
+
+@given(st.lists(st.integers(0, 20), max_size=200))
+def test_group_by_partition_runs_cover_each_record_once_in_input_order(parts: list[int]) -> None:
+    order, heads, bounds = group_by_partition(np.array(parts, dtype=np.int64))
+    assert bounds[0] == 0 and bounds[-1] == len(parts) and len(bounds) == len(heads) + 1
+    assert heads == sorted(set(parts))
+    for p, a, b in zip(heads, bounds, bounds[1:], strict=False):
+        idx = order[a:b].tolist()
+        assert idx == sorted(idx) and idx
+        assert all(parts[i] == p for i in idx)
+    assert sorted(order.tolist()) == list(range(len(parts)))
+
+
+def test_moving_the_sticky_partition_does_not_list_the_others() -> None:
+    class Available(list[int]):
+        """A list that refuses to be iterated (as building the list of the others would)."""
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            raise AssertionError("iterated every partition")
+
+    available = Available(range(4096))
+    p = DefaultPartitioner(random.Random(9))
+    first = p.partition("t", None, 4096, available)
+    for _ in range(200):
+        p.batch_closed("t", first, 4096, available)
+        second = p.partition("t", None, 4096, available)
+        assert second != first
+        first = second
