@@ -4,8 +4,12 @@ One agent (RF 1), topics of 16 and 1,024 partitions (``--partitions``), each fil
 ``--messages`` 1 KiB records with random 8-byte keys (``send_batch`` of 1,024 at a time, so
 every request touches many partitions, as a "keyed by customer id" topic does). Then rounds
 of consume from the beginning, alternating the topics and the two read paths (``getmany``,
-``getmany_arrow``); each row is the median of ``--rounds`` runs, with the agent's CPU seconds
-per 1,000 records read from /proc.
+``getmany_arrow``); each cell is the median (min-max) of ``--rounds`` runs: msgs/s, the
+consumer's CPU per record (its own ``process_time``: what the wall-clock rate is on an idle
+machine, and robust when other work shares the cores), and the agent's CPU per record from
+/proc, whole and above its idle rate (measured for 3 s before the runs: a topic's background
+work, which is not fetch work). ``--baseline DIR`` starts a second agent from another checkout
+(its own ZooKeeper chroot and data) and alternates every run between the two.
 
 ``--profile-agent`` runs the agent under py-spy (flat own-sample top list printed at the end);
 ``--profile-consumer`` runs the consumer under cProfile. Run with::
@@ -82,7 +86,10 @@ async def produce(bootstrap: str, topic: str, n: int) -> None:
             await f
 
 
-async def consume(bootstrap: str, topic: str, partitions: int, arrow: bool) -> tuple[int, float]:
+async def consume(
+    bootstrap: str, topic: str, partitions: int, arrow: bool
+) -> tuple[int, float, float]:
+    """(records read, wall seconds, this process's CPU seconds) for one read of the topic."""
     config = {"bootstrap.servers": bootstrap, "auto.offset.reset": "earliest"}
     async with Consumer(config) as consumer:
         tps = [TopicPartition(topic, p) for p in range(partitions)]
@@ -90,7 +97,7 @@ async def consume(bootstrap: str, topic: str, partitions: int, arrow: bool) -> t
         consumer.seek_to_beginning(*tps)
         expected = sum((await consumer.end_offsets(tps)).values())
         got = 0
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         async with asyncio.timeout(120):
             while got < expected:
                 if arrow:
@@ -99,7 +106,7 @@ async def consume(bootstrap: str, topic: str, partitions: int, arrow: bool) -> t
                 else:
                     for records in (await consumer.getmany(timeout_ms=500)).values():
                         got += len(records)
-        return got, time.perf_counter() - start
+        return got, time.perf_counter() - start, time.process_time() - cpu
 
 
 #: one consume run in a process of its own (``consume`` is pasted in: the baseline's checkout
@@ -108,8 +115,8 @@ CONSUMER = """
 import asyncio, json, sys, time
 from sdk import Consumer, TopicPartition
 {source}
-got, elapsed = asyncio.run(consume(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] != "getmany"))
-print(json.dumps([got, elapsed]))
+out = asyncio.run(consume(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] != "getmany"))
+print(json.dumps(out))
 """
 
 
@@ -132,7 +139,9 @@ def _start_agent(tree: Path, connect: str, data: Path, log_path: Path, pyspy: Pa
     raise SystemExit(log_path.read_text()[-2000:])
 
 
-def _consume_in(tree: Path, address: str, topic: str, n: int, mode: str) -> tuple[int, float]:
+def _consume_in(
+    tree: Path, address: str, topic: str, n: int, mode: str
+) -> tuple[int, float, float]:
     """One consume run in a process of its own, with the SDK of ``tree``."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
     out = subprocess.run(
@@ -140,8 +149,8 @@ def _consume_in(tree: Path, address: str, topic: str, n: int, mode: str) -> tupl
          address, topic, str(n), mode],
         env=env, cwd=tree, check=True, timeout=300, capture_output=True, text=True,
     )  # fmt: skip
-    got, elapsed = json.loads(out.stdout.strip().splitlines()[-1])
-    return int(got), float(elapsed)
+    got, elapsed, cpu = json.loads(out.stdout.strip().splitlines()[-1])
+    return int(got), float(elapsed), float(cpu)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,10 +187,12 @@ def main(argv: list[str] | None = None) -> int:
                 asyncio.run(produce(agents[label][1], f"t{n}", args.messages))
                 print(f"{label}: {args.messages} records to {n} partitions in "
                       f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
+        idle: dict[str, float] = {}
         for label, (agent, _) in agents.items():
             before = cpu_seconds(agent.pid)
             time.sleep(3)
-            print(f"{label} agent idle: {(cpu_seconds(agent.pid) - before) / 3:.3f} CPU s/s")
+            idle[label] = (cpu_seconds(agent.pid) - before) / 3
+            print(f"{label} agent idle: {idle[label]:.3f} CPU s/s")
         prof = cProfile.Profile() if args.profile_consumer else None
         for _ in range(args.rounds):
             for n in args.partitions:
@@ -190,18 +201,19 @@ def main(argv: list[str] | None = None) -> int:
                         before = cpu_seconds(agent.pid)
                         if prof is not None and label == "this":
                             prof.enable()
-                            got, elapsed = asyncio.run(
+                            got, elapsed, own = asyncio.run(
                                 consume(address, f"t{n}", n, mode != "getmany")
                             )
                             prof.disable()
                         else:
-                            got, elapsed = _consume_in(trees[label], address, f"t{n}", n, mode)
+                            got, elapsed, own = _consume_in(trees[label], address, f"t{n}", n, mode)
                         cpu = cpu_seconds(agent.pid) - before
-                        rows.setdefault((label, n, mode), []).append(
-                            (got / elapsed, cpu * 1e6 / got)
-                        )
-                        print(f"{label:<8} {n:>5} {mode:<14} {got / elapsed:>10,.0f} msgs/s "
-                              f"agent {cpu * 1e6 / got:.1f} ms CPU/1k records", flush=True)  # fmt: skip
+                        net = max(cpu - idle[label] * elapsed, 0.0)
+                        row = (got / elapsed, own * 1e6 / got, cpu * 1e6 / got, net * 1e6 / got)
+                        rows.setdefault((label, n, mode), []).append(row)
+                        print(f"{label:<8} {n:>5} {mode:<14} {row[0]:>10,.0f} msgs/s, consumer "
+                              f"{row[1]:.1f} us CPU/record, agent {row[2]:.1f} us/record "
+                              f"({row[3]:.1f} above idle)", flush=True)  # fmt: skip
         if prof is not None:
             prof.dump_stats(args.profile_consumer)
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
@@ -213,20 +225,19 @@ def main(argv: list[str] | None = None) -> int:
                     agent.wait(timeout=30)
             terminate(agent, timeout=5)
         zk.stop()
-    print(
-        "\n| code | partitions | read path | msgs/s (median, min-max) | agent CPU ms / 1k records |"
-    )
-    print("|---|---:|---|---:|---:|")
+    print("\n| code | partitions | read path | msgs/s | consumer CPU us/record "
+          "| agent CPU us/record | agent above idle |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---:|---:|")
     result: list[dict[str, Any]] = []
     for (label, n, mode), runs in sorted(
         rows.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])
     ):
-        rates = [r for r, _ in runs]
-        cpus = [c for _, c in runs]
-        print(f"| {label} | {n:,} | `{mode}` | {statistics.median(rates):,.0f} "
-              f"({min(rates):,.0f}-{max(rates):,.0f}) | {statistics.median(cpus):.1f} |")  # fmt: skip
-        result.append({"code": label, "partitions": n, "mode": mode, "rates": rates,
-                       "cpu_ms_per_1k": cpus})  # fmt: skip
+        cols = list(zip(*runs, strict=True))
+        cells = [f"{statistics.median(c):,.{0 if i == 0 else 1}f} ({min(c):,.{0 if i == 0 else 1}f}"
+                 f"-{max(c):,.{0 if i == 0 else 1}f})" for i, c in enumerate(cols)]  # fmt: skip
+        print(f"| {label} | {n:,} | `{mode}` | " + " | ".join(cells) + " |")
+        result.append({"code": label, "partitions": n, "mode": mode, "runs": runs,
+                       "idle_cpu_per_s": idle[label]})  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     if args.profile_agent and raw.exists():
