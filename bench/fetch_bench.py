@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     zk = start_zookeeper(work / "zookeeper")
     trees = {"this": ROOT} if args.baseline is None else {"baseline": args.baseline, "this": ROOT}
     agents: dict[str, tuple[Any, str]] = {}
-    rows: dict[tuple[str, int, str], list[tuple[float, float]]] = {}
+    rows: dict[tuple[str, int, str], list[tuple[float, float, float, float]]] = {}
     raw = work / "agent-profile.txt"
     try:
         for label, tree in trees.items():
