@@ -51,7 +51,7 @@ from storage.errors import CorruptBatchError, StrataError
 _NOT_PLAIN = ATTR_CONTROL | ATTR_COMPRESSION_MASK
 #: batches of more records are decoded alone: their Arrow arrays cost less than copying their
 #: records into a run's buffers (``decode_batch`` points into the fetched bytes)
-RUN_BATCH_RECORDS = 128
+RUN_BATCH_RECORDS = 32
 _I32 = np.dtype("<i4")
 _INT32 = struct.Struct("<i")
 _EMPTY_STRINGS = pa.array([], pa.string())
