@@ -86,9 +86,9 @@ from sdk.group import GroupClient, OffsetAndMetadata, RebalanceListener
 from sdk.records import ConsumerRecord, OffsetAndTimestamp, TopicPartition
 from sdk.retry import HAND_OUT, PARK, KeyOrder, Retrier, new_retrier_producer, retry_topic
 from sdk.transactions import ConsumerGroupMetadata
-from storage.codec import SCHEMA, decode_batch, read_header
+from storage.codec import SCHEMA, Compression, decode_batch, read_header
 from storage.codec.control import AbortedRanges, aborted_ranges, is_aborted
-from storage.codec.runs import decode_run
+from storage.codec.runs import RUN_BATCH_RECORDS, decode_run
 from storage.errors import (
     CorruptBatchError,
     InvalidFilterError,
@@ -1212,7 +1212,10 @@ class Consumer:
                 buf.current_offsets = None
                 run = (
                     decode_run(buf.data, start, verify=self.config.check_crcs)
-                    if buf.selections is None and buf.aborted is None
+                    if h.record_count <= RUN_BATCH_RECORDS
+                    and buf.selections is None
+                    and buf.aborted is None
+                    and h.compression == Compression.NONE
                     else None
                 )
                 if run is not None:  # this batch and the plain ones after it, in one go

@@ -49,11 +49,13 @@ from storage.codec.header import (
 from storage.errors import CorruptBatchError, StrataError
 
 _NOT_PLAIN = ATTR_CONTROL | ATTR_COMPRESSION_MASK
-#: batches of more records are decoded alone: their Arrow arrays cost less than copying their
-#: records into a run's buffers (``decode_batch`` points into the fetched bytes)
+#: batches of more records are decoded alone: their Arrow arrays then cost about what copying
+#: their records into a run's buffers does, and ``decode_batch`` points into the fetched bytes
 RUN_BATCH_RECORDS = 32
 _I32 = np.dtype("<i4")
 _INT32 = struct.Struct("<i")
+#: attributes, summary length and record count: header bytes 24-31
+_ATTRIBUTES_TO_COUNT = struct.Struct("<HHi")
 _EMPTY_STRINGS = pa.array([], pa.string())
 _EMPTY_PAIRS = pa.array([], HEADERS_TYPE.value_type)
 
@@ -127,11 +129,14 @@ def decode_run(
     rows = 0
     next_offset = -1
     while pos < end:
+        if pos + HEADER_SIZE > end:
+            break
+        attributes, _, count = _ATTRIBUTES_TO_COUNT.unpack_from(buf, pos + 24)
+        if attributes & _NOT_PLAIN or count > RUN_BATCH_RECORDS:
+            break  # seen before its CRC is checked: a large batch's is checked once, alone
         try:
             h = check_batch(buf, pos, exact=False) if verify else read_header(buf, pos)
             if pos + h.size > end:
-                break
-            if h.attributes & _NOT_PLAIN or h.record_count > RUN_BATCH_RECORDS:
                 break
             lengths = DIRECTORY.unpack_from(buf, pos + HEADER_SIZE)
             if any(lengths[7:15]):
