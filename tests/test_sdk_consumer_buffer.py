@@ -85,6 +85,30 @@ def test_a_corrupt_batch_is_raised_after_other_partitions_data() -> None:
     assert c._take([TP0, TP1], 100) == {}
 
 
+def test_small_batches_are_handed_out_as_one_run_cut_by_position_and_max_records() -> None:
+    """Small plain batches (a keyed topic of many partitions) are decoded together; gaps
+    between their offsets, the position and max_records still cut where they should."""
+    data = batch(0, 2) + batch(2, 3) + batch(10, 2) + batch(12, 1) + batch(20, 4)
+    c = consumer((TP0, 3, data))
+    got = c._take([TP0], 4)
+    assert offsets(got, TP0) == [3, 4, 10, 11] and len(got[TP0]) == 1
+    assert c._states[TP0].position == 12
+    rest = c._take([TP0], 100)
+    assert offsets(rest, TP0) == [12, 20, 21, 22, 23]
+    assert [r.value for r in to_records(TP0, rest[TP0])] == [b"v12", b"v20", b"v21", b"v22", b"v23"]
+    assert c._states[TP0].position == 24 and c._states[TP0].buffered is None
+
+
+def test_a_corrupt_batch_after_a_run_of_small_ones_is_raised_after_them() -> None:
+    bad = bytearray(batch(4, 2))
+    bad[-20] ^= 0xFF
+    c = consumer((TP0, 0, batch(0, 2) + batch(2, 2) + bytes(bad) + batch(6, 2)))
+    assert offsets(c._take([TP0], 100), TP0) == [0, 1, 2, 3]
+    with pytest.raises(CorruptBatchError, match="CRC32C"):
+        c._take([TP0], 100)
+    assert c._states[TP0].position == 4
+
+
 def test_max_records_spans_partitions() -> None:
     c = consumer((TP0, 0, batch(0, 5)), (TP1, 0, batch(0, 5)))
     got = c._take([TP0, TP1], 7)

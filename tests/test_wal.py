@@ -161,6 +161,36 @@ def test_read_honours_max_offset(tmp_path: Path, open_log: Opener) -> None:
     assert (s.next_offset, s.batch_count) == (18, 6)
 
 
+def test_extent_agrees_with_a_walk_of_whole_headers(tmp_path: Path, open_log: Opener) -> None:
+    """The read path's lean walk (three header fields) stops where a walk of parsed headers
+    would, for every start, bound and byte limit."""
+    log = open_log(tmp_path, config(segment_bytes=1 << 20))
+    fill(log, random.Random(4), 40)
+    seg = log.segments[0]
+    starts = [p for _, p in seg.walk(0)]
+    for pos, upper, max_bytes in itertools.product(
+        starts[::3], range(0, 400, 23), (0, 3000, 1 << 20)
+    ):
+        stop, next_offset, count = pos, -1, 0
+        for h, p in seg.walk(pos):
+            if h.next_offset > upper or (count and p + h.size - pos > max_bytes):
+                break
+            stop, next_offset, count = p + h.size, h.next_offset, count + 1
+        assert seg.extent(pos, upper, max_bytes) == (stop, next_offset, count)
+
+
+def test_extent_refuses_a_length_that_cannot_be_a_batch(tmp_path: Path, open_log: Opener) -> None:
+    log = open_log(tmp_path, config(segment_bytes=1 << 20))
+    fill(log, random.Random(5), 3)
+    seg = log.segments[0]
+    second = [p for _, p in seg.walk(0)][1]
+    with open(seg.path, "r+b") as f:
+        f.seek(second + 8)
+        f.write(struct.pack("<i", 4))  # 16 bytes: shorter than a header
+    with pytest.raises(CorruptBatchError):
+        seg.extent(0, 1 << 40, 1 << 20)
+
+
 def test_read_at_log_end_is_empty_and_outside_the_log_raises(
     tmp_path: Path, open_log: Opener
 ) -> None:

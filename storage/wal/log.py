@@ -431,15 +431,9 @@ class PartitionLog:
         if found is None:  # pragma: no cover - impossible while the invariants hold
             raise StorageError(f"offset {offset} missing from {seg.path}")
         first, pos = found
-        stop = pos
-        next_offset = first.base_offset
-        count = 0
-        for h, p in seg.walk(pos):
-            if h.next_offset > upper or (count and p + h.size - pos > max_bytes):
-                break
-            stop = p + h.size
-            next_offset = h.next_offset
-            count += 1
+        stop, next_offset, count = seg.extent(pos, upper, max_bytes)
+        if not count:
+            next_offset = first.base_offset
         return LogSlice(seg.view(pos, stop), first.base_offset, next_offset, count)
 
     def offset_for_timestamp(self, timestamp: int) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,11 @@ from storage.errors import CorruptBatchError, CorruptSegmentError, StrataError
 from storage.wal import fileio
 from storage.wal.fileio import storage_error, storage_errors
 from storage.wal.index import NO_TIMESTAMP, SparseIndex
+
+#: the header fields a read's walk needs (``storage.codec.header``): base offset and batch
+#: length at byte 0, record count at byte 28
+_BASE_AND_LENGTH = struct.Struct("<qi")
+_RECORD_COUNT = struct.Struct("<i")
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
@@ -216,6 +222,31 @@ class Segment:
             h = read_header(buf, position)
             yield h, position
             position += h.size
+
+    def extent(self, position: int, upper: int, max_bytes: int) -> tuple[int, int, int]:
+        """What a read from the batch at ``position`` returns: the whole batches that end at or
+        below offset ``upper``, at least one, then while they fit ``max_bytes`` from
+        ``position``; as (end position, next offset, count), count 0 if the first one does not
+        end below ``upper``.
+
+        Reads three fields of each header (length, base offset, record count) and builds no
+        ``BatchHeader``: the batches were checked when they were appended or recovered, and
+        this walk is a fetch's cost per batch (a keyed topic of many partitions holds many
+        small ones). A length that cannot be a batch still raises ``CorruptBatchError``.
+        """
+        buf = self.buffer()
+        end = self.size
+        stop, next_offset, count = position, -1, 0
+        while stop < end:
+            base, length = _BASE_AND_LENGTH.unpack_from(buf, stop)
+            size = length + 12
+            if size < HEADER_SIZE or stop + size > end:
+                raise CorruptBatchError(f"batch length field says {size} bytes", position=stop)
+            after = base + _RECORD_COUNT.unpack_from(buf, stop + 28)[0]
+            if after > upper or (count and stop + size - position > max_bytes):
+                break
+            stop, next_offset, count = stop + size, after, count + 1
+        return stop, next_offset, count
 
     def position_of(self, offset: int) -> tuple[BatchHeader, int] | None:
         """(header, position) of the batch holding ``offset``, or None past the end."""
