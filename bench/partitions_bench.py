@@ -548,6 +548,21 @@ def plot(r: dict[str, Any], path: Path) -> None:
 # ------------------------------------------------------------------ main
 
 
+def command(argv: list[str]) -> str:
+    """The make command of this run, for the docs (without ``--write-docs``, which the target
+    passes, and ``--note``, which the docs show anyway)."""
+    shown: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--note":
+            skip = True
+        elif arg != "--write-docs" and not arg.startswith("--note="):
+            shown.append(arg)
+    return "make bench-partitions" + (f' BENCH_ARGS="{" ".join(shown)}"' if shown else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Strata: keyed produce/consume by partition count")
     parser.add_argument("--rounds", type=int, default=3, help="alternated rounds (medians)")
@@ -613,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{os.cpu_count()} cores, {platform.machine()}, Python {platform.python_version()}",
-        "command": "make bench-partitions" + (f' BENCH_ARGS="{" ".join(argv)}"' if argv else ""),
+        "command": command(argv),
         "note": args.note,
         "seconds": args.seconds,
         "rounds_run": len(rounds),
