@@ -500,22 +500,25 @@ def plot(r: dict[str, Any], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
     rows = r["summary"]["rows"]
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
     panels = (
-        (axes[0], (("produce", "produce"),), "msgs_per_s", "produce, msgs/s"),
+        (axes[0], (("produce", "produce", "-"),), "msgs_per_s", "produce, msgs/s"),
         (
             axes[1],
-            (("consume_arrow", "getmany_arrow"), ("consume_getmany", "getmany")),
+            (("consume_arrow", "getmany_arrow", "-"), ("consume_getmany", "getmany", "--")),
             "msgs_per_s",
             "consume, msgs/s",
         ),
-        (axes[2], (("produce", "produce"),), "fsyncs_per_s", "agent fsyncs/s while producing"),
+        (axes[2], (("produce", "produce", "-"),), "fsyncs_per_s", "agent fsyncs/s while producing"),
     )
+    counts = sorted({row["partitions"] for row in rows.values()})
+    colors = {"always": "tab:blue", "interval": "tab:orange"}
     for ax, phases, name, title in panels:
         for policy in POLICIES:
-            for phase, label in phases:
+            for phase, label, style in phases:
                 points = sorted(
                     (row["partitions"], row[phase][name])
                     for row in rows.values()
@@ -531,9 +534,20 @@ def plot(r: dict[str, Any], path: Path) -> None:
                         [c["max"] - c["median"] for _, c in points],
                     ]
                 )
-                ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=f"{label}, `{policy}`")
+                ax.errorbar(
+                    xs,
+                    ys,
+                    yerr=err,
+                    marker="o",
+                    ls=style,
+                    color=colors[policy],
+                    capsize=3,
+                    label=f"{label}, {policy}",
+                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        ax.set_xticks(counts, [f"{n:,}" for n in counts])
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("partitions (log)")
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
