@@ -90,7 +90,7 @@ PHASE_NAMES = {
     "consume_getmany": "consume (`getmany`)",
 }
 CONSUME_LIMIT_S = 300.0
-WARM_LIMIT_S = 300.0
+WARM_LIMIT_S = 600.0
 
 
 # ------------------------------------------------------------------ measuring
@@ -157,7 +157,12 @@ def phase_figures(
 
 async def warm(bootstrap: str, partitions: int) -> None:
     """One record to every partition: returns once every partition has a serving leader."""
-    async with Producer({"bootstrap.servers": bootstrap, "acks": 1}) as producer:
+    config = {
+        "bootstrap.servers": bootstrap,
+        "acks": 1,
+        "delivery.timeout.ms": int(WARM_LIMIT_S * 1000),  # partitions of a new topic come slowly
+    }
+    async with Producer(config) as producer:
         await producer.partitions_for(TOPIC)
         async with asyncio.timeout(WARM_LIMIT_S):
             futures = [await producer.send(TOPIC, b"warm", partition=p) for p in range(partitions)]
@@ -332,7 +337,12 @@ def one_round(
     r: dict[str, Any] = {}
     for policy, n in row_order(args.partitions, index):
         key = row_key(policy, n)
-        r[key] = run_row(rows[key], zk, args, env)
+        try:
+            r[key] = run_row(rows[key], zk, args, env)
+        except Exception as exc:  # reported, not fatal: the other rows still count
+            r[key] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            print(f"round {index + 1} {key}: {r[key]['error']}", flush=True)
+            continue
         p, c = r[key]["produce"], r[key]["consume_arrow"]
         print(
             f"round {index + 1} {key}: produce {p['msgs_per_s']:,.0f} msgs/s,"
@@ -359,15 +369,21 @@ RATIO_FIGURES = {
 }
 
 
+def _measured(r: dict[str, Any], key: str) -> bool:
+    return key in r and "error" not in r[key]
+
+
 def summarize(rounds: list[dict[str, Any]], partitions: list[int]) -> dict[str, Any]:
     """Each row's figures as median and range over the rounds, and its ratios to the base row
     (the smallest partition count) of the same policy, taken within each round then medianed."""
     base = min(partitions)
     rows: dict[str, Any] = {}
+    errors: dict[str, list[str]] = {}
     for policy in POLICIES:
         for n in partitions:
             key = row_key(policy, n)
-            present = [r[key] for r in rounds if key in r]
+            errors[key] = [r[key]["error"] for r in rounds if "error" in r.get(key, {})]
+            present = [r[key] for r in rounds if _measured(r, key)]
             if not present:
                 continue
             row: dict[str, Any] = {"policy": policy, "partitions": n, "rounds": len(present)}
@@ -376,18 +392,21 @@ def summarize(rounds: list[dict[str, Any]], partitions: list[int]) -> dict[str, 
             ratios: dict[str, Any] = {}
             for phase, names in RATIO_FIGURES.items():
                 for name in names:
+                    b = row_key(policy, base)
                     within = [
-                        r[key][phase][name] / r[row_key(policy, base)][phase][name]
+                        r[key][phase][name] / r[b][phase][name]
                         for r in rounds
-                        if key in r
-                        and row_key(policy, base) in r
-                        and r[row_key(policy, base)][phase][name]
+                        if _measured(r, key) and _measured(r, b) and r[b][phase][name]
                     ]
                     if within:
                         ratios[f"{phase}.{name}"] = spread(within)
             row["ratio"] = ratios
             rows[key] = row
-    return {"base_partitions": base, "rows": rows}
+    return {
+        "base_partitions": base,
+        "rows": rows,
+        "errors": {k: v for k, v in errors.items() if v},
+    }
 
 
 def targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
@@ -473,6 +492,8 @@ def render(r: dict[str, Any]) -> str:
             f" {_cell(cg['msgs_per_s'])} | {_ratio(row, 'consume_getmany.msgs_per_s')} |"
             f" {_cell(ca['cpu_s_per_1k'], '{:.4f}')} |"
         )
+    for key, errors in s.get("errors", {}).items():
+        lines.append(f"| {key} failed in {len(errors)} round(s): {errors[0]} |||||||||||")
     lines += ["", "Targets of #30 (median of the within-round ratios):", ""]
     for t in targets(s):
         verdict = "not measured" if t["met"] is None else "met" if t["met"] else "**missed**"
@@ -635,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "created_s" in row:
                     created.setdefault(key, row["created_s"])
             rounds.append(r)
+            save_result(f"{name}-rounds", rounds)  # a run cut short keeps its rounds
     finally:
         zk.stop()
         shutil.rmtree(work, ignore_errors=True)

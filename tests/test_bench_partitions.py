@@ -101,11 +101,17 @@ def test_targets_and_table() -> None:
     assert "always-1024 12.5 s" in text and "img/bench-partitions.png" in text
 
 
-def test_a_round_missing_a_row_counts_with_the_others() -> None:
-    rounds = [_round(100_000, 50_000), _round(100_000, 30_000)]
+def test_a_row_that_failed_in_a_round_counts_with_the_others() -> None:
+    rounds = [_round(100_000, 50_000), _round(100_000, 30_000), _round(100_000, 10_000)]
     del rounds[1]["always-1024"]
-    row = summarize(rounds, [16, 1024])["rows"]["always-1024"]
-    assert row["rounds"] == 1 and row["ratio"]["produce.msgs_per_s"]["median"] == 0.5
+    rounds[2]["always-16"] = {"error": "DeliveryTimeoutError: expired"}
+    summary = summarize(rounds, [16, 1024])
+    row = summary["rows"]["always-1024"]
+    # round 2 has no 1,024 row, round 3 no base row to divide by: only round 1's ratio
+    assert row["rounds"] == 2 and row["ratio"]["produce.msgs_per_s"]["median"] == 0.5
+    assert summary["errors"] == {"always-16": ["DeliveryTimeoutError: expired"]}
+    result = _result(rounds)
+    assert "| always-16 failed in 1 round(s): DeliveryTimeoutError: expired |" in render(result)
 
 
 def test_rows_alternate_between_rounds() -> None:
