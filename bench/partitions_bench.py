@@ -309,22 +309,33 @@ def run_row(row: RowSet, zk: str, args: argparse.Namespace, env: dict[str, str])
         if row.generation >= 0:
             shutil.rmtree(row.data_dir, ignore_errors=True)
         row.generation += 1
-    with _agent(row, zk, env) as agent:
-        if fresh:
-            started = time.perf_counter()
-            config = {"fsync.policy": row.policy}
-            asyncio.run(create_topic(row.chroot(zk), TOPIC, row.partitions, config))
-            asyncio.run(warm(agent.address, row.partitions))
-            created_s = time.perf_counter() - started
-        else:
-            asyncio.run(warm(agent.address, row.partitions))
-        probe = AgentProbe(agent.pid, agent.metrics_url)
-        starts = asyncio.run(end_offsets(agent.address, row.partitions))
-        settle_writeback(args.dir)
-        out: dict[str, Any] = {"produce": asyncio.run(produce(agent.address, args.seconds, probe))}
-        ends = asyncio.run(end_offsets(agent.address, row.partitions))
-        for phase, arrow in (("consume_arrow", True), ("consume_getmany", False)):
-            out[phase] = asyncio.run(consume(agent.address, starts, ends, arrow, probe))
+    stage = "agent start"
+    try:
+        with _agent(row, zk, env) as agent:
+            if fresh:
+                stage = "topic creation"
+                started = time.perf_counter()
+                config = {"fsync.policy": row.policy}
+                asyncio.run(create_topic(row.chroot(zk), TOPIC, row.partitions, config))
+                stage = "warm-up"
+                asyncio.run(warm(agent.address, row.partitions))
+                created_s = time.perf_counter() - started
+            else:
+                stage = "warm-up"
+                asyncio.run(warm(agent.address, row.partitions))
+            probe = AgentProbe(agent.pid, agent.metrics_url)
+            starts = asyncio.run(end_offsets(agent.address, row.partitions))
+            settle_writeback(args.dir)
+            stage = "produce"
+            out: dict[str, Any] = {
+                "produce": asyncio.run(produce(agent.address, args.seconds, probe))
+            }
+            ends = asyncio.run(end_offsets(agent.address, row.partitions))
+            for phase, arrow in (("consume_arrow", True), ("consume_getmany", False)):
+                stage = phase
+                out[phase] = asyncio.run(consume(agent.address, starts, ends, arrow, probe))
+    except Exception as exc:
+        raise RuntimeError(f"{stage}: {type(exc).__name__}: {exc}") from exc
     out["fresh_topic"] = fresh
     if created_s is not None:
         out["created_s"] = created_s
