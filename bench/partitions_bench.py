@@ -242,9 +242,11 @@ def row_key(policy: str, partitions: int) -> str:
     return f"{policy}-{partitions}"
 
 
-def row_order(partitions: list[int], index: int) -> list[tuple[str, int]]:
+def row_order(
+    partitions: list[int], index: int, policies: tuple[str, ...] = POLICIES
+) -> list[tuple[str, int]]:
     """Round ``index``'s rows: every policy at every partition count, reversed in odd rounds."""
-    rows = [(policy, n) for policy in POLICIES for n in partitions]
+    rows = [(policy, n) for policy in policies for n in partitions]
     return rows[::-1] if index % 2 else rows
 
 
@@ -346,7 +348,7 @@ def one_round(
     rows: dict[str, RowSet], zk: str, args: argparse.Namespace, env: dict[str, str], index: int
 ) -> dict[str, Any]:
     r: dict[str, Any] = {}
-    for policy, n in row_order(args.partitions, index):
+    for policy, n in row_order(args.partitions, index, args.policies):
         key = row_key(policy, n)
         try:
             r[key] = run_row(rows[key], zk, args, env)
@@ -620,6 +622,12 @@ def main(argv: list[str] | None = None) -> int:
         " the smallest is the base of the ratios",
     )
     parser.add_argument(
+        "--policies",
+        type=lambda s: tuple(p for p in POLICIES if p in s.split(",")),
+        default=POLICIES,
+        help="comma-separated fsync policies (default always,interval)",
+    )
+    parser.add_argument(
         "--quick", action="store_true", help="smoke run: 16,256 partitions, 2 s rows, 1 round"
     )
     parser.add_argument(
@@ -659,7 +667,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = {
             row_key(policy, n): RowSet(policy, n, work)
-            for policy, n in row_order(args.partitions, 0)
+            for policy, n in row_order(args.partitions, 0, args.policies)
         }
         for index in range(args.rounds):
             r = one_round(rows, zk.connect_string, args, env, index)

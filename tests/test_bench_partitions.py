@@ -119,6 +119,7 @@ def test_rows_alternate_between_rounds() -> None:
     assert first == [("always", 16), ("always", 256), ("interval", 16), ("interval", 256)]
     assert row_order([16, 256], 1) == first[::-1]
     assert row_order([16, 256], 2) == first
+    assert row_order([16, 256], 1, ("interval",)) == [("interval", 256), ("interval", 16)]
 
 
 def test_agent_settings_become_environment_variables() -> None:
