@@ -114,6 +114,7 @@ class Agent:
                     checkpoint_interval_ms=config.wal_checkpoint_interval_ms,
                     fsync_interval_ms=config.wal_fsync_interval_ms,
                 ),
+                free_bytes=lambda: self.disk.free_bytes(),
             )
             self.partitions.wal = self.wal
         self.partitions.on_disk_failure = self._disk_failure
