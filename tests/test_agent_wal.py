@@ -331,5 +331,23 @@ def test_recover_after_kill_without_power_loss_loses_nothing_and_duplicates_noth
             assert read_all(log) == records
 
 
+def test_replay_keeps_what_the_files_hold_past_the_wals_last_frame(tmp_path: Path) -> None:
+    """A reply can leave in the loop turn that appended, before that turn's frame is written;
+    a process crash then leaves the batch in the partition's files only. Replay keeps it."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = random.Random(13)
+    expected, _ = build_history(data, rng, rounds=8)
+    with PartitionLog.open(data / "t-0", config()) as log:  # appended, its frame never written
+        b = produce(rng, count=3, value_size=40)
+        info = log.append(b.data, leader_epoch=1)
+        expected[0].extend(b.records(info.base_offset))
+    result = replay(data / WAL_DIRECTORY, data)
+    assert result.batches_appended == 0, "the files had every batch the WAL had"
+    for i, records in expected.items():
+        with PartitionLog.open(data / f"t-{i}", config()) as log:
+            assert read_all(log) == records, f"partition {i}"
+
+
 def test_frame_name(tmp_path: Path) -> None:
     assert file_name(12) == "00000000000000000012.wal"

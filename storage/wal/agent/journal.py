@@ -6,10 +6,10 @@ Theory of operation
 * **Append.** A partition log (``PartitionLog``) writes a batch to its own segment as before
   and tells its ``journal`` (a ``WalPartition``, the log's committer). The entry joins the
   round's pending list; a callback scheduled with ``call_soon`` writes every pending entry as
-  one frame (``storage.wal.agent.format``) with one ``pwritev`` before the event loop runs
-  anything scheduled after the append (the reply to the producer included). So the WAL file
-  always holds, in the page cache, everything the partition files hold (less the entries of
-  the current loop turn, which nobody has been told of yet).
+  one frame (``storage.wal.agent.format``) with one ``pwritev`` at the end of the loop turn.
+  So the WAL file holds, in the page cache, everything the partition files hold but the
+  current turn's appends. (An ``interval`` reply can leave within that turn: a process crash
+  then leaves those batches in the partition files only, and replay keeps them.)
 * **Durability.** Under ``fsync.policy=always`` a reply waits for an fsync of the WAL that
   started after its frame was written (``wait_durable``); concurrent waiters share one fsync
   (group commit), run in a worker thread while appends go on. Under ``interval`` one

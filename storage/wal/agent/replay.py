@@ -4,12 +4,17 @@ any partition opens (``docs/architecture.md``, *The agent WAL*).
 For each partition the WAL names (by directory and topic id), replay starts from an
 **anchor**: an offset below which the partition's own files hold the right bytes on disk —
 its log end at the last completed checkpoint (``checkpoint``), or at its latest OPEN entry
-(opening a log fsyncs it). The entries after the anchor are simulated: DATA appends at the
-end, TRUNCATE cuts, RESTART empties. The partition's files are then cut to the lowest offset
-the history after the anchor rewrote (the anchor, or a lower truncation point), and the
-batches of the simulated history from there are appended again (each checked with its CRC),
-so a log ends exactly where the WAL's history ends: nothing the WAL holds is missing, and
-nothing a truncation removed comes back. The logs are fsynced, then the WAL files removed.
+(opening a log fsyncs it). The entries after the anchor are simulated (DATA appends at the
+end, TRUNCATE cuts, RESTART empties) into the partition's acknowledged history. Then each
+batch of that history is compared with what the partition's files hold at its offset: the
+same bytes are left alone, a missing batch is appended again (checked with its CRC), and a
+different one — bytes no fsync covered, of a history a truncation replaced — is cut away with
+everything after it before the WAL's batch goes in. What the files hold past the history's
+end is kept: it was written after the WAL's last frame (a reply can leave in the loop turn
+that appended, before that turn's frame is written; a process crash keeps such bytes, and a
+power loss drops them, as it drops any unsynced byte). Truncations fsync the partition files
+at once, so those bytes are never of a replaced history. The logs are fsynced, then the WAL
+files removed.
 
 A torn frame at the end of the newest file is cut (it was never covered by an fsync). A
 damaged frame anywhere else, or an entry that does not follow its partition's history, is
@@ -198,7 +203,6 @@ def _apply(data_dir: Path, key: tuple[str, str], h: _History, result: ReplayResu
             f"agent WAL has entries for {dirname} but no anchor", path=str(directory)
         )
     end = h.anchor
-    cut = h.anchor
     restart: int | None = None
     kept: list[tuple[Entry, int]] = []  # DATA entry, its next offset
     for e in h.entries:
@@ -214,32 +218,33 @@ def _apply(data_dir: Path, key: tuple[str, str], h: _History, result: ReplayResu
             if e.offset < end:
                 kept = [(d, n) for d, n in kept if d.offset < e.offset]
                 end = e.offset
-                cut = min(cut, end)
         elif e.kind == Kind.RESTART:
             kept = []
-            restart = end = cut = e.offset
-    if restart is not None:
-        _wipe(directory)
+            restart = end = e.offset
+    start = restart if restart is not None else 0
+    if restart is not None and _log_start(directory) != restart:
+        _wipe(directory)  # the restart's removals never reached the disk
     try:
-        log = PartitionLog.open(
-            directory, _REPLAY_CONFIG, start_offset=restart if restart is not None else 0
-        )
+        log = PartitionLog.open(directory, _REPLAY_CONFIG, start_offset=start)
     except StrataError as exc:
         raise _PartitionUnavailable(str(exc)) from exc
     appended = 0
     try:
-        cut = max(cut, log.log_start_offset)
-        if log.log_end_offset < cut:
-            raise CorruptSegmentError(
-                f"log ends at {log.log_end_offset}, below {cut}, which the agent WAL says"
-                " was on disk",
-                path=str(directory),
-            )
-        if log.log_end_offset > cut:
-            log.truncate_to(cut)
         for e, next_offset in kept:
-            if next_offset <= log.log_end_offset:
-                continue  # below the log start (retention) or the cut
+            if next_offset <= log.log_start_offset:
+                continue  # removed by retention since
+            if e.offset < log.log_end_offset:
+                if _same_batch(log, e):
+                    continue  # the partition's files have it already (a process crash)
+                # the files hold another history from here (bytes no fsync covered):
+                # the WAL's is the acknowledged one
+                log.truncate_to(e.offset)
+            if e.offset != log.log_end_offset:
+                raise CorruptSegmentError(
+                    f"log ends at {log.log_end_offset}, below the batch at {e.offset} that the"
+                    " agent WAL says follows what was on disk",
+                    path=str(directory),
+                )
             try:
                 log.append(e.data, leader_epoch=e.epoch, deep_check=False)
             except StrataError as exc:
@@ -248,10 +253,29 @@ def _apply(data_dir: Path, key: tuple[str, str], h: _History, result: ReplayResu
                     path=str(directory),
                 ) from exc
             appended += 1
+        # What the files hold past the WAL's last entry was written after it: the appends of
+        # the loop turn the process died in (their frame not written yet) are kept.
         log.flush()
     finally:
         log.close()
     return appended
+
+
+def _same_batch(log: PartitionLog, e: Entry) -> bool:
+    """Whether the log holds, at ``e``'s base offset, the batch ``e`` carries (the bytes past
+    the 16 stamped ones, which the leader rewrites)."""
+    got = log.read(e.offset, 1)
+    size = len(e.data)
+    return got.first_offset == e.offset and got.data[16:size] == e.data[16:size]
+
+
+def _log_start(directory: Path) -> int | None:
+    bases = sorted(
+        int(p.name[: -len(LOG_SUFFIX)])
+        for p in directory.iterdir()
+        if p.name.endswith(LOG_SUFFIX) and p.name[: -len(LOG_SUFFIX)].isdigit()
+    )
+    return bases[0] if bases else None
 
 
 def _wipe(directory: Path) -> None:
