@@ -83,6 +83,10 @@ from storage.wal.agent.journal import WAL_DIRECTORY
 
 log = logging.getLogger(__name__)
 
+#: partition states applied at once by the reconcile loop (``PartitionManager.apply``): enough
+#: that opening thousands of new logs overlaps their fsyncs, few enough to bound the tasks
+APPLY_CONCURRENCY = 32
+
 
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
@@ -647,6 +651,33 @@ class Agent:
             return
         self._changed.set()
 
+    async def _apply_all(
+        self, work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None]]
+    ) -> list[Exception | None]:
+        """Apply a round's states, ``APPLY_CONCURRENCY`` at once (opening a new partition's
+        log is mostly fsyncs, which overlap), and return what each raised. A round holds one
+        state per partition and rounds run one after another, so one partition's states still
+        apply in order."""
+        results: list[Exception | None] = [None] * len(work)
+        queue = iter(range(len(work)))
+
+        async def applier() -> None:
+            for i in queue:
+                (topic, partition), state, spec = work[i]
+                try:
+                    await self.partitions.apply(
+                        topic,
+                        partition,
+                        state,
+                        spec.config if spec else None,
+                        spec.topic_id if spec else "",
+                    )
+                except Exception as exc:
+                    results[i] = exc
+
+        await asyncio.gather(*(applier() for _ in range(min(APPLY_CONCURRENCY, len(work)))))
+        return results
+
     async def _reconcile_loop(self) -> None:
         while True:
             await self._changed.wait()
@@ -654,6 +685,7 @@ class Agent:
             self._rounds_started += 1
             this_round = self._rounds_started
             pending, self._pending = self._pending, {}
+            work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None]] = []
             for (topic, partition), state in pending.items():
                 spec = self.view.topics.get(topic)
                 if state is not None and spec is None:
@@ -664,26 +696,21 @@ class Agent:
                         continue
                 if spec is not None and spec.deletion is not None:
                     self.removal.request(spec)  # never open what is being deleted
-                key = (topic, partition)
-                try:
-                    await self.partitions.apply(
-                        topic,
-                        partition,
-                        state,
-                        spec.config if spec else None,
-                        spec.topic_id if spec else "",
-                    )
-                except StorageError as exc:
+                work.append(((topic, partition), state, spec))
+            results = await self._apply_all(work)
+            for (key, state, _), result in zip(work, results, strict=True):
+                topic, partition = key
+                if isinstance(result, StorageError):
                     # the local log cannot be opened (a quarantined segment, a disk error):
                     # tell the controller, which moves leadership and the ISR away from us
-                    log.error("%s-%d is offline on this agent: %s", topic, partition, exc)
+                    log.error("%s-%d is offline on this agent: %s", topic, partition, result)
                     await self._set_offline(key, state is not None)
                     self._retry_later(key)
                     continue
-                except Exception:
+                if isinstance(result, Exception):
                     # e.g. ZooKeeper unavailable while a new leader reads its manifest: without
                     # a retry the partition would stay unhosted until its state changes again
-                    log.exception("cannot apply the state of %s-%d", topic, partition)
+                    log.error("cannot apply the state of %s-%d", topic, partition, exc_info=result)
                     self._retry_later(key)
                     continue
                 self._retry_delay.pop(key, None)

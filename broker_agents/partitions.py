@@ -25,12 +25,13 @@ partition is closed and its directory deleted, and it is not opened again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,41 @@ from storage.wal.agent import AgentWal, WalPartition
 from storage.wal.partition_meta import read_topic_id, write_topic_id
 
 log = logging.getLogger(__name__)
+
+
+class _Gate:
+    """Many holders of ``shared`` at once, or one of ``exclusive``.
+
+    ``apply`` of different partitions runs concurrently (each also under its partition's own
+    lock), so that opening thousands of logs overlaps their fsyncs instead of paying them one
+    after another; what works on every partition at once (``remove_topic``, ``sweep_stray``,
+    ``close``) is exclusive. Waiters are served in order: an exclusive waiter holds back the
+    shared ones that come after it.
+    """
+
+    def __init__(self) -> None:
+        self._order = asyncio.Lock()
+        self._shared = 0
+        self._no_shared = asyncio.Event()
+        self._no_shared.set()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._order:
+            self._shared += 1
+            self._no_shared.clear()
+        try:
+            yield
+        finally:
+            self._shared -= 1
+            if not self._shared:
+                self._no_shared.set()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._order:
+            await self._no_shared.wait()
+            yield
 
 
 @dataclass(eq=False)
@@ -174,7 +210,9 @@ class PartitionManager:
         self.session_ok = False
         #: incarnations removed here (deleted topics): never opened again by this process
         self.removed_ids: set[str] = set()
-        self._lock = asyncio.Lock()
+        self._gate = _Gate()
+        #: one lock per partition being applied (see ``_Gate``), with its number of users
+        self._key_locks: dict[tuple[str, int], tuple[asyncio.Lock, int]] = {}
         #: the object tier's hook: where a new leader's log must start (its manifest's end)
         self.tier_start_offset: Callable[[str, int], Awaitable[int]] | None = None
         #: told after a hosted partition's log failed on disk and was closed here (the agent
@@ -189,6 +227,25 @@ class PartitionManager:
         self._failing: dict[tuple[str, int], asyncio.Task[None]] = {}
         #: the agent WAL (None: each partition log fsyncs its own files)
         self.wal: AgentWal | None = None
+
+    @contextlib.asynccontextmanager
+    async def _partition_lock(self, key: tuple[str, int]) -> AsyncIterator[None]:
+        """Held while changing ``key``'s role: its state changes apply one at a time, in
+        order, while other partitions' apply alongside (under the shared gate)."""
+        async with self._gate.shared():
+            lock, users = self._key_locks.get(key, (None, 0))
+            if lock is None:
+                lock = asyncio.Lock()
+            self._key_locks[key] = (lock, users + 1)
+            try:
+                async with lock:
+                    yield
+            finally:
+                lock, users = self._key_locks[key]
+                if users == 1:
+                    del self._key_locks[key]
+                else:
+                    self._key_locks[key] = (lock, users - 1)
 
     def directory(self, topic: str, partition: int) -> Path:
         return self.data_dir / f"{topic}-{partition}"
@@ -234,9 +291,11 @@ class PartitionManager:
     ) -> None:
         """Make this agent's role for ``topic-partition`` match ``state`` (None: topic gone).
 
-        ``topic_id`` is the topic spec's id, used when the state predates ids in states."""
-        async with self._lock:
-            key = (topic, partition)
+        ``topic_id`` is the topic spec's id, used when the state predates ids in states.
+        Calls for different partitions may run concurrently; for one partition they apply
+        one at a time, in the order they were made."""
+        key = (topic, partition)
+        async with self._partition_lock(key):
             current = self.partitions.get(key)
             if state is not None:
                 topic_id = state.topic_id or topic_id
@@ -436,7 +495,7 @@ class PartitionManager:
         task.add_done_callback(lambda _: self._failing.pop(key, None))
 
     async def _close_failed(self, key: tuple[str, int], p: Partition, exc: StorageError) -> None:
-        async with self._lock:
+        async with self._partition_lock(key):
             if self.partitions.get(key) is not p:
                 return
             log.error("%s-%d: disk error, closing the partition here: %s", key[0], key[1], exc)
@@ -456,7 +515,7 @@ class PartitionManager:
         that exists) does not give their topic. Run once at start-up, for directories left by
         deletes that happened while this agent was down. Hosted partitions and directories
         without the file (from before topic ids) are left alone. Returns how many went."""
-        async with self._lock:
+        async with self._gate.exclusive():
             hosted = {self.directory(t, i) for t, i in self.partitions}
 
             def sweep() -> list[Path]:
@@ -494,7 +553,7 @@ class PartitionManager:
         While a name is being deleted no other incarnation of it can exist, so every
         ``<topic>-<p>`` directory not hosted is this incarnation's or an older one's.
         """
-        async with self._lock:
+        async with self._gate.exclusive():
             self.removed_ids.add(topic_id)
             for key, p in list(self.partitions.items()):
                 if key[0] == topic and p.topic_id in (topic_id, ""):
@@ -531,6 +590,6 @@ class PartitionManager:
             await asyncio.to_thread(fileio.fs.remove_tree, self.directory(p.topic, p.index))
 
     async def close(self) -> None:
-        async with self._lock:
+        async with self._gate.exclusive():
             for p in list(self.partitions.values()):
                 await self._close(p, delete=False)
