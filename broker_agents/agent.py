@@ -86,6 +86,8 @@ log = logging.getLogger(__name__)
 #: partition states applied at once by the reconcile loop (``PartitionManager.apply``): enough
 #: that opening thousands of new logs overlaps their fsyncs, few enough to bound the tasks
 APPLY_CONCURRENCY = 32
+#: partitions named in the reconcile loop's line about the partitions it opened
+OPENED_NAMED = 10
 
 
 class Agent:
@@ -660,10 +662,12 @@ class Agent:
         apply in order."""
         results: list[Exception | None] = [None] * len(work)
         queue = iter(range(len(work)))
+        opened: list[str] = []
 
         async def applier() -> None:
             for i in queue:
                 (topic, partition), state, spec = work[i]
+                was_hosted = (topic, partition) in self.partitions.partitions
                 try:
                     await self.partitions.apply(
                         topic,
@@ -674,8 +678,19 @@ class Agent:
                     )
                 except Exception as exc:
                     results[i] = exc
+                    continue
+                if not was_hosted and (topic, partition) in self.partitions.partitions:
+                    opened.append(f"{topic}-{partition}")
 
         await asyncio.gather(*(applier() for _ in range(min(APPLY_CONCURRENCY, len(work)))))
+        if opened:
+            log.info(
+                "hosting %d more partitions (%d in all): %s%s",
+                len(opened),
+                len(self.partitions.partitions),
+                ", ".join(opened[:OPENED_NAMED]),
+                ", ..." if len(opened) > OPENED_NAMED else "",
+            )
         return results
 
     async def _reconcile_loop(self) -> None:

@@ -25,6 +25,7 @@ partition is closed and its directory deleted, and it is not opened again.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import functools
 import logging
@@ -43,6 +44,10 @@ from storage.wal.agent import AgentWal, WalPartition
 from storage.wal.partition_meta import read_topic_id, write_topic_id
 
 log = logging.getLogger(__name__)
+
+#: threads that create and open partition directories: their fsyncs mostly wait on the disk,
+#: and the more of them wait together, the more one journal commit covers
+OPEN_THREADS = 16
 
 
 class _Gate:
@@ -199,6 +204,92 @@ class Partition:
         return None if sorted(isr) == sorted(self.state.isr) else isr
 
 
+def _prepare_directory(directory: Path, topic: str, topic_id: str) -> tuple[bool, bool, bool]:
+    """Before a log is opened in ``directory`` (on a worker thread): remove it if another
+    incarnation of ``topic`` left it; create it if missing, with its ``partition.metadata``,
+    neither name fsynced yet (``PartitionManager._open_log`` says by what they are).
+
+    Returns (removed, created, whether the directory says ``topic_id`` already)."""
+    found = read_topic_id(directory) if topic_id else None
+    removed = found is not None and found != topic_id
+    if removed:
+        log.warning(
+            "%s: left by incarnation %s of topic %s, which was deleted; removing it",
+            directory,
+            found,
+            topic,
+        )
+        fileio.fs.remove_tree(directory)
+    created = not directory.is_dir()
+    if created:
+        with fileio.storage_errors(f"cannot create {directory}"):
+            fileio.fs.make_dirs(directory, sync_parent=False)
+        if topic_id:
+            write_topic_id(directory, topic_id, sync_dir=False)
+    return removed, created, created or (bool(topic_id) and found == topic_id)
+
+
+def _open_new_or_existing(
+    directory: Path, config: TopicConfig, start: int, created: bool
+) -> PartitionLog:
+    """``PartitionLog.open``; a log just created in a new directory is flushed at once: one
+    fsync of the directory covers its first segment's name and ``partition.metadata``'s."""
+    plog = PartitionLog.open(directory, config.log_config(), start_offset=start)
+    if created:
+        try:
+            plog.flush()
+        except BaseException:
+            plog.close()
+            raise
+    return plog
+
+
+class _DirSync:
+    """fsyncs of one directory, shared: a caller returns once an fsync that started after its
+    call has completed, and callers that arrive while one runs share the next one (a group
+    commit for the names of many new partition directories)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._next: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def sync(self) -> None:
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            self._next.add_done_callback(_retrieve)
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(
+                    self._run(), name=f"fsync:{self.path}"
+                )
+        await asyncio.shield(self._next)
+
+    async def _run(self) -> None:
+        try:
+            while self._next is not None:
+                done, self._next = self._next, None
+                try:
+                    with fileio.storage_errors(f"cannot fsync {self.path}"):
+                        await asyncio.to_thread(fileio.fs.fsync_dir, self.path)
+                except Exception as exc:
+                    done.set_exception(exc)
+                except BaseException:
+                    done.cancel()
+                    raise
+                else:
+                    done.set_result(None)
+        finally:
+            self._task = None
+            if self._next is not None and not self._next.done():
+                self._next.cancel()  # cancelled (the agent stops): the waiters see it
+                self._next = None
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # seen by the waiters; not "never retrieved" if they all went
+
+
 class PartitionManager:
     def __init__(self, agent_id: int, data_dir: Path) -> None:
         self.agent_id = agent_id
@@ -211,6 +302,11 @@ class PartitionManager:
         #: incarnations removed here (deleted topics): never opened again by this process
         self.removed_ids: set[str] = set()
         self._gate = _Gate()
+        #: the data directory's fsync, shared by the partitions created at the same time
+        self._data_dir_sync = _DirSync(data_dir)
+        self._opener = concurrent.futures.ThreadPoolExecutor(
+            OPEN_THREADS, thread_name_prefix="partition-open"
+        )
         #: one lock per partition being applied (see ``_Gate``), with its number of users
         self._key_locks: dict[tuple[str, int], tuple[asyncio.Lock, int]] = {}
         #: the object tier's hook: where a new leader's log must start (its manifest's end)
@@ -380,7 +476,9 @@ class PartitionManager:
                 )
                 self.partitions[key] = current
                 plog.on_io_error = functools.partial(self._disk_error, key)
-                log.info(
+                # one line per partition costs more than its open when thousands come at
+                # once: the reconcile loop logs one line per round (``Agent._apply_all``)
+                log.debug(
                     "hosting %s-%d as %s (epoch %d)", topic, partition, role, state.leader_epoch
                 )
                 if role == "leader":
@@ -420,19 +518,15 @@ class PartitionManager:
         but the disk may not have it (fsyncgate).
 
         A directory of another incarnation of the topic is removed first (module docstring).
+
+        A new directory costs three fsyncs, not one per step: its name, through one fsync of
+        the data directory shared by every partition created meanwhile (``_DirSync``); its
+        ``partition.metadata`` (the temporary file); and one fsync of the directory itself,
+        the new log's first flush, which makes both its first segment's name and
+        ``partition.metadata``'s durable. Nothing is hosted before all three are done.
         """
         key = (topic, partition)
         directory = self.directory(topic, partition)
-        found = await asyncio.to_thread(read_topic_id, directory) if topic_id else None
-        if found is not None and found != topic_id:
-            log.warning(
-                "%s: left by incarnation %s of topic %s, which was deleted; removing it",
-                directory,
-                found,
-                topic,
-            )
-            await asyncio.to_thread(fileio.fs.remove_tree, directory)
-            self._durable_end.pop(key, None)  # said of the removed incarnation's log
         if key in self._disk_failed:
             need = config.log_config().max_message_bytes
             free = await asyncio.to_thread(fileio.fs.free_bytes, self.data_dir)
@@ -446,8 +540,16 @@ class PartitionManager:
             # a leader must not serve a gap; a follower need not copy what the bucket holds
             # (a new replica, e.g. a move, catches up on the untiered tail only)
             start = await self.tier_start_offset(topic, partition)
-        plog = await asyncio.to_thread(
-            PartitionLog.open, directory, config.log_config(), start_offset=start
+        loop = asyncio.get_running_loop()
+        removed, created, has_id = await loop.run_in_executor(
+            self._opener, _prepare_directory, directory, topic, topic_id
+        )
+        if removed:
+            self._durable_end.pop(key, None)  # said of the removed incarnation's log
+        if created:
+            await self._data_dir_sync.sync()
+        plog = await loop.run_in_executor(
+            self._opener, _open_new_or_existing, directory, config, start, created
         )
         durable = self._durable_end.get(key)
         if durable is not None and plog.log_end_offset > durable:
@@ -479,8 +581,17 @@ class PartitionManager:
             plog = await asyncio.to_thread(
                 PartitionLog.open, directory, config.log_config(), start_offset=start
             )
-        if topic_id and await asyncio.to_thread(read_topic_id, directory) != topic_id:
-            await asyncio.to_thread(write_topic_id, directory, topic_id)
+            has_id = False
+        if (
+            topic_id
+            and not has_id
+            and await asyncio.to_thread(read_topic_id, directory) != topic_id
+        ):
+            try:
+                await asyncio.to_thread(write_topic_id, directory, topic_id)
+            except BaseException:
+                plog.close()
+                raise
         return plog
 
     def _disk_error(self, key: tuple[str, int], exc: StorageError) -> None:
@@ -593,3 +704,4 @@ class PartitionManager:
         async with self._gate.exclusive():
             for p in list(self.partitions.values()):
                 await self._close(p, delete=False)
+        self._opener.shutdown(wait=False)
