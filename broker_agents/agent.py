@@ -663,6 +663,7 @@ class Agent:
         results: list[Exception | None] = [None] * len(work)
         queue = iter(range(len(work)))
         opened: list[str] = []
+        waiting: list[str] = []  # led by an earlier incarnation of this agent
 
         async def applier() -> None:
             for i in queue:
@@ -679,8 +680,16 @@ class Agent:
                 except Exception as exc:
                     results[i] = exc
                     continue
-                if not was_hosted and (topic, partition) in self.partitions.partitions:
-                    opened.append(f"{topic}-{partition}")
+                if (topic, partition) in self.partitions.partitions:
+                    if not was_hosted:
+                        opened.append(f"{topic}-{partition}")
+                elif (
+                    state is not None
+                    and state.leader == self.agent_id
+                    and not state.deleting
+                    and not state.in_sync_as(self.agent_id, self.partitions.incarnation)
+                ):
+                    waiting.append(f"{topic}-{partition}")
 
         await asyncio.gather(*(applier() for _ in range(min(APPLY_CONCURRENCY, len(work)))))
         if opened:
@@ -690,6 +699,14 @@ class Agent:
                 len(self.partitions.partitions),
                 ", ".join(opened[:OPENED_NAMED]),
                 ", ..." if len(opened) > OPENED_NAMED else "",
+            )
+        if waiting:
+            log.info(
+                "%d partitions led by an earlier incarnation of this agent wait for the"
+                " controller: %s%s",
+                len(waiting),
+                ", ".join(waiting[:OPENED_NAMED]),
+                ", ..." if len(waiting) > OPENED_NAMED else "",
             )
         return results
 

@@ -421,7 +421,7 @@ class PartitionManager:
                 # elected before this process started: what it had not fsynced may be gone,
                 # so it waits for the controller to see the restart and elect again (another
                 # in-sync replica, or this one at a new epoch); its log stays as it is
-                log.info(
+                log.debug(  # counted in the reconcile loop's line (``Agent._apply_all``)
                     "%s-%d: led by an earlier incarnation of this agent; waiting for the"
                     " controller",
                     topic,
