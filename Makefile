@@ -10,7 +10,7 @@ PY     := $(VENV)/bin/python
 PIP_VERSION := 26.3
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-many-partitions bench-security bench-spark bench-latency bench-rebalance bench-venv bench-compare build-AdminFunction image lint clean
+.PHONY: venv test chaos demo bench bench-storage bench-kafka bench-produce bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-many-partitions bench-security bench-spark bench-latency bench-rebalance bench-partitions bench-venv bench-compare build-AdminFunction image lint clean
 
 venv: $(STAMP)
 
@@ -93,7 +93,12 @@ bench-latency: bench-venv
 bench-rebalance: bench-venv
 	$(PY) -m bench.rebalance_bench --write-docs $(BENCH_ARGS)
 
-bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-many-partitions bench-security bench-spark bench-latency bench-rebalance bench-compare
+# keyed produce/consume at 16-4,096 partitions, fsync always/interval, 3 alternated rounds
+# (about 20 min); BENCH_ARGS="--quick" for a smoke run, "--agent-setting KEY=VALUE" to compare
+bench-partitions: bench-venv
+	$(PY) -m bench.partitions_bench --write-docs $(BENCH_ARGS)
+
+bench: bench-venv bench-storage bench-produce bench-kafka bench-replication bench-groups bench-tier bench-filters bench-delays bench-retries bench-txn bench-many-partitions bench-security bench-spark bench-latency bench-rebalance bench-partitions bench-compare
 
 # `sam build` (template.yaml, BuildMethod: makefile) runs this with ARTIFACTS_DIR set
 build-AdminFunction:

@@ -51,6 +51,7 @@ from broker_agents.transactions import (
 )
 from broker_agents.view import ClusterView
 from sdk.auth import ScramLogin
+from storage.config import FsyncPolicy
 from storage.errors import MetadataError, NodeExistsError, StorageError
 from storage.metadata import (
     AgentRegistration,
@@ -111,7 +112,7 @@ class Agent:
         self.store = MetadataStore(self.zk)
         self.partitions = PartitionManager(config.agent_id, config.data_dir)
         self.wal: AgentWal | None = None
-        if config.wal_mode == "agent":
+        if config.wal_mode != "partition":
             self.wal = AgentWal(
                 config.data_dir / WAL_DIRECTORY,
                 AgentWalConfig(
@@ -120,8 +121,14 @@ class Agent:
                     checkpoint_interval_ms=config.wal_checkpoint_interval_ms,
                     fsync_interval_ms=config.wal_fsync_interval_ms,
                 ),
+                free_bytes=lambda: self.disk.free_bytes(),
             )
             self.partitions.wal = self.wal
+            self.partitions.wal_policies = (
+                frozenset({FsyncPolicy.ALWAYS, FsyncPolicy.INTERVAL})
+                if config.wal_mode == "agent"
+                else frozenset({FsyncPolicy.INTERVAL})
+            )
         self.partitions.on_disk_failure = self._disk_failure
         self.view = ClusterView()
         self.tiering = Tiering(

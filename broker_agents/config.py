@@ -100,9 +100,12 @@ class AgentConfig(_Config):
     connections_max_idle_ms: int = Field(600_000, alias="connections.max.idle.ms", ge=100)
     # produce is refused (LogDirFullError, retriable) while the data directory has less free
     # ---- the agent WAL (docs/architecture.md, "The agent WAL") ------------------------------
-    # agent: one WAL per data directory makes every partition's appends durable (one fsync a
-    # round, however many partitions); partition: each partition log fsyncs its own files
-    wal_mode: Literal["agent", "partition"] = Field("agent", alias="wal.mode")
+    # agent: one WAL per data directory makes the appends of every always/interval topic durable
+    # (one fsync a round, however many partitions); partition: each partition log fsyncs its
+    # own files; auto: interval topics on the agent WAL (one flusher, not one per partition),
+    # always topics on their own group commit, measured faster on one ext4 disk (#30,
+    # docs/benchmarks.md "Partitions are cheap")
+    wal_mode: Literal["auto", "agent", "partition"] = Field("auto", alias="wal.mode")
     # a checkpoint (partition files fsynced, older WAL files removed) starts at this size...
     wal_max_bytes: int = Field(256 << 20, alias="wal.max.bytes", ge=1 << 16)
     # ...or this long after the last one

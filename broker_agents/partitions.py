@@ -321,8 +321,10 @@ class PartitionManager:
         #: of those, the ones closed after a failed fsync: the end of what their disk holds
         self._durable_end: dict[tuple[str, int], int] = {}
         self._failing: dict[tuple[str, int], asyncio.Task[None]] = {}
-        #: the agent WAL (None: each partition log fsyncs its own files)
+        #: the agent WAL (None: each partition log fsyncs its own files), and the fsync
+        #: policies whose topics use it
         self.wal: AgentWal | None = None
+        self.wal_policies: frozenset[FsyncPolicy] = frozenset()
 
     @contextlib.asynccontextmanager
     async def _partition_lock(self, key: tuple[str, int]) -> AsyncIterator[None]:
@@ -454,7 +456,7 @@ class PartitionManager:
                 assert config is not None
                 plog = await self._open_log(topic, partition, config, role, topic_id)
                 committer: GroupCommitLog | WalPartition
-                if self.wal is not None and plog.config.fsync_policy != FsyncPolicy.NEVER:
+                if self.wal is not None and plog.config.fsync_policy in self.wal_policies:
                     try:
                         committer = await self.wal.register(plog, topic_id)
                     except BaseException:

@@ -144,7 +144,8 @@ def check_every_partition(cluster: Cluster, ledgers: dict[int, Ledger]) -> int:
 @pytest.mark.parametrize("acks", [1, -1], ids=["acks=1", "acks=all-rf3"])
 def test_kill_9_and_power_loss_during_wide_keyed_produce(cluster: Cluster, acks: int) -> None:
     agent_ids = [1] if acks == 1 else [1, 2, 3]
-    settings = ("wal.max.bytes=1048576",)  # checkpoints happen while the test runs
+    # every topic on the agent WAL; checkpoints happen while the test runs
+    settings = ("wal.mode=agent", "wal.max.bytes=1048576")
     for a in agent_ids:
         start_recorded(cluster, a, *settings)
     cluster.create_topic(

@@ -45,7 +45,7 @@ TOPIC = "events"
 CONFIG = {"fsync.policy": "always", "segment.bytes": 64 << 10, "min.insync.replicas": 2}
 NO_GUARD = "log.dir.min.free.bytes=0"  # let the disk really fill (the guard refuses earlier)
 #: the fsync that makes the partition's acknowledged records durable fails once: the agent
-#: WAL's (wal.mode=agent, the default) or, with wal.mode=partition, the partition files' own
+#: WAL's (wal.mode=agent) or, with wal.mode=partition, the partition files' own
 EIO_ONCE = {"agent": [("/wal/", 1)], "partition": [(f"/{TOPIC}-0/", 1)]}
 WAL_MODES = ["agent", "partition"]
 

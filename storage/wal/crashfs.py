@@ -61,6 +61,7 @@ the agent's entry point); off, nothing here is imported by the write path.
 from __future__ import annotations
 
 import base64
+import contextlib
 import errno
 import json
 import os
@@ -207,9 +208,13 @@ class RecordingFileSystem(FileSystem):
         return max(0, min(free, self._quota - self._used()))
 
     def _used(self) -> int:
-        return sum(
-            os.lstat(os.path.join(d, n)).st_size for d, _, ns in os.walk(self.root) for n in ns
-        )
+        total = 0
+        for d, _, ns in os.walk(self.root):
+            for n in ns:
+                # a file another thread removes meanwhile (a checkpoint, a flush) counts 0
+                with contextlib.suppress(FileNotFoundError):
+                    total += os.lstat(os.path.join(d, n)).st_size
+        return total
 
     def _check_quota(self, growth: int) -> None:
         self._read_faults()

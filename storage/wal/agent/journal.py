@@ -15,7 +15,8 @@ Theory of operation
   (group commit), run in a worker thread while appends go on. Under ``interval`` one
   agent-wide ticker fsyncs every ``fsync.interval.ms``. Partition files are not fsynced on
   the hot path at all (a roll does not fsync either).
-* **Checkpoint.** When the WAL holds ``wal.max.bytes`` or every ``wal.checkpoint.interval.ms``,
+* **Checkpoint.** When the WAL holds ``wal.max.bytes`` (or more than the disk has free), or
+  every ``wal.checkpoint.interval.ms``,
   a checkpoint starts a new file, notes each hosted partition's log end then (its anchor),
   fsyncs the partition files written since the previous checkpoint (one thread job), writes
   ``checkpoint`` (the anchors and the first file still needed) atomically and deletes the
@@ -146,9 +147,13 @@ class AgentWal:
         config: AgentWalConfig | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
+        free_bytes: Callable[[], int] | None = None,
     ) -> None:
         self.directory = directory
         self.config = config or AgentWalConfig()
+        #: free space on the data directory's file system (a checkpoint gives back the WAL's
+        #: bytes: it runs early when the WAL holds more than what is free)
+        self._free_bytes = free_bytes
         self._clock = clock
         self._fronts: dict[int, WalPartition] = {}
         self._next_pid = 1
@@ -379,7 +384,8 @@ class AgentWal:
             return
         size = sum(self._files.values())
         due = (self._clock() - self._last_checkpoint) * 1000 >= self.config.checkpoint_interval_ms
-        if size >= self.config.max_bytes or due:
+        short = self._free_bytes is not None and size > self._free_bytes()
+        if size >= self.config.max_bytes or due or short:
             self._checkpointing = asyncio.create_task(
                 self.checkpoint(), name="agent-wal-checkpoint"
             )

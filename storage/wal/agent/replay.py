@@ -50,6 +50,10 @@ _log = logging.getLogger(__name__)
 _REPLAY_CONFIG = LogConfig(max_message_bytes=1 << 30, fsync_policy=FsyncPolicy.NEVER)
 
 
+class _PartitionUnavailable(StorageError):
+    """A partition's own files cannot be opened (quarantined, a disk error)."""
+
+
 @dataclass
 class _History:
     anchor: int | None = None
@@ -64,6 +68,8 @@ class ReplayResult:
     batches_appended: int = 0
     torn_bytes: int = 0
     skipped: list[str] = field(default_factory=list)
+    #: partitions whose own files could not take the replay: directory -> why
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def replay(wal_dir: Path, data_dir: Path) -> ReplayResult:
@@ -125,9 +131,17 @@ def replay(wal_dir: Path, data_dir: Path) -> ReplayResult:
         for key, h in histories.items():
             if h.anchor is None:
                 h.anchor = anchors.get(key)
-            if h.entries:
-                result.partitions += 1
+            if not h.entries:
+                continue
+            result.partitions += 1
+            try:
                 result.batches_appended += _apply(data_dir, key, h, result)
+            except _PartitionUnavailable as exc:
+                # this partition's own files fail (a quarantined segment, a disk error): it
+                # stays as it is, and the agent's open reports it offline as without a WAL;
+                # the WAL is kept (replaying it again is harmless) for a repair to come
+                _log.error("agent WAL: cannot replay into %s: %s", key[0], exc)
+                result.failed[key[0]] = str(exc)
     finally:
         histories.clear()  # the entries hold views of the maps
         for fd, buf in maps:
@@ -135,7 +149,8 @@ def replay(wal_dir: Path, data_dir: Path) -> ReplayResult:
                 with contextlib.suppress(BufferError):  # a view still alive: the GC closes it
                     buf.close()
             os.close(fd)
-    _clear(wal_dir)
+    if not result.failed:
+        _clear(wal_dir)
     return result
 
 
@@ -205,9 +220,12 @@ def _apply(data_dir: Path, key: tuple[str, str], h: _History, result: ReplayResu
             restart = end = cut = e.offset
     if restart is not None:
         _wipe(directory)
-    log = PartitionLog.open(
-        directory, _REPLAY_CONFIG, start_offset=restart if restart is not None else 0
-    )
+    try:
+        log = PartitionLog.open(
+            directory, _REPLAY_CONFIG, start_offset=restart if restart is not None else 0
+        )
+    except StrataError as exc:
+        raise _PartitionUnavailable(str(exc)) from exc
     appended = 0
     try:
         cut = max(cut, log.log_start_offset)
