@@ -6,8 +6,27 @@ ephemeral ``/controller`` node; whoever creates it is the controller until its s
 The others watch the node and try again when it disappears. The controller epoch is written
 into every partition state it produces, so states from a deposed controller are recognisable.
 
-While in charge, the controller reconciles on every change of ``/agents`` or ``/topics``
-(and once a second as a safety net):
+While in charge, the controller decides what each partition needs (below) in passes; when
+nothing changes it reads no partition state, so an idle cluster costs it the same at 10 or
+10,000 partitions. What triggers a pass:
+
+* a **full pass** (every topic's states read, every partition decided): taking charge; a
+  change of ``/agents`` (a registration or death, an agent's incarnation, its offline list,
+  its ``shutting_down`` flag) or of ``/topics`` or a topic's spec (created, more partitions,
+  marked for deletion), through ``poke``; a pass that failed, or a bulk creation that lost a
+  race; and, as the **safety net** for an event lost on the way, ``SAFETY_NET_INTERVAL``
+  (30 s) after the last full pass. A full pass decodes only the states whose bytes changed
+  since it last read them, and gives the event loop a turn every ``YIELD_EVERY`` partitions;
+* a **pass over what changed**: the partitions whose state a watch saw at another version
+  than the one the controller knows (``state_changed``, called by the agent's state watches:
+  a leader's ISR change, which may let a reassignment finish or name a dead replica; an
+  operator's reassignment; a write of another controller; a compare-and-set this one lost),
+  read again; and those it wrote itself, decided once more from what it wrote (a fencing may
+  be followed by an election, as the next once-a-second pass used to do);
+* every ``TICK`` (1 s) the loop checks it is still the controller and gives the rebalancer its
+  step (which polls its request nodes), with the states as last read or written.
+
+What a pass decides for a partition:
 
 * a partition without a state node gets a replica set of ``min(replication_factor, live
   agents)`` distinct agents, placed round-robin from a per-topic starting point so leaders
@@ -30,8 +49,8 @@ While in charge, the controller reconciles on every change of ``/agents`` or ``/
   controller runs its delete, step by step (``broker_agents.deletion``: a task under the
   controller's term, so the next controller resumes it where this one stopped).
 
-Every write is a compare-and-set on the znode version; losing a race means re-reading on the
-next pass. A controller whose ZooKeeper session is suspended stops reconciling.
+Every write is a compare-and-set on the znode version; losing a race means re-reading that
+partition on the next pass. A controller whose ZooKeeper session is suspended stops reconciling.
 
 A pass costs few ZooKeeper round trips however many partitions there are: a topic's states
 are read pipelined; the partitions without one get theirs in transactions of many
