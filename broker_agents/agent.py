@@ -653,6 +653,7 @@ class Agent:
     def _state_changed(self, key: tuple[str, int], data: bytes | None, stat: object = None) -> None:
         if key not in self._watched_partitions:
             return
+        self.controller.state_changed(key, getattr(stat, "version", None))
         try:
             self._pending[key] = None if data is None else load(PartitionState, data)
         except Exception as exc:
