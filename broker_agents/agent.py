@@ -84,6 +84,12 @@ from storage.wal.agent.journal import WAL_DIRECTORY
 
 log = logging.getLogger(__name__)
 
+#: partition states applied at once by the reconcile loop (``PartitionManager.apply``): enough
+#: that opening thousands of new logs overlaps their fsyncs, few enough to bound the tasks
+APPLY_CONCURRENCY = 32
+#: partitions named in the reconcile loop's line about the partitions it opened
+OPENED_NAMED = 10
+
 
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
@@ -647,12 +653,70 @@ class Agent:
     def _state_changed(self, key: tuple[str, int], data: bytes | None, stat: object = None) -> None:
         if key not in self._watched_partitions:
             return
+        self.controller.state_changed(key, getattr(stat, "version", None))
         try:
             self._pending[key] = None if data is None else load(PartitionState, data)
         except Exception as exc:
             log.error("unreadable state of %s-%d: %s", key[0], key[1], exc)
             return
         self._changed.set()
+
+    async def _apply_all(
+        self, work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None]]
+    ) -> list[Exception | None]:
+        """Apply a round's states, ``APPLY_CONCURRENCY`` at once (opening a new partition's
+        log is mostly fsyncs, which overlap), and return what each raised. A round holds one
+        state per partition and rounds run one after another, so one partition's states still
+        apply in order."""
+        results: list[Exception | None] = [None] * len(work)
+        queue = iter(range(len(work)))
+        opened: list[str] = []
+        waiting: list[str] = []  # led by an earlier incarnation of this agent
+
+        async def applier() -> None:
+            for i in queue:
+                (topic, partition), state, spec = work[i]
+                was_hosted = (topic, partition) in self.partitions.partitions
+                try:
+                    await self.partitions.apply(
+                        topic,
+                        partition,
+                        state,
+                        spec.config if spec else None,
+                        spec.topic_id if spec else "",
+                    )
+                except Exception as exc:
+                    results[i] = exc
+                    continue
+                if (topic, partition) in self.partitions.partitions:
+                    if not was_hosted:
+                        opened.append(f"{topic}-{partition}")
+                elif (
+                    state is not None
+                    and state.leader == self.agent_id
+                    and not state.deleting
+                    and not state.in_sync_as(self.agent_id, self.partitions.incarnation)
+                ):
+                    waiting.append(f"{topic}-{partition}")
+
+        await asyncio.gather(*(applier() for _ in range(min(APPLY_CONCURRENCY, len(work)))))
+        if opened:
+            log.info(
+                "hosting %d more partitions (%d in all): %s%s",
+                len(opened),
+                len(self.partitions.partitions),
+                ", ".join(opened[:OPENED_NAMED]),
+                ", ..." if len(opened) > OPENED_NAMED else "",
+            )
+        if waiting:
+            log.info(
+                "%d partitions led by an earlier incarnation of this agent wait for the"
+                " controller: %s%s",
+                len(waiting),
+                ", ".join(waiting[:OPENED_NAMED]),
+                ", ..." if len(waiting) > OPENED_NAMED else "",
+            )
+        return results
 
     async def _reconcile_loop(self) -> None:
         while True:
@@ -661,6 +725,7 @@ class Agent:
             self._rounds_started += 1
             this_round = self._rounds_started
             pending, self._pending = self._pending, {}
+            work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None]] = []
             for (topic, partition), state in pending.items():
                 spec = self.view.topics.get(topic)
                 if state is not None and spec is None:
@@ -671,26 +736,21 @@ class Agent:
                         continue
                 if spec is not None and spec.deletion is not None:
                     self.removal.request(spec)  # never open what is being deleted
-                key = (topic, partition)
-                try:
-                    await self.partitions.apply(
-                        topic,
-                        partition,
-                        state,
-                        spec.config if spec else None,
-                        spec.topic_id if spec else "",
-                    )
-                except StorageError as exc:
+                work.append(((topic, partition), state, spec))
+            results = await self._apply_all(work)
+            for (key, state, _), result in zip(work, results, strict=True):
+                topic, partition = key
+                if isinstance(result, StorageError):
                     # the local log cannot be opened (a quarantined segment, a disk error):
                     # tell the controller, which moves leadership and the ISR away from us
-                    log.error("%s-%d is offline on this agent: %s", topic, partition, exc)
+                    log.error("%s-%d is offline on this agent: %s", topic, partition, result)
                     await self._set_offline(key, state is not None)
                     self._retry_later(key)
                     continue
-                except Exception:
+                if isinstance(result, Exception):
                     # e.g. ZooKeeper unavailable while a new leader reads its manifest: without
                     # a retry the partition would stay unhosted until its state changes again
-                    log.exception("cannot apply the state of %s-%d", topic, partition)
+                    log.error("cannot apply the state of %s-%d", topic, partition, exc_info=result)
                     self._retry_later(key)
                     continue
                 self._retry_delay.pop(key, None)

@@ -6,8 +6,27 @@ ephemeral ``/controller`` node; whoever creates it is the controller until its s
 The others watch the node and try again when it disappears. The controller epoch is written
 into every partition state it produces, so states from a deposed controller are recognisable.
 
-While in charge, the controller reconciles on every change of ``/agents`` or ``/topics``
-(and once a second as a safety net):
+While in charge, the controller decides what each partition needs (below) in passes; when
+nothing changes it reads no partition state, so an idle cluster costs it the same at 10 or
+10,000 partitions. What triggers a pass:
+
+* a **full pass** (every topic's states read, every partition decided): taking charge; a
+  change of ``/agents`` (a registration or death, an agent's incarnation, its offline list,
+  its ``shutting_down`` flag) or of ``/topics`` or a topic's spec (created, more partitions,
+  marked for deletion), through ``poke``; a pass that failed, or a bulk creation that lost a
+  race; and, as the **safety net** for an event lost on the way, ``SAFETY_NET_INTERVAL``
+  (30 s) after the last full pass. A full pass decodes only the states whose bytes changed
+  since it last read them, and gives the event loop a turn every ``YIELD_EVERY`` partitions;
+* a **pass over what changed**: the partitions whose state a watch saw at another version
+  than the one the controller knows (``state_changed``, called by the agent's state watches:
+  a leader's ISR change, which may let a reassignment finish or name a dead replica; an
+  operator's reassignment; a write of another controller; a compare-and-set this one lost),
+  read again; and those it wrote itself, decided once more from what it wrote (a fencing may
+  be followed by an election, as the next once-a-second pass used to do);
+* every ``TICK`` (1 s) the loop checks it is still the controller and gives the rebalancer its
+  step (which polls its request nodes), with the states as last read or written.
+
+What a pass decides for a partition:
 
 * a partition without a state node gets a replica set of ``min(replication_factor, live
   agents)`` distinct agents, placed round-robin from a per-topic starting point so leaders
@@ -30,8 +49,8 @@ While in charge, the controller reconciles on every change of ``/agents`` or ``/
   controller runs its delete, step by step (``broker_agents.deletion``: a task under the
   controller's term, so the next controller resumes it where this one stopped).
 
-Every write is a compare-and-set on the znode version; losing a race means re-reading on the
-next pass. A controller whose ZooKeeper session is suspended stops reconciling.
+Every write is a compare-and-set on the znode version; losing a race means re-reading that
+partition on the next pass. A controller whose ZooKeeper session is suspended stops reconciling.
 
 A pass costs few ZooKeeper round trips however many partitions there are: a topic's states
 are read pipelined; the partitions without one get theirs in transactions of many
@@ -46,7 +65,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,6 +79,7 @@ from storage.metadata import (
     SessionState,
     TopicSpec,
 )
+from storage.metadata.models import load
 from storage.metadata.reassignment import Event as ReassignmentEvent
 from storage.metadata.reassignment import next_phase, phase_of
 from storage.metadata.store import CONTROLLER
@@ -71,6 +93,26 @@ log = logging.getLogger(__name__)
 
 WRITES_IN_FLIGHT = 256
 """Partition-state compare-and-sets a reconcile pass has outstanding at once."""
+TICK = 1.0
+"""Seconds between two turns of the loop when nothing wakes it (the rebalancer's step, and
+a look at whether this agent is still the controller)."""
+SAFETY_NET_INTERVAL = 30.0
+"""Seconds between two full passes when no event asks for one."""
+YIELD_EVERY = 1024
+"""Partitions a full pass decides between two turns it gives the event loop."""
+
+Key = tuple[str, int]
+
+
+@dataclass(frozen=True, slots=True)
+class _Context:
+    """What a pass decides against: the live agents, those shutting down, those a new
+    partition may be placed on, and the replicas that cannot open their log."""
+
+    live: list[int]
+    leaving: set[int]
+    placeable: list[int]
+    offline: dict[Key, set[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +137,9 @@ class Controller:
         view: ClusterView,
         deleter: TopicDeleter | None = None,
         rebalancer: Rebalancer | None = None,
+        *,
+        safety_net_interval: float = SAFETY_NET_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.agent_id = agent_id
         self.zk = zk
@@ -105,11 +150,40 @@ class Controller:
         self.epoch: int | None = None
         self._wake = asyncio.Event()
         self.elections_won = 0
+        self.safety_net_interval = safety_net_interval
+        self.clock = clock
+        #: every partition state of the topics not being deleted, with its znode version, as
+        #: last read or written; what the rebalancer is handed each turn
+        self._known: dict[Key, tuple[PartitionState, int]] = {}
+        #: the bytes each state was decoded from: a node read again unchanged is not decoded
+        self._decoded: dict[Key, tuple[bytes, PartitionState]] = {}
+        self._replication: dict[str, int] = {}
+        #: partitions a watch saw at another version than ``_known``'s: read and decided
+        self._dirty: set[Key] = set()
+        #: partitions this controller wrote: decided again (from ``_known``) on the next turn
+        self._recheck: set[Key] = set()
+        self._full_due = True
+        self._last_full = float("-inf")
+        self.full_passes = 0
+        self.partial_passes = 0
 
     def poke(self) -> None:
+        """Something cluster-wide changed (agents, topics, a spec): a full pass is due."""
+        self._full_due = True
         self._wake.set()
         if self.deleter is not None:
             self.deleter.poke()
+
+    def state_changed(self, key: Key, version: int | None) -> None:
+        """A watch saw partition ``key``'s state node at ``version`` (None: gone). Unless that
+        is the version this controller already knows, the next pass reads and decides it."""
+        if self.epoch is None:
+            return
+        known = self._known.get(key)
+        if known is not None and known[1] == version:
+            return
+        self._dirty.add(key)
+        self._wake.set()
 
     async def run(self) -> None:
         zk = self.zk
@@ -160,17 +234,19 @@ class Controller:
 
     async def _reconcile_while_leading(self) -> None:
         zk = self.zk
+        self._full_due = True  # a new term starts from what ZooKeeper holds
         while zk.state == SessionState.CONNECTED:
             controller = await self._still_controller()
             if not controller:
                 return
-            try:
-                await self.reconcile()
-            except MetadataError as exc:
-                log.warning("reconcile failed (will retry): %s", exc)
             self._wake.clear()
+            try:
+                await self._pass()
+            except MetadataError as exc:
+                self._full_due = True
+                log.warning("reconcile failed (will retry): %s", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 1.0)
+                await asyncio.wait_for(self._wake.wait(), TICK)
 
     async def _still_controller(self) -> bool:
         try:
@@ -179,22 +255,58 @@ class Controller:
             return False
         return info is not None and info.agent_id == self.agent_id and info.epoch == self.epoch
 
-    async def reconcile(self) -> None:
-        store = self.store
+    async def _pass(self) -> None:
+        """One turn of the loop: a full pass when one is due (poked, failed, or the safety net's
+        time has come), else the partitions that changed; then the rebalancer's step."""
+        if self._full_due or self.clock() - self._last_full >= self.safety_net_interval:
+            await self.reconcile()
+        elif self._dirty or self._recheck:
+            await self._reconcile_changed()
+        if self.rebalancer is not None and self.view.agents:
+            live = sorted(self.view.agents)
+            leaving = {a for a, reg in self.view.agents.items() if reg.shutting_down}
+            await self.rebalancer.step(
+                self._known, self._replication, live, leaving, self.epoch or 0
+            )
+
+    def _context(self) -> _Context | None:
         live = sorted(self.view.agents)
         if not live:
-            return
+            return None
         leaving = {a for a, reg in self.view.agents.items() if reg.shutting_down}
-        placeable = [a for a in live if a not in leaving] or live
         # replicas whose agent cannot open their log count as dead for that partition only
-        offline: dict[tuple[str, int], set[int]] = {}
+        offline: dict[Key, set[int]] = {}
         for agent_id, reg in self.view.agents.items():
             for key in reg.offline:
                 offline.setdefault(key, set()).add(agent_id)
+        return _Context(live, leaving, [a for a in live if a not in leaving] or live, offline)
+
+    def _decode(self, key: Key, data: bytes) -> PartitionState:
+        """``key``'s state from its node's bytes, decoded only if they changed since last read."""
+        cached = self._decoded.get(key)
+        if cached is not None and cached[0] == data:
+            return cached[1]
+        state: PartitionState = load(PartitionState, data)
+        self._decoded[key] = (data, state)
+        return state
+
+    async def reconcile(self) -> None:
+        """A full pass: every topic's states read from ZooKeeper (decoded only where their
+        bytes changed) and every partition decided."""
+        self._full_due = False  # a poke while this pass runs makes another
+        self._last_full = self.clock()
+        self.full_passes += 1
+        ctx = self._context()
+        if ctx is None:
+            return
+        store = self.store
+        self._dirty.clear()  # everything is read now; what changes from here is noted again
+        self._recheck.clear()
         deleting = set()
         writes: list[_Write] = []
-        seen: dict[tuple[str, int], tuple[PartitionState, int]] = {}
+        known: dict[Key, tuple[PartitionState, int]] = {}
         replication: dict[str, int] = {}
+        decided = 0
         for name in await store.list_topics():
             try:
                 spec, _ = await store.get_topic(name)
@@ -205,45 +317,114 @@ class Controller:
             if spec.deletion is not None:
                 deleting.add(name)  # its delete owns it: no states, no elections
                 continue
-            states = await store.partition_states(name)
+            nodes = await store.partition_state_nodes(name)
             replication[name] = spec.replication_factor
             start = zlib.crc32(name.encode())
             missing: dict[int, PartitionState] = {}
             for p in range(spec.partitions):
-                current = states.get(p)
-                if current is None:
-                    missing[p] = self._first_state(p, spec, placeable, start)
+                node = nodes.get(p)
+                if node is None:
+                    missing[p] = self._first_state(p, spec, ctx.placeable, start)
                     continue
-                seen[(name, p)] = current
-                usable = live
-                if (name, p) in offline:
-                    usable = [a for a in live if a not in offline[(name, p)]]
-                state, version = current
-                write = self._fence_restarted(name, p, state, version, usable)
-                if write is None and leaving:
-                    write = self._drain(name, p, state, version, leaving, usable)
-                if write is None:
-                    write = (
-                        self._advance_reassignment(name, p, state, version, usable)
-                        if state.adding or state.removing
-                        else self._maybe_elect(
-                            name,
-                            p,
-                            state,
-                            version,
-                            usable,
-                            spec.config.unclean_leader_election_enable,
-                        )
-                    )
+                state = self._decode((name, p), node[0])
+                known[(name, p)] = (state, node[1])
+                write = self._decide(name, p, state, node[1], spec, ctx)
                 if write is not None:
                     writes.append(write)
+                decided += 1
+                if decided % YIELD_EVERY == 0:
+                    await asyncio.sleep(0)  # thousands of partitions: let the loop breathe
             if missing:
-                await self._create(name, missing)
+                known.update(await self._create(name, missing))
+        self._known = known
+        self._replication = replication
+        for key in [k for k in self._decoded if k not in known]:
+            del self._decoded[key]
         await self._write(writes)
         if self.deleter is not None:
             self.deleter.track(deleting)
-        if self.rebalancer is not None:
-            await self.rebalancer.step(seen, replication, live, leaving, self.epoch or 0)
+
+    async def _reconcile_changed(self) -> None:
+        """A pass over the partitions whose state changed since the last (as watches reported;
+        read again here) or that this controller wrote (decided again from what it wrote)."""
+        self.partial_passes += 1
+        ctx = self._context()
+        if ctx is None:
+            return
+        dirty = sorted(self._dirty)
+        recheck = self._recheck - self._dirty
+        self._dirty, self._recheck = set(), set()
+        try:
+            nodes = await self.store.state_nodes(dirty)
+        except MetadataError:
+            self._dirty.update(dirty)
+            raise
+        specs: dict[str, TopicSpec | None] = {}
+        decide: list[tuple[Key, TopicSpec]] = []
+        for key, node in zip(dirty, nodes, strict=True):
+            spec = await self._spec(key[0], specs)
+            if spec is None or spec.deletion is not None or key[1] >= spec.partitions:
+                self._known.pop(key, None)
+                continue
+            if node is None:
+                self._full_due = True  # no state: the full pass makes one
+                continue
+            self._known[key] = (self._decode(key, node[0]), node[1])
+            self._replication[key[0]] = spec.replication_factor
+            decide.append((key, spec))
+        for key in sorted(recheck):
+            spec = await self._spec(key[0], specs)
+            if key in self._known and spec is not None and spec.deletion is None:
+                decide.append((key, spec))
+        writes = []
+        for (name, p), spec in decide:
+            state, version = self._known[(name, p)]
+            write = self._decide(name, p, state, version, spec, ctx)
+            if write is not None:
+                writes.append(write)
+        await self._write(writes)
+
+    async def _spec(self, name: str, specs: dict[str, TopicSpec | None]) -> TopicSpec | None:
+        if name not in specs:
+            try:
+                specs[name] = (await self.store.get_topic(name))[0]
+            except MetadataError:
+                raise
+            except Exception:  # UnknownTopicOrPartitionError: deleted meanwhile
+                specs[name] = None
+        return specs[name]
+
+    def _decide(
+        self,
+        name: str,
+        p: int,
+        state: PartitionState,
+        version: int,
+        spec: TopicSpec,
+        ctx: _Context,
+    ) -> _Write | None:
+        """What partition ``name``-``p`` needs, if anything: fencing of restarted replicas, a
+        controlled shutdown step, a reassignment step, or an election (in that order)."""
+        usable = ctx.live
+        if (name, p) in ctx.offline:
+            usable = [a for a in ctx.live if a not in ctx.offline[(name, p)]]
+        write = self._fence_restarted(name, p, state, version, usable)
+        if write is None and ctx.leaving:
+            write = self._drain(name, p, state, version, ctx.leaving, usable)
+        if write is None:
+            write = (
+                self._advance_reassignment(name, p, state, version, usable)
+                if state.adding or state.removing
+                else self._maybe_elect(
+                    name,
+                    p,
+                    state,
+                    version,
+                    usable,
+                    spec.config.unclean_leader_election_enable,
+                )
+            )
+        return write
 
     def _incarnations(self) -> dict[int, str]:
         return {a: reg.incarnation for a, reg in self.view.agents.items()}
@@ -256,10 +437,13 @@ class Controller:
         async def one(w: _Write) -> None:
             async with slots:
                 try:
-                    await self.store.cas_partition_state(w.name, w.p, w.new, w.version)
+                    version = await self.store.cas_partition_state(w.name, w.p, w.new, w.version)
                 except MetadataError as exc:
                     log.info("%s-%d: %s lost a race (%s); will re-read", w.name, w.p, w.what, exc)
+                    self._dirty.add((w.name, w.p))
                     return
+            self._known[(w.name, w.p)] = (w.new, version)
+            self._recheck.add((w.name, w.p))  # decided again on the next pass, as it was
             log.info(*w.done)
 
         await asyncio.gather(*(one(w) for w in writes))
@@ -383,11 +567,17 @@ class Controller:
             topic_id=spec.topic_id,
         )
 
-    async def _create(self, name: str, states: dict[int, PartitionState]) -> None:
-        """Write the first states of ``name``'s partitions ``states`` in bulk. A chunk that
-        fails (a racing controller made one of its states, or the topic was deleted
-        meanwhile) writes nothing; the next pass sees what is there."""
+    async def _create(
+        self, name: str, states: dict[int, PartitionState]
+    ) -> dict[Key, tuple[PartitionState, int]]:
+        """Write the first states of ``name``'s partitions ``states`` in bulk; returns those
+        written (version 0), to be decided again on the next pass. A chunk that fails (a
+        racing controller made one of its states, or the topic was deleted meanwhile) writes
+        nothing; the next pass, a full one, sees what is there."""
         created, failed = await self.store.create_partition_states(name, states)
+        if failed:
+            self._full_due = True
+        self._recheck.update((name, p) for p in created)
         if len(created) <= 8:
             for p in created:
                 s = states[p]
@@ -404,6 +594,7 @@ class Controller:
             log.info(
                 "%s: creating %d partition states failed (%s); will re-read", name, len(ps), exc
             )
+        return {(name, p): (states[p], 0) for p in created}
 
     def _advance_reassignment(
         self, name: str, p: int, state: PartitionState, version: int, live: list[int]

@@ -25,12 +25,14 @@ partition is closed and its directory deleted, and it is not opened again.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import functools
 import logging
 import re
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +44,45 @@ from storage.wal.agent import AgentWal, WalPartition
 from storage.wal.partition_meta import read_topic_id, write_topic_id
 
 log = logging.getLogger(__name__)
+
+#: threads that create and open partition directories: their fsyncs mostly wait on the disk,
+#: and the more of them wait together, the more one journal commit covers
+OPEN_THREADS = 16
+
+
+class _Gate:
+    """Many holders of ``shared`` at once, or one of ``exclusive``.
+
+    ``apply`` of different partitions runs concurrently (each also under its partition's own
+    lock), so that opening thousands of logs overlaps their fsyncs instead of paying them one
+    after another; what works on every partition at once (``remove_topic``, ``sweep_stray``,
+    ``close``) is exclusive. Waiters are served in order: an exclusive waiter holds back the
+    shared ones that come after it.
+    """
+
+    def __init__(self) -> None:
+        self._order = asyncio.Lock()
+        self._shared = 0
+        self._no_shared = asyncio.Event()
+        self._no_shared.set()
+
+    @contextlib.asynccontextmanager
+    async def shared(self) -> AsyncIterator[None]:
+        async with self._order:
+            self._shared += 1
+            self._no_shared.clear()
+        try:
+            yield
+        finally:
+            self._shared -= 1
+            if not self._shared:
+                self._no_shared.set()
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        async with self._order:
+            await self._no_shared.wait()
+            yield
 
 
 @dataclass(eq=False)
@@ -163,6 +204,92 @@ class Partition:
         return None if sorted(isr) == sorted(self.state.isr) else isr
 
 
+def _prepare_directory(directory: Path, topic: str, topic_id: str) -> tuple[bool, bool, bool]:
+    """Before a log is opened in ``directory`` (on a worker thread): remove it if another
+    incarnation of ``topic`` left it; create it if missing, with its ``partition.metadata``,
+    neither name fsynced yet (``PartitionManager._open_log`` says by what they are).
+
+    Returns (removed, created, whether the directory says ``topic_id`` already)."""
+    found = read_topic_id(directory) if topic_id else None
+    removed = found is not None and found != topic_id
+    if removed:
+        log.warning(
+            "%s: left by incarnation %s of topic %s, which was deleted; removing it",
+            directory,
+            found,
+            topic,
+        )
+        fileio.fs.remove_tree(directory)
+    created = not directory.is_dir()
+    if created:
+        with fileio.storage_errors(f"cannot create {directory}"):
+            fileio.fs.make_dirs(directory, sync_parent=False)
+        if topic_id:
+            write_topic_id(directory, topic_id, sync_dir=False)
+    return removed, created, created or (bool(topic_id) and found == topic_id)
+
+
+def _open_new_or_existing(
+    directory: Path, config: TopicConfig, start: int, created: bool
+) -> PartitionLog:
+    """``PartitionLog.open``; a log just created in a new directory is flushed at once: one
+    fsync of the directory covers its first segment's name and ``partition.metadata``'s."""
+    plog = PartitionLog.open(directory, config.log_config(), start_offset=start)
+    if created:
+        try:
+            plog.flush()
+        except BaseException:
+            plog.close()
+            raise
+    return plog
+
+
+class _DirSync:
+    """fsyncs of one directory, shared: a caller returns once an fsync that started after its
+    call has completed, and callers that arrive while one runs share the next one (a group
+    commit for the names of many new partition directories)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._next: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def sync(self) -> None:
+        if self._next is None:
+            self._next = asyncio.get_running_loop().create_future()
+            self._next.add_done_callback(_retrieve)
+            if self._task is None:
+                self._task = asyncio.get_running_loop().create_task(
+                    self._run(), name=f"fsync:{self.path}"
+                )
+        await asyncio.shield(self._next)
+
+    async def _run(self) -> None:
+        try:
+            while self._next is not None:
+                done, self._next = self._next, None
+                try:
+                    with fileio.storage_errors(f"cannot fsync {self.path}"):
+                        await asyncio.to_thread(fileio.fs.fsync_dir, self.path)
+                except Exception as exc:
+                    done.set_exception(exc)
+                except BaseException:
+                    done.cancel()
+                    raise
+                else:
+                    done.set_result(None)
+        finally:
+            self._task = None
+            if self._next is not None and not self._next.done():
+                self._next.cancel()  # cancelled (the agent stops): the waiters see it
+                self._next = None
+
+
+def _retrieve(fut: asyncio.Future[None]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # seen by the waiters; not "never retrieved" if they all went
+
+
 class PartitionManager:
     def __init__(self, agent_id: int, data_dir: Path) -> None:
         self.agent_id = agent_id
@@ -174,7 +301,14 @@ class PartitionManager:
         self.session_ok = False
         #: incarnations removed here (deleted topics): never opened again by this process
         self.removed_ids: set[str] = set()
-        self._lock = asyncio.Lock()
+        self._gate = _Gate()
+        #: the data directory's fsync, shared by the partitions created at the same time
+        self._data_dir_sync = _DirSync(data_dir)
+        self._opener = concurrent.futures.ThreadPoolExecutor(
+            OPEN_THREADS, thread_name_prefix="partition-open"
+        )
+        #: one lock per partition being applied (see ``_Gate``), with its number of users
+        self._key_locks: dict[tuple[str, int], tuple[asyncio.Lock, int]] = {}
         #: the object tier's hook: where a new leader's log must start (its manifest's end)
         self.tier_start_offset: Callable[[str, int], Awaitable[int]] | None = None
         #: told after a hosted partition's log failed on disk and was closed here (the agent
@@ -191,6 +325,25 @@ class PartitionManager:
         #: policies whose topics use it
         self.wal: AgentWal | None = None
         self.wal_policies: frozenset[FsyncPolicy] = frozenset()
+
+    @contextlib.asynccontextmanager
+    async def _partition_lock(self, key: tuple[str, int]) -> AsyncIterator[None]:
+        """Held while changing ``key``'s role: its state changes apply one at a time, in
+        order, while other partitions' apply alongside (under the shared gate)."""
+        async with self._gate.shared():
+            lock, users = self._key_locks.get(key, (None, 0))
+            if lock is None:
+                lock = asyncio.Lock()
+            self._key_locks[key] = (lock, users + 1)
+            try:
+                async with lock:
+                    yield
+            finally:
+                lock, users = self._key_locks[key]
+                if users == 1:
+                    del self._key_locks[key]
+                else:
+                    self._key_locks[key] = (lock, users - 1)
 
     def directory(self, topic: str, partition: int) -> Path:
         return self.data_dir / f"{topic}-{partition}"
@@ -236,9 +389,11 @@ class PartitionManager:
     ) -> None:
         """Make this agent's role for ``topic-partition`` match ``state`` (None: topic gone).
 
-        ``topic_id`` is the topic spec's id, used when the state predates ids in states."""
-        async with self._lock:
-            key = (topic, partition)
+        ``topic_id`` is the topic spec's id, used when the state predates ids in states.
+        Calls for different partitions may run concurrently; for one partition they apply
+        one at a time, in the order they were made."""
+        key = (topic, partition)
+        async with self._partition_lock(key):
             current = self.partitions.get(key)
             if state is not None:
                 topic_id = state.topic_id or topic_id
@@ -268,7 +423,7 @@ class PartitionManager:
                 # elected before this process started: what it had not fsynced may be gone,
                 # so it waits for the controller to see the restart and elect again (another
                 # in-sync replica, or this one at a new epoch); its log stays as it is
-                log.info(
+                log.debug(  # counted in the reconcile loop's line (``Agent._apply_all``)
                     "%s-%d: led by an earlier incarnation of this agent; waiting for the"
                     " controller",
                     topic,
@@ -323,7 +478,9 @@ class PartitionManager:
                 )
                 self.partitions[key] = current
                 plog.on_io_error = functools.partial(self._disk_error, key)
-                log.info(
+                # one line per partition costs more than its open when thousands come at
+                # once: the reconcile loop logs one line per round (``Agent._apply_all``)
+                log.debug(
                     "hosting %s-%d as %s (epoch %d)", topic, partition, role, state.leader_epoch
                 )
                 if role == "leader":
@@ -363,19 +520,15 @@ class PartitionManager:
         but the disk may not have it (fsyncgate).
 
         A directory of another incarnation of the topic is removed first (module docstring).
+
+        A new directory costs three fsyncs, not one per step: its name, through one fsync of
+        the data directory shared by every partition created meanwhile (``_DirSync``); its
+        ``partition.metadata`` (the temporary file); and one fsync of the directory itself,
+        the new log's first flush, which makes both its first segment's name and
+        ``partition.metadata``'s durable. Nothing is hosted before all three are done.
         """
         key = (topic, partition)
         directory = self.directory(topic, partition)
-        found = await asyncio.to_thread(read_topic_id, directory) if topic_id else None
-        if found is not None and found != topic_id:
-            log.warning(
-                "%s: left by incarnation %s of topic %s, which was deleted; removing it",
-                directory,
-                found,
-                topic,
-            )
-            await asyncio.to_thread(fileio.fs.remove_tree, directory)
-            self._durable_end.pop(key, None)  # said of the removed incarnation's log
         if key in self._disk_failed:
             need = config.log_config().max_message_bytes
             free = await asyncio.to_thread(fileio.fs.free_bytes, self.data_dir)
@@ -389,8 +542,16 @@ class PartitionManager:
             # a leader must not serve a gap; a follower need not copy what the bucket holds
             # (a new replica, e.g. a move, catches up on the untiered tail only)
             start = await self.tier_start_offset(topic, partition)
-        plog = await asyncio.to_thread(
-            PartitionLog.open, directory, config.log_config(), start_offset=start
+        loop = asyncio.get_running_loop()
+        removed, created, has_id = await loop.run_in_executor(
+            self._opener, _prepare_directory, directory, topic, topic_id
+        )
+        if removed:
+            self._durable_end.pop(key, None)  # said of the removed incarnation's log
+        if created:
+            await self._data_dir_sync.sync()
+        plog = await loop.run_in_executor(
+            self._opener, _open_new_or_existing, directory, config, start, created
         )
         durable = self._durable_end.get(key)
         if durable is not None and plog.log_end_offset > durable:
@@ -422,8 +583,17 @@ class PartitionManager:
             plog = await asyncio.to_thread(
                 PartitionLog.open, directory, config.log_config(), start_offset=start
             )
-        if topic_id and await asyncio.to_thread(read_topic_id, directory) != topic_id:
-            await asyncio.to_thread(write_topic_id, directory, topic_id)
+            has_id = False
+        if (
+            topic_id
+            and not has_id
+            and await asyncio.to_thread(read_topic_id, directory) != topic_id
+        ):
+            try:
+                await asyncio.to_thread(write_topic_id, directory, topic_id)
+            except BaseException:
+                plog.close()
+                raise
         return plog
 
     def _disk_error(self, key: tuple[str, int], exc: StorageError) -> None:
@@ -438,7 +608,7 @@ class PartitionManager:
         task.add_done_callback(lambda _: self._failing.pop(key, None))
 
     async def _close_failed(self, key: tuple[str, int], p: Partition, exc: StorageError) -> None:
-        async with self._lock:
+        async with self._partition_lock(key):
             if self.partitions.get(key) is not p:
                 return
             log.error("%s-%d: disk error, closing the partition here: %s", key[0], key[1], exc)
@@ -458,7 +628,7 @@ class PartitionManager:
         that exists) does not give their topic. Run once at start-up, for directories left by
         deletes that happened while this agent was down. Hosted partitions and directories
         without the file (from before topic ids) are left alone. Returns how many went."""
-        async with self._lock:
+        async with self._gate.exclusive():
             hosted = {self.directory(t, i) for t, i in self.partitions}
 
             def sweep() -> list[Path]:
@@ -496,7 +666,7 @@ class PartitionManager:
         While a name is being deleted no other incarnation of it can exist, so every
         ``<topic>-<p>`` directory not hosted is this incarnation's or an older one's.
         """
-        async with self._lock:
+        async with self._gate.exclusive():
             self.removed_ids.add(topic_id)
             for key, p in list(self.partitions.items()):
                 if key[0] == topic and p.topic_id in (topic_id, ""):
@@ -533,6 +703,7 @@ class PartitionManager:
             await asyncio.to_thread(fileio.fs.remove_tree, self.directory(p.topic, p.index))
 
     async def close(self) -> None:
-        async with self._lock:
+        async with self._gate.exclusive():
             for p in list(self.partitions.values()):
                 await self._close(p, delete=False)
+        self._opener.shutdown(wait=False)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kazoo.protocol.states import ZnodeStat
@@ -420,3 +420,22 @@ class MetadataStore:
             for p, got in zip(children, found, strict=True)
             if got is not None
         }
+
+    async def partition_state_nodes(self, name: str) -> dict[int, tuple[bytes, int]]:
+        """Every partition state node of ``name`` undecoded: its bytes and znode version, read
+        pipelined (a reader that kept what it decoded before decodes only what changed)."""
+        try:
+            children = sorted(int(c) for c in await self.zk.get_children(partitions_path(name)))
+        except NodeNotFoundError:
+            return {}
+        found = await self.zk.get_many([state_path(name, p) for p in children])
+        return {
+            p: (got[0], got[1].version)
+            for p, got in zip(children, found, strict=True)
+            if got is not None
+        }
+
+    async def state_nodes(self, keys: Sequence[tuple[str, int]]) -> list[tuple[bytes, int] | None]:
+        """The state nodes of partitions ``keys`` undecoded (None: no state), read pipelined."""
+        found = await self.zk.get_many([state_path(name, p) for name, p in keys])
+        return [None if got is None else (got[0], got[1].version) for got in found]

@@ -335,10 +335,11 @@ class RecordingFileSystem(FileSystem):
             os.unlink(path)
         return None
 
-    def make_dirs(self, path: Path) -> None:
+    def make_dirs(self, path: Path, *, sync_parent: bool = True) -> None:
         if not self._under_root(path):
-            return super().make_dirs(path)
-        super().make_dirs(path)  # os.mkdir, then fsync_dir of the parent: recorded there
+            return super().make_dirs(path, sync_parent=sync_parent)
+        # os.mkdir, then fsync_dir of the parent (the caller's, without sync_parent): recorded
+        super().make_dirs(path, sync_parent=sync_parent)
         with self._lock:
             self._tracked.add(os.stat(path).st_ino)
         return None

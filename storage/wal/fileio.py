@@ -101,8 +101,11 @@ class FileSystem:
         st = os.statvfs(path)
         return st.f_bavail * st.f_frsize
 
-    def make_dirs(self, path: Path) -> None:
-        """``mkdir -p``, fsyncing the parent of every directory created so its name is durable."""
+    def make_dirs(self, path: Path, *, sync_parent: bool = True) -> None:
+        """``mkdir -p``, fsyncing the parent of every directory created so its name is durable.
+
+        With ``sync_parent=False`` the last one's parent is not fsynced: the caller does it
+        (once for many new directories) before it counts on ``path``'s name."""
         if path.is_dir():
             return
         parent = path.parent
@@ -114,7 +117,8 @@ class FileSystem:
             if not path.is_dir():
                 raise
             return
-        self.fsync_dir(parent)
+        if sync_parent:
+            self.fsync_dir(parent)
 
     def remove_tree(self, path: Path) -> None:
         """``rm -r`` (a missing path is fine), then fsync the parent: the removal is durable."""

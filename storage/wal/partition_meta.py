@@ -44,9 +44,13 @@ def read_topic_id(directory: Path) -> str | None:
     return fields["topic_id"]
 
 
-def write_topic_id(directory: Path, topic_id: str) -> None:
-    """Record durably that ``directory`` holds the incarnation ``topic_id``."""
+def write_topic_id(directory: Path, topic_id: str, *, sync_dir: bool = True) -> None:
+    """Record durably that ``directory`` holds the incarnation ``topic_id``.
+
+    With ``sync_dir=False`` the file's name is durable only after the caller's next fsync of
+    ``directory`` (a new log's first flush, which covers its first segment's name too)."""
     path = directory / FILE_NAME
     with storage_errors(f"cannot write {path}"):
         write_file_atomically(path, f"version: {VERSION}\ntopic_id: {topic_id}\n".encode())
-        fsync_dir(directory)
+        if sync_dir:
+            fsync_dir(directory)

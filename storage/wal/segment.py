@@ -108,9 +108,9 @@ class Segment:
         path = directory / (segment_name(base_offset) + LOG_SUFFIX)
         with storage_errors(f"cannot create segment {path}"):
             fd = fileio.fs.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        seg = cls(directory, base_offset, fd, index_interval)
-        seg.dirty = True
-        return seg
+        # not dirty: an empty file has no bytes to fsync; its name (and so the empty file) is
+        # durable with its directory's fsync, which the log owes for it (``_dir_dirty``)
+        return cls(directory, base_offset, fd, index_interval)
 
     @classmethod
     def open_existing(cls, path: Path, index_interval: int) -> Segment:
