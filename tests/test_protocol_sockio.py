@@ -30,6 +30,11 @@ class _Watched(FrameStream):
         super().__init__(sock, **kw)
         self.paused = asyncio.Event()
         self.stopped_reading = asyncio.Event()
+        self.arrived = asyncio.Event()
+
+    def staged(self) -> int:
+        """Bytes received into the staging buffer and not read yet."""
+        return self._end - self._start
 
     def pause_writing(self) -> None:
         super().pause_writing()
@@ -37,6 +42,7 @@ class _Watched(FrameStream):
 
     def buffer_updated(self, nbytes: int) -> None:
         super().buffer_updated(nbytes)
+        self.arrived.set()
         assert self.transport is not None
         if not self.transport.is_reading():
             self.stopped_reading.set()
@@ -101,6 +107,46 @@ def test_frames_of_every_size_arrive_whole_and_in_order() -> None:
         got = []
         for _ in bodies:
             got.append(bytes(await inbound.read_body(await inbound.read_size())))
+        await sender
+        assert got == bodies
+        _close(outbound, inbound)
+
+    asyncio.run(run())
+
+
+def test_bytes_that_arrive_while_a_grant_is_awaited_stay_in_their_frame() -> None:
+    """A large frame's first grant can wait (the agent's request budget is taken by other
+    connections); meanwhile more of the frame lands in the staging buffer. Those bytes are the
+    body's: read as the next frame's size prefix they desynchronized the stream (the flood test
+    of test_agent_protocol saw "frame of 1243179287 bytes exceeds the limit")."""
+    bodies = [os.urandom(3 << 20), os.urandom(100), os.urandom(STAGE_BYTES)]
+    head = 1000  # of the first body, sent before the receiver asks for room
+
+    async def run() -> None:
+        inbound, outbound = await _pair()
+        asking = asyncio.Event()
+
+        async def send() -> None:
+            await outbound.send([*_frame(bodies[0])[:1], bodies[0][:head]])
+            await asking.wait()
+            await outbound.send([bodies[0][head:]])
+            for body in bodies[1:]:
+                await outbound.send(_frame(body))
+
+        sender = asyncio.create_task(send())
+
+        async def grant(n: int) -> int:
+            if not asking.is_set():
+                # the budget frees once more of the frame sits in the staging buffer
+                asking.set()
+                while inbound.staged() <= head:
+                    inbound.arrived.clear()
+                    await inbound.arrived.wait()
+            return n
+
+        got = []
+        for _ in bodies:
+            got.append(bytes(await inbound.read_body(await inbound.read_size(), grant)))
         await sender
         assert got == bodies
         _close(outbound, inbound)

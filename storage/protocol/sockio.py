@@ -294,6 +294,14 @@ class FrameStream(asyncio.BufferedProtocol):
         have = min(self._end - self._start, size)
         step = FIRST_GRANT
         limit = size if grant is None else await grant(min(size, max(have, step)))
+        # While the grant was awaited, more of this frame may have landed in the staging
+        # buffer: it is part of the body (taking ``have`` from before the wait left those
+        # bytes behind, to be read as the next frame's size: a desynchronized stream).
+        have = min(self._end - self._start, size)
+        while limit < have:
+            assert grant is not None
+            limit += await grant(have - limit)
+            have = min(self._end - self._start, size)
         view = np.empty(size, dtype=np.uint8).data  # not zeroed: every byte is received into it
         view[:have] = self._view[self._start : self._start + have]
         self._start += have
