@@ -18,7 +18,7 @@ import pytest
 
 from storage.errors import CorruptSegmentError
 from storage.wal import PartitionLog, crashfs, fileio
-from storage.wal.agent import AgentWal, AgentWalConfig, WalPartition, replay
+from storage.wal.agent import AgentWal, AgentWalConfig, WalPartition, journal, replay
 from storage.wal.agent.format import FRAME, MAGIC, file_name, read_frames
 from storage.wal.agent.journal import WAL_DIRECTORY
 from storage.wal.fileio import FileSystem
@@ -347,6 +347,41 @@ def test_replay_keeps_what_the_files_hold_past_the_wals_last_frame(tmp_path: Pat
     for i, records in expected.items():
         with PartitionLog.open(data / f"t-{i}", config()) as log:
             assert read_all(log) == records, f"partition {i}"
+
+
+def test_a_round_past_a_frames_bounds_is_written_as_several_frames(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader refuses a frame of more than MAX_ENTRIES entries as damaged; one loop turn of
+    more appends than that goes out as several frames, in order."""
+    monkeypatch.setattr(journal, "MAX_ENTRIES", 8)
+    rng = random.Random(17)
+
+    async def main() -> dict[int, list[Record]]:
+        wal = AgentWal(tmp_path / WAL_DIRECTORY)
+        wal.open()
+        fronts = [await wal.register(log, "id-t") for log in open_logs(tmp_path, 3)]
+        await wal.sync()
+        expected: dict[int, list[Record]] = {i: [] for i in range(3)}
+        for _ in range(10):  # 30 appends in one loop turn
+            for i, f in enumerate(fronts):
+                b = produce(rng, count=1, value_size=20)
+                info = f.log.append(b.data, leader_epoch=1)
+                expected[i].extend(b.records(info.base_offset))
+        await wal.sync()
+        for f in fronts:  # the files lose everything past the OPEN anchors: only the WAL has it
+            f.log.journal = None
+            f.log.truncate_to(0)
+        return expected
+
+    expected = asyncio.run(main())
+    frames, _, error = read_frames(wal_files(tmp_path)[-1].read_bytes())
+    assert error is None
+    assert len(frames) >= 4 and all(len(f.entries) <= 8 for f in frames)
+    replay(tmp_path / WAL_DIRECTORY, tmp_path)
+    for i, records in expected.items():
+        with PartitionLog.open(tmp_path / f"t-{i}", config()) as log:
+            assert read_all(log) == records
 
 
 def test_frame_name(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,8 +194,3 @@ def _read_frame(buf: Any, pos: int, size: int) -> Frame:
         else:
             entries.append(Entry(k, pid, offset, epoch))
     return Frame(pos, end - pos, entries)
-
-
-def iter_entries(frames: Sequence[Frame]) -> Iterator[Entry]:
-    for f in frames:
-        yield from f.entries

@@ -46,7 +46,16 @@ from typing import Any
 from storage.config import FsyncPolicy
 from storage.errors import StorageError
 from storage.wal import fileio
-from storage.wal.agent.format import ENTRY, Kind, encode_frame, file_name, name_entry, parse_name
+from storage.wal.agent.format import (
+    ENTRY,
+    MAX_ENTRIES,
+    MAX_NAMES,
+    Kind,
+    encode_frame,
+    file_name,
+    name_entry,
+    parse_name,
+)
 from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
 from storage.wal.group_commit import observe_fsync
 from storage.wal.log import AppendInfo, PartitionLog
@@ -168,6 +177,7 @@ class AgentWal:
         self._names: list[bytes] = []
         self._payloads: list[Any] = []
         self._payload_len = 0
+        self._names_len = 0
         self._pending_ends: dict[WalPartition, int] = {}
         self._write_scheduled = False
         self._named: set[int] = set()  # pids named in the current file
@@ -286,13 +296,16 @@ class AgentWal:
             entry, blob = name_entry(front.pid, front.dirname, front.topic_id)
             self._table.append(entry)
             self._names.append(blob)
+            self._names_len += len(blob)
             self._named.add(front.pid)
         self._table.append(ENTRY.pack(kind, front.pid, epoch, offset, size))
         if batch is not None:
             self._payloads.append(batch)
             self._payload_len += size
         self._pending_ends[front] = front.log.log_end_offset
-        if not self._write_scheduled:
+        if len(self._table) >= MAX_ENTRIES - 1 or self._names_len >= MAX_NAMES - (64 << 10):
+            self._write_pending()  # a frame a reader takes (its bounds), written in order
+        elif not self._write_scheduled:
             self._write_scheduled = True
             asyncio.get_running_loop().call_soon(self._write_pending)
 
@@ -305,7 +318,7 @@ class AgentWal:
         parts = encode_frame(self._table, self._names, self._payloads, self._payload_len)
         ends = self._pending_ends
         self._table, self._names, self._payloads = [], [], []
-        self._payload_len = 0
+        self._payload_len = self._names_len = 0
         self._pending_ends = {}
         size = 0
         try:
@@ -460,7 +473,7 @@ class AgentWal:
             return
         self._failed = None
         self._table, self._names, self._payloads = [], [], []
-        self._payload_len = 0
+        self._payload_len = self._names_len = 0
         self._pending_ends = {}
         self._unsynced.clear()
         # the failed file is closed (never fsynced again: fsyncgate) and renamed, so replay
