@@ -273,7 +273,8 @@ class Agent:
         self.offline: set[tuple[str, int]] = set()
         self._published_offline: tuple[tuple[str, int], ...] = ()
         self._agent_watches: dict[int, Callable[[], None]] = {}
-        self._pending: dict[tuple[str, int], PartitionState | None] = {}
+        #: states to apply, each with the ZooKeeper version it was read at (-1: not known)
+        self._pending: dict[tuple[str, int], tuple[PartitionState | None, int]] = {}
         #: backoff of partitions whose state failed to apply (see ``_retry_later``)
         self._retry_delay: dict[tuple[str, int], float] = {}
         self._changed = asyncio.Event()
@@ -493,7 +494,7 @@ class Agent:
         reconciler has applied them (after a session loss the watches may lag behind)."""
         for key in list(self.partitions.latest):
             got = await self.store.get_partition_state(*key)
-            self._pending[key] = None if got is None else got[0]
+            self._pending[key] = (None, -1) if got is None else got
         self._changed.set()
         wanted = self._rounds_started + 1
         while self._rounds_done < wanted:
@@ -586,7 +587,7 @@ class Agent:
             cancel()
         for key in [k for k in self._watched_partitions if k[0] == name]:
             self._watched_partitions.discard(key)
-            self._pending[key] = None
+            self._pending[key] = (None, -1)
         self._changed.set()
 
     def _spec_changed(self, name: str, data: bytes | None, stat: object = None) -> None:
@@ -653,16 +654,18 @@ class Agent:
     def _state_changed(self, key: tuple[str, int], data: bytes | None, stat: object = None) -> None:
         if key not in self._watched_partitions:
             return
-        self.controller.state_changed(key, getattr(stat, "version", None))
+        version = getattr(stat, "version", None)
+        self.controller.state_changed(key, version)
         try:
-            self._pending[key] = None if data is None else load(PartitionState, data)
+            state = None if data is None else load(PartitionState, data)
         except Exception as exc:
             log.error("unreadable state of %s-%d: %s", key[0], key[1], exc)
             return
+        self._pending[key] = (state, -1 if version is None else version)
         self._changed.set()
 
     async def _apply_all(
-        self, work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None]]
+        self, work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None, int]]
     ) -> list[Exception | None]:
         """Apply a round's states, ``APPLY_CONCURRENCY`` at once (opening a new partition's
         log is mostly fsyncs, which overlap), and return what each raised. A round holds one
@@ -675,7 +678,7 @@ class Agent:
 
         async def applier() -> None:
             for i in queue:
-                (topic, partition), state, spec = work[i]
+                (topic, partition), state, spec, version = work[i]
                 was_hosted = (topic, partition) in self.partitions.partitions
                 try:
                     await self.partitions.apply(
@@ -684,6 +687,7 @@ class Agent:
                         state,
                         spec.config if spec else None,
                         spec.topic_id if spec else "",
+                        version,
                     )
                 except Exception as exc:
                     results[i] = exc
@@ -725,8 +729,8 @@ class Agent:
             self._rounds_started += 1
             this_round = self._rounds_started
             pending, self._pending = self._pending, {}
-            work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None]] = []
-            for (topic, partition), state in pending.items():
+            work: list[tuple[tuple[str, int], PartitionState | None, TopicSpec | None, int]] = []
+            for (topic, partition), (state, version) in pending.items():
                 spec = self.view.topics.get(topic)
                 if state is not None and spec is None:
                     try:
@@ -736,9 +740,9 @@ class Agent:
                         continue
                 if spec is not None and spec.deletion is not None:
                     self.removal.request(spec)  # never open what is being deleted
-                work.append(((topic, partition), state, spec))
+                work.append(((topic, partition), state, spec, version))
             results = await self._apply_all(work)
-            for (key, state, _), result in zip(work, results, strict=True):
+            for (key, state, _, _), result in zip(work, results, strict=True):
                 topic, partition = key
                 if isinstance(result, StorageError):
                     # the local log cannot be opened (a quarantined segment, a disk error):
@@ -782,7 +786,7 @@ class Agent:
             if state is None:
                 self._retry_delay.pop(key, None)  # the topic is gone: nothing to apply
             elif key not in self._pending:  # else newer news is queued
-                self._pending[key] = state
+                self._pending[key] = (state, -1)
                 self._changed.set()
 
         asyncio.get_running_loop().call_later(self._retry_delay[key], again)

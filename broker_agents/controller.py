@@ -71,7 +71,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from storage.errors import MetadataError
+from storage.errors import InvalidConfigError, MetadataError
 from storage.metadata import (
     AsyncZooKeeper,
     MetadataStore,
@@ -157,6 +157,8 @@ class Controller:
         self._known: dict[Key, tuple[PartitionState, int]] = {}
         #: the bytes each state was decoded from: a node read again unchanged is not decoded
         self._decoded: dict[Key, tuple[bytes, PartitionState]] = {}
+        # states that do not parse, by the bytes last seen: logged once, left alone until fixed
+        self._unreadable: dict[Key, bytes] = {}
         self._replication: dict[str, int] = {}
         #: partitions a watch saw at another version than ``_known``'s: read and decided
         self._dirty: set[Key] = set()
@@ -281,12 +283,23 @@ class Controller:
                 offline.setdefault(key, set()).add(agent_id)
         return _Context(live, leaving, [a for a in live if a not in leaving] or live, offline)
 
-    def _decode(self, key: Key, data: bytes) -> PartitionState:
-        """``key``'s state from its node's bytes, decoded only if they changed since last read."""
+    def _decode(self, key: Key, data: bytes) -> PartitionState | None:
+        """``key``'s state from its node's bytes, decoded only if they changed since last read;
+        None (logged once per content) if they do not parse. Such a partition is left as it is:
+        no election or ISR change is decided from bytes nobody can read, and the rest of the
+        cluster goes on (an operator rewrites the node; the next read decides it again)."""
         cached = self._decoded.get(key)
         if cached is not None and cached[0] == data:
             return cached[1]
-        state: PartitionState = load(PartitionState, data)
+        try:
+            state: PartitionState = load(PartitionState, data)
+        except InvalidConfigError as exc:
+            if self._unreadable.get(key) != data:
+                self._unreadable[key] = data
+                log.error("unreadable state of %s-%d, left alone: %s", key[0], key[1], exc)
+            self._decoded.pop(key, None)
+            return None
+        self._unreadable.pop(key, None)
         self._decoded[key] = (data, state)
         return state
 
@@ -327,6 +340,8 @@ class Controller:
                     missing[p] = self._first_state(p, spec, ctx.placeable, start)
                     continue
                 state = self._decode((name, p), node[0])
+                if state is None:
+                    continue
                 known[(name, p)] = (state, node[1])
                 write = self._decide(name, p, state, node[1], spec, ctx)
                 if write is not None:
@@ -340,6 +355,8 @@ class Controller:
         self._replication = replication
         for key in [k for k in self._decoded if k not in known]:
             del self._decoded[key]
+        for key in [k for k in self._unreadable if k[0] not in replication]:
+            del self._unreadable[key]
         await self._write(writes)
         if self.deleter is not None:
             self.deleter.track(deleting)
@@ -369,7 +386,11 @@ class Controller:
             if node is None:
                 self._full_due = True  # no state: the full pass makes one
                 continue
-            self._known[key] = (self._decode(key, node[0]), node[1])
+            state = self._decode(key, node[0])
+            if state is None:
+                self._known.pop(key, None)
+                continue
+            self._known[key] = (state, node[1])
             self._replication[key[0]] = spec.replication_factor
             decide.append((key, spec))
         for key in sorted(recheck):

@@ -172,7 +172,11 @@ def main(argv: list[str] | None = None) -> int:
     if config.agent_id < 0:
         agent_id = resolve_agent_id(None, config.data_dir, config.zookeeper)
         config = config.model_copy(update={"agent_id": agent_id})
-    asyncio.run(_main(config))
+    try:
+        asyncio.run(_main(config))
+    except Exception:  # logged as one JSON line like the rest, not a bare traceback on stderr
+        log.critical("agent %d stopped on an unhandled error", config.agent_id, exc_info=True)
+        return 1
     return 0
 
 

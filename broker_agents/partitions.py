@@ -115,6 +115,12 @@ class Partition:
     #: record could be acknowledged without them in the window, and one of them, in the ISR
     #: by ZooKeeper's state, be made leader without it
     pending_isr: set[int] = field(default_factory=set)
+    #: the ZooKeeper version of the state node that holds ``pending_isr`` (written by this
+    #: leader; unbounded while the write is in flight) and of the state applied here (-1:
+    #: unknown). A state at least as new as the write that lacks a pending member has it
+    #: removed by a later writer (the controller dropping a dead replica): it stops counting
+    pending_isr_version: float = float("inf")
+    state_version: int = -1
     #: a follower that changed leader (or epoch) must truncate by epoch before fetching
     needs_epoch_check: bool = True
     data_arrived: asyncio.Future[None] = field(
@@ -162,6 +168,8 @@ class Partition:
             return
         hw = self.log.log_end_offset
         self.pending_isr.difference_update(self.state.isr)
+        if self.pending_isr and self.state_version >= self.pending_isr_version:
+            self.pending_isr.clear()  # superseded: ZooKeeper no longer names them in sync
         for r in (*self.state.isr, *self.pending_isr):
             if r != self.agent_id:
                 hw = min(hw, self.follower_leo.get(r, -1))
@@ -386,10 +394,12 @@ class PartitionManager:
         state: PartitionState | None,
         config: TopicConfig | None,
         topic_id: str = "",
+        version: int = -1,
     ) -> None:
         """Make this agent's role for ``topic-partition`` match ``state`` (None: topic gone).
 
-        ``topic_id`` is the topic spec's id, used when the state predates ids in states.
+        ``topic_id`` is the topic spec's id, used when the state predates ids in states;
+        ``version`` the ZooKeeper version ``state`` was read at (-1: not known).
         Calls for different partitions may run concurrently; for one partition they apply
         one at a time, in the order they were made."""
         key = (topic, partition)
@@ -475,6 +485,7 @@ class PartitionManager:
                     role,
                     agent_id=self.agent_id,
                     topic_id=topic_id,
+                    state_version=version,
                 )
                 self.partitions[key] = current
                 plog.on_io_error = functools.partial(self._disk_error, key)
@@ -502,6 +513,7 @@ class PartitionManager:
                     )
                 current.role = role
                 current.state = state
+                current.state_version = max(current.state_version, version)
                 if changed and role == "leader":
                     current.become_leader(time.monotonic())
                 elif changed:

@@ -485,36 +485,43 @@ class IsrMaintenance:
             # leader, so no record may be acknowledged without them from then on
             joining = {r for r in isr if r not in p.state.isr}
             p.pending_isr |= joining
-            if not await self._write(p, isr):
+            before, p.pending_isr_version = p.pending_isr_version, float("inf")
+            written = await self._write(p, isr)
+            if written is None:
                 p.pending_isr -= joining - set(p.state.isr)
+                p.pending_isr_version = before
+            else:
+                p.pending_isr_version = written
+            p.advance_hw()
 
-    async def _write(self, p: Partition, isr: list[int]) -> bool:
-        """Write ``isr`` for ``p`` (compare-and-set); whether ZooKeeper has it now."""
+    async def _write(self, p: Partition, isr: list[int]) -> int | None:
+        """Write ``isr`` for ``p`` (compare-and-set); the version of the state node that has
+        it, or None if ZooKeeper does not have it."""
         got = await self.store.get_partition_state(p.topic, p.index)
         if got is None:
-            return False
+            return None
         current, version = got
         if current.leader != self.agent_id or current.leader_epoch != p.state.leader_epoch:
-            return False  # not ours any more: the watch will say so
+            return None  # not ours any more: the watch will say so
         if sorted(current.isr) == sorted(isr):
-            return True  # already written; the watch has not brought it yet
+            return version  # already written; the watch has not brought it yet
         agents = self.view.agents
         # a follower shutting down is not taken back (the controller is draining it)
         isr = [r for r in isr if r in current.isr or not (r in agents and agents[r].shutting_down)]
         if sorted(current.isr) == sorted(isr):
-            return False
+            return None
         incarnations = {a: reg.incarnation for a, reg in agents.items()}
         new = current.model_copy(
             update={"isr": isr, "incarnations": current.stamped(isr, incarnations)}
         )
         try:
-            await self.store.cas_partition_state(p.topic, p.index, new, version)
+            written = await self.store.cas_partition_state(p.topic, p.index, new, version)
         except MetadataError as exc:
             log.info("%s-%d: ISR change lost a race (%s)", p.topic, p.index, exc)
-            return False
+            return None
         self.changes += 1
         log.info("%s-%d: ISR %s -> %s", p.topic, p.index, current.isr, isr)
-        return True
+        return written
 
 
 def _bytes_of(resp: m.FetchResponse, keys: set[tuple[str, int]]) -> int:
