@@ -72,6 +72,11 @@ INTERVAL = {"fsync.policy": "interval"}
 INTERVAL_MS = LogConfig.model_fields["fsync_interval_ms"].default
 
 
+async def _within(step: Awaitable[Any], seconds: float) -> Any:
+    async with asyncio.timeout(seconds):
+        return await step
+
+
 def _count(size: int, scale: float) -> int:
     """Messages per throughput run: ~100 MB of 1 KiB, capped for small/large messages."""
     return int({100: 200_000, 1024: 100_000, 10240: 20_000}[size] * scale)
@@ -1318,7 +1323,7 @@ def _peers_round(r: dict[str, Any], work: Path, args: argparse.Namespace) -> Non
             sizes, consume = ((1024,), False) if durable else (SIZES, True)
             try:
                 run = run_peer(client(peer), args, sizes, consume)
-                raw = asyncio.run(asyncio.wait_for(run, timeout=300))
+                raw = asyncio.run(_within(run, 300))
                 if not durable:
                     r["_peers_raw"][client.name] = {"_latency": raw["latency"]}
                 into[client.name] = _strip(raw)

@@ -83,7 +83,8 @@ async def fill(bootstrap: str, n: int) -> None:
 async def wait_for_leaders(bootstrap: str, topics: list[str], limit_s: float = 60) -> None:
     async with Producer({"bootstrap.servers": bootstrap}) as p:
         for topic in topics:
-            await asyncio.wait_for(p.partitions_for(topic), limit_s)
+            async with asyncio.timeout(limit_s):
+                await p.partitions_for(topic)
 
 
 async def consume(bootstrap: str, group: str, n: int, *, retry: bool) -> float:

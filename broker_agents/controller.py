@@ -56,8 +56,9 @@ A pass costs few ZooKeeper round trips however many partitions there are: a topi
 are read pipelined; the partitions without one get theirs in transactions of many
 (``MetadataStore.create_partition_states``); and the decisions for the others (fencing,
 draining, reassignment, election) are made first and their compare-and-set writes then sent
-together, ``WRITES_IN_FLIGHT`` at a time. 10,000 partitions are placed, or re-elected after
-their agent restarted, in a second or two rather than one round trip after another.
+together, in transactions of many (``MetadataStore.cas_partition_states``; a transaction that
+loses a race is retried write by write). 10,000 partitions are placed, or re-elected after
+their agent restarted, in a few round trips rather than one after another.
 """
 
 from __future__ import annotations
@@ -91,8 +92,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WRITES_IN_FLIGHT = 256
-"""Partition-state compare-and-sets a reconcile pass has outstanding at once."""
 TICK = 1.0
 """Seconds between two turns of the loop when nothing wakes it (the rebalancer's step, and
 a look at whether this agent is still the controller)."""
@@ -248,7 +247,8 @@ class Controller:
                 self._full_due = True
                 log.warning("reconcile failed (will retry): %s", exc)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), TICK)
+                async with asyncio.timeout(TICK):
+                    await self._wake.wait()
 
     async def _still_controller(self) -> bool:
         try:
@@ -312,6 +312,7 @@ class Controller:
         ctx = self._context()
         if ctx is None:
             return
+        started = time.perf_counter()
         store = self.store
         self._dirty.clear()  # everything is read now; what changes from here is noted again
         self._recheck.clear()
@@ -357,7 +358,16 @@ class Controller:
             del self._decoded[key]
         for key in [k for k in self._unreadable if k[0] not in replication]:
             del self._unreadable[key]
+        decided_s = time.perf_counter() - started
         await self._write(writes)
+        if writes:
+            log.info(
+                "full pass: %d partitions read and decided in %.2f s, %d written in %.2f s",
+                decided,
+                decided_s,
+                len(writes),
+                time.perf_counter() - started - decided_s,
+            )
         if self.deleter is not None:
             self.deleter.track(deleting)
 
@@ -451,23 +461,22 @@ class Controller:
         return {a: reg.incarnation for a, reg in self.view.agents.items()}
 
     async def _write(self, writes: list[_Write]) -> None:
-        """Compare-and-set every write, ``WRITES_IN_FLIGHT`` at a time (pipelined on the one
-        session); each is logged, a lost race included (the next pass re-reads)."""
-        slots = asyncio.Semaphore(WRITES_IN_FLIGHT)
-
-        async def one(w: _Write) -> None:
-            async with slots:
-                try:
-                    version = await self.store.cas_partition_state(w.name, w.p, w.new, w.version)
-                except MetadataError as exc:
-                    log.info("%s-%d: %s lost a race (%s); will re-read", w.name, w.p, w.what, exc)
-                    self._dirty.add((w.name, w.p))
-                    return
-            self._known[(w.name, w.p)] = (w.new, version)
+        """Compare-and-set every write, in ZooKeeper transactions of many
+        (``MetadataStore.cas_partition_states``); each is logged, a lost race included (the
+        next pass re-reads)."""
+        if not writes:
+            return
+        outcomes = await self.store.cas_partition_states(
+            [(w.name, w.p, w.new, w.version) for w in writes]
+        )
+        for w, outcome in zip(writes, outcomes, strict=True):
+            if isinstance(outcome, MetadataError):
+                log.info("%s-%d: %s lost a race (%s); will re-read", w.name, w.p, w.what, outcome)
+                self._dirty.add((w.name, w.p))
+                continue
+            self._known[(w.name, w.p)] = (w.new, outcome)
             self._recheck.add((w.name, w.p))  # decided again on the next pass, as it was
             log.info(*w.done)
-
-        await asyncio.gather(*(one(w) for w in writes))
 
     def _fence_restarted(
         self, name: str, p: int, state: PartitionState, version: int, usable: list[int]

@@ -204,7 +204,7 @@ class AgentMetrics:
         self.uploaded_bytes.inc(nbytes)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.registry) + partition_gauges(self.agent)
 
     # ---- stalls -----------------------------------------------------------------------------
     async def _probe_lag(self) -> None:
@@ -246,7 +246,8 @@ class AgentMetrics:
         if self._server is not None:
             self._server.close()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+                async with asyncio.timeout(2.0):
+                    await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -294,28 +295,11 @@ class _StateCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         agent = self.agent
-        labels = ["topic", "partition"]
         led = GaugeMetricFamily("strata_partitions_leader", "Partitions this agent leads")
         hosted = GaugeMetricFamily("strata_partitions_hosted", "Partitions this agent hosts")
-        isr = GaugeMetricFamily(
-            "strata_partition_isr_size",
-            "In-sync replicas of each partition led here",
-            labels=labels,
-        )
-        replicas = GaugeMetricFamily(
-            "strata_partition_replicas",
-            "Assigned replicas of each partition led here",
-            labels=labels,
-        )
         under = GaugeMetricFamily(
             "strata_under_replicated_partitions",
             "Partitions led here whose ISR is smaller than their replica set",
-        )
-        hw = GaugeMetricFamily(
-            "strata_partition_high_watermark", "High watermark (leaders)", labels=labels
-        )
-        leo = GaugeMetricFamily(
-            "strata_partition_log_end_offset", "Local log end offset", labels=labels
         )
         unuploaded = GaugeMetricFamily(
             "strata_tier_unuploaded_bytes",
@@ -324,14 +308,9 @@ class _StateCollector(Collector):
         n_led = n_under = 0
         parts = list(agent.partitions.partitions.values())
         for p in parts:
-            key = [p.topic, str(p.index)]
-            leo.add_metric(key, p.log.log_end_offset)
             if p.role != "leader":
                 continue
             n_led += 1
-            isr.add_metric(key, len(p.state.isr))
-            replicas.add_metric(key, len(p.state.replicas))
-            hw.add_metric(key, p.high_watermark)
             if len(p.state.isr) < len(p.state.replicas):
                 n_under += 1
         led.add_metric([], n_led)
@@ -345,7 +324,7 @@ class _StateCollector(Collector):
             "Partitions this agent should host but whose local log it cannot open",
         )
         offline.add_metric([], len(agent.offline))
-        yield from (led, hosted, isr, replicas, under, hw, leo, unuploaded, up, offline)
+        yield from (led, hosted, under, unuploaded, up, offline)
         held = CounterMetricFamily(
             "strata_quota_throttled_responses",
             "Answers after which a connection was muted: its principal was over quota",
@@ -358,6 +337,47 @@ class _StateCollector(Collector):
         yield from (held, held_s)
         yield from _deletions(agent)
         yield from _group_lag(agent)
+
+
+def partition_gauges(agent: AgentState) -> bytes:
+    """The per-partition gauges in Prometheus' text format, written here rather than through
+    ``prometheus_client``, which spends ~6 µs on each sample: at 10,000 partitions (40,000
+    samples) a scrape held the event loop for ~250 ms, and a poll every 0.2 s made hosting
+    the partitions of a restart several times slower (``make bench-many-partitions``).
+    Topic names are restricted to ``[a-zA-Z0-9._-]`` (``storage.names``), so labels need no
+    escaping."""
+    hosted = [
+        (f'{{topic="{p.topic}",partition="{p.index}"}} ', p)
+        for p in list(agent.partitions.partitions.values())
+    ]
+    led = [(label, p) for label, p in hosted if p.role == "leader"]
+    families = (
+        (
+            "strata_partition_isr_size",
+            "In-sync replicas of each partition led here",
+            (f"{label}{len(p.state.isr)}" for label, p in led),
+        ),
+        (
+            "strata_partition_replicas",
+            "Assigned replicas of each partition led here",
+            (f"{label}{len(p.state.replicas)}" for label, p in led),
+        ),
+        (
+            "strata_partition_high_watermark",
+            "High watermark (leaders)",
+            (f"{label}{p.high_watermark}" for label, p in led),
+        ),
+        (
+            "strata_partition_log_end_offset",
+            "Local log end offset",
+            (f"{label}{p.log.log_end_offset}" for label, p in hosted),
+        ),
+    )
+    out: list[str] = []
+    for name, doc, samples in families:
+        out.append(f"# HELP {name} {doc}\n# TYPE {name} gauge\n")
+        out.extend(f"{name}{sample}\n" for sample in samples)
+    return "".join(out).encode()
 
 
 def _deletions(agent: AgentState) -> Iterator[Metric]:

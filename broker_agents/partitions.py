@@ -238,11 +238,11 @@ def _prepare_directory(directory: Path, topic: str, topic_id: str) -> tuple[bool
 
 
 def _open_new_or_existing(
-    directory: Path, config: TopicConfig, start: int, created: bool
+    directory: Path, config: TopicConfig, start: int, created: bool, flushed: bool
 ) -> PartitionLog:
     """``PartitionLog.open``; a log just created in a new directory is flushed at once: one
     fsync of the directory covers its first segment's name and ``partition.metadata``'s."""
-    plog = PartitionLog.open(directory, config.log_config(), start_offset=start)
+    plog = PartitionLog.open(directory, config.log_config(), start_offset=start, flushed=flushed)
     if created:
         try:
             plog.flush()
@@ -304,6 +304,10 @@ class PartitionManager:
         self.data_dir = data_dir
         #: this process's incarnation (``AgentRegistration.incarnation``)
         self.incarnation = uuid.uuid4().hex
+        #: the previous process stopped cleanly (``broker_agents.clean_shutdown``): every log
+        #: here was flushed and closed, and opening one need not fsync its tail (until a disk
+        #: error here, after which nothing is assumed)
+        self.after_clean_shutdown = False
         self.partitions: dict[tuple[str, int], Partition] = {}
         self.latest: dict[tuple[str, int], PartitionState] = {}
         self.session_ok = False
@@ -563,7 +567,13 @@ class PartitionManager:
         if created:
             await self._data_dir_sync.sync()
         plog = await loop.run_in_executor(
-            self._opener, _open_new_or_existing, directory, config, start, created
+            self._opener,
+            _open_new_or_existing,
+            directory,
+            config,
+            start,
+            created,
+            self.after_clean_shutdown and not self._disk_failed,
         )
         durable = self._durable_end.get(key)
         if durable is not None and plog.log_end_offset > durable:
@@ -714,8 +724,13 @@ class PartitionManager:
         if delete:
             await asyncio.to_thread(fileio.fs.remove_tree, self.directory(p.topic, p.index))
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
+        """Close every hosted log (each flushes its files); whether all of them were flushed
+        and closed with no disk error (``broker_agents.clean_shutdown``)."""
+        clean = not self._disk_failed
         async with self._gate.exclusive():
             for p in list(self.partitions.values()):
                 await self._close(p, delete=False)
+                clean = clean and not p.log.failed
         self._opener.shutdown(wait=False)
+        return clean

@@ -464,7 +464,8 @@ class IsrMaintenance:
         lag = self.config.replica_lag_time_max_ms / 1000
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), lag / 2)
+                async with asyncio.timeout(lag / 2):
+                    await self._wake.wait()
             self._wake.clear()
             await self.check(lag)
             await asyncio.sleep(self.min_interval)

@@ -370,7 +370,8 @@ class Tiering:
                 if key not in hosted:
                     self._set_pending(key, None)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), cfg.tier_check_interval_ms / 1000)
+                async with asyncio.timeout(cfg.tier_check_interval_ms / 1000):
+                    await self._wake.wait()
             self._wake.clear()
 
     async def tier_partition(self, p: Partition) -> None:

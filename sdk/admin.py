@@ -700,7 +700,8 @@ class Admin:
         # the socket timeout bounds each step; this bounds the whole call (with slack for a
         # busy thread pool)
         try:
-            return await asyncio.wait_for(asyncio.to_thread(fn, *args), self.timeout * 2 + 1)
+            async with asyncio.timeout(self.timeout * 2 + 1):
+                return await asyncio.to_thread(fn, *args)
         except TimeoutError:
             raise RequestTimedOutError(f"no answer within {self.timeout * 2 + 1:g} s") from None
 

@@ -275,7 +275,8 @@ class ExactSender:
         for good)."""
         tasks = list(self._tasks)
         if tasks:
-            await asyncio.wait_for(asyncio.gather(*tasks), wait_s)
+            async with asyncio.timeout(wait_s):
+                await asyncio.gather(*tasks)
 
 
 class Retrier:
@@ -351,7 +352,8 @@ class Retrier:
         for record, f in failed:
             await self._send(record, f)
         if self._in_flight:
-            await asyncio.wait_for(asyncio.gather(*self._in_flight, return_exceptions=True), wait_s)
+            async with asyncio.timeout(wait_s):
+                await asyncio.gather(*self._in_flight, return_exceptions=True)
         if self._failed:
             raise StrataError(f"{len(self._failed)} failure record(s) not stored yet")
 

@@ -18,7 +18,7 @@ import pytest
 
 from broker_agents.controller import Controller
 from broker_agents.view import ClusterView
-from storage.errors import NodeExistsError, NodeNotFoundError
+from storage.errors import NodeExistsError, NodeNotFoundError, VersionConflictError
 from storage.metadata import AgentRegistration, AsyncZooKeeper, MetadataStore, PartitionState
 from storage.metadata.models import TopicSpec
 from storage.metadata.store import (
@@ -112,6 +112,35 @@ def test_a_failed_chunk_writes_nothing_and_the_rest_goes_on(zk_chroot: ZooKeeper
         again, failed = await store.create_partition_states(TOPIC, {p: states[p] for p in rest})
         assert (again, failed) == (rest, [])
         assert len(await store.partition_states(TOPIC)) == PARTITIONS
+
+    _run(zk_chroot.connect_string, body)
+
+
+def test_compare_and_set_of_thousands_in_transactions_each_write_its_answer(
+    zk_chroot: ZooKeeperChroot,
+) -> None:
+    """``cas_partition_states``: every write lands with its new version, over several
+    transactions; one whose version moved loses (``VersionConflictError``) and the others of
+    its transaction, retried one by one, still land."""
+
+    async def body(zk: AsyncZooKeeper, store: MetadataStore) -> None:
+        spec = _spec()
+        await store.create_topic(spec)
+        states = {p: _state(p, spec.topic_id) for p in range(PARTITIONS)}
+        await store.create_partition_states(TOPIC, states)
+        raced = PARTITIONS // 2
+        await store.cas_partition_state(TOPIC, raced, states[raced], 0)  # now at version 1
+        elected = {p: s.model_copy(update={"leader_epoch": 1}) for p, s in states.items()}
+        writes = [(TOPIC, p, elected[p], 0) for p in range(PARTITIONS)]
+        assert sum(len(s.model_dump_json()) for s in elected.values()) > TRANSACTION_BYTES
+        outcomes = await store.cas_partition_states(writes)
+        assert isinstance(outcomes[raced], VersionConflictError)
+        assert [o for p, o in enumerate(outcomes) if p != raced] == [1] * (PARTITIONS - 1)
+        got = await store.partition_states(TOPIC)
+        assert got[raced] == (states[raced], 1)  # the lost write wrote nothing
+        assert {p: s for p, (s, _) in got.items() if p != raced} == {
+            p: s for p, s in elected.items() if p != raced
+        }
 
     _run(zk_chroot.connect_string, body)
 

@@ -124,7 +124,8 @@ class TopicDeleter:
                     log.exception("deleting topic %s failed", name)
             if not busy:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.pass_interval_s)
+                    async with asyncio.timeout(self.settings.pass_interval_s):
+                        await self._wake.wait()
 
     async def advance(self, name: str, controller_epoch: int) -> bool:
         """Do ``name``'s current step once; True if the delete moved (run again soon)."""

@@ -25,6 +25,7 @@ a partition has its node and its state or neither.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Mapping, Sequence
@@ -356,6 +357,52 @@ class MetadataStore:
     ) -> int:
         stat = await self.zk.set(state_path(name, partition), dump(state), version)
         return int(stat.version)
+
+    async def cas_partition_states(
+        self, writes: Sequence[tuple[str, int, PartitionState, int]]
+    ) -> list[int | MetadataError]:
+        """Compare-and-set many partitions' states (``cas_partition_state`` in bulk): in
+        transactions of at most ``TRANSACTION_BYTES``, one round trip and one ZooKeeper log
+        write each where a set costs both per partition (the controller re-electing the
+        10,000 partitions of a restarted agent: ~220 sets a second one by one, on a loop that
+        is busy hosting them). A transaction that fails (a version moved: a race lost; or
+        ZooKeeper unavailable) writes nothing; its writes are then tried one by one, so that
+        each gets its own answer. Returns, in order, each write's new version or its error."""
+        out: list[int | MetadataError] = []
+        data = [dump(state) for _, _, state, _ in writes]
+        chunks: list[list[int]] = [[]]
+        size = 0
+        for i, (name, p, _, _) in enumerate(writes):
+            cost = len(state_path(name, p)) + len(data[i]) + OP_OVERHEAD
+            if chunks[-1] and size + cost > TRANSACTION_BYTES:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += cost
+        for chunk in chunks:
+            if not chunk:
+                continue
+
+            def build(tx: Any, chunk: list[int] = chunk) -> None:
+                for i in chunk:
+                    name, p, _, version = writes[i]
+                    tx.set_data(state_path(name, p), data[i], version)
+
+            try:
+                stats = await self.zk.transaction(build)
+            except MetadataError:
+                out.extend(await asyncio.gather(*(self._cas_or_error(writes[i]) for i in chunk)))
+                continue
+            out.extend(int(stat.version) for stat in stats)
+        return out
+
+    async def _cas_or_error(
+        self, write: tuple[str, int, PartitionState, int]
+    ) -> int | MetadataError:
+        try:
+            return await self.cas_partition_state(*write)
+        except MetadataError as exc:
+            return exc
 
     async def request_reassignment(
         self, name: str, partition: int, target: list[int]

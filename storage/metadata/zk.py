@@ -314,7 +314,11 @@ class AsyncZooKeeper:
 
         result.rawlink(done)
         try:
-            return await asyncio.wait_for(fut, self.request_timeout)
+            # not ``asyncio.wait_for``: on 3.11 it returns the result, and loses the
+            # cancellation, when the reply lands in the same turn as a cancel (gh-86296); a
+            # stopping agent's controller then went on for good and the stop hung
+            async with asyncio.timeout(self.request_timeout):
+                return await fut
         except MetadataError:
             raise
         except (KazooException, TimeoutError, OSError) as exc:
@@ -380,10 +384,8 @@ class AsyncZooKeeper:
     async def delete(self, path: str, version: int = -1, *, recursive: bool = False) -> None:
         if recursive:
             try:
-                await asyncio.wait_for(
-                    asyncio.to_thread(self.client.delete, path, version, True),
-                    self.request_timeout * 3,
-                )
+                async with asyncio.timeout(self.request_timeout * 3):
+                    await asyncio.to_thread(self.client.delete, path, version, True)
             except (KazooException, TimeoutError) as exc:
                 raise translate(exc, f"delete {path}") from exc
             return

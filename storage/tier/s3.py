@@ -305,7 +305,8 @@ class ObjectStore:
             self.requests[op] = self.requests.get(op, 0) + 1
             try:
                 client = await self._aio_client()
-                return await asyncio.wait_for(make(client), deadline)
+                async with asyncio.timeout(deadline):
+                    return await make(client)
             except (ObjectStoreError, asyncio.CancelledError):
                 raise
             except Exception as exc:

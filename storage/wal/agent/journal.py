@@ -231,9 +231,11 @@ class AgentWal:
                 with contextlib.suppress(BaseException):
                     await self._checkpointing
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
         """After every partition closed (each flushed its files): nothing in the WAL is needed
-        any more, so a graceful restart replays nothing."""
+        any more, so a graceful restart replays nothing. Whether it was removed so (not after
+        a failure, nor with a partition still open)."""
+        clean = False
         if self._checkpointing is not None:
             with contextlib.suppress(BaseException):
                 await self._checkpointing
@@ -244,11 +246,13 @@ class AgentWal:
             if self._failed is None and not self._fronts:
                 self._write_pending()
                 await asyncio.to_thread(self._remove_all)
+                clean = True
             for fd in (self._fd, *self._retired_fds):
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._fd = -1
             self._retired_fds.clear()
+        return clean
 
     def _remove_all(self) -> None:
         for p in self.directory.iterdir():
