@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from sdk import Consumer
+from storage.codec import decode_batches
 from storage.errors import NotLeaderError
 from storage.metadata import AsyncZooKeeper, MetadataStore, TopicSpec
 from storage.protocol import encode_request, parse_response, read_size
@@ -349,6 +350,23 @@ def fetch_request(
         0,
         [m.FetchTopic(topic, [m.FetchPartition(partition, offset, max_bytes, -1, filter)])],
     )
+
+
+def fetch_values(agent: AgentHandle, topic: str, partition: int = 0) -> list[bytes]:
+    """The values ``agent`` serves of ``topic-partition`` from offset 0 (one Fetch, as a
+    consumer would: up to the high watermark, 1 MiB at most)."""
+
+    async def run() -> list[bytes]:
+        resp = await WireClient.call_once(
+            agent.host, agent.port, m.ApiKey.FETCH, fetch_request(topic, partition, 0)
+        )
+        records = resp.topics[0].partitions[0].records
+        values: list[bytes] = (
+            [] if records is None else decode_batches(records).column("value").to_pylist()
+        )
+        return values
+
+    return asyncio.run(run())
 
 
 async def read_records(consumer: Consumer, count: int, deadline_s: float = 30) -> list[Any]:

@@ -15,9 +15,9 @@ from pathlib import Path
 from kazoo.client import KazooClient
 
 from broker_agents import clean_shutdown
-from storage.codec import decode_batches, encode_batch
+from storage.codec import encode_batch
 from storage.protocol import messages as m
-from tests.cluster import Cluster, WireClient, produce_request
+from tests.cluster import Cluster, WireClient, fetch_values, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
 
 TOPIC = "t"
@@ -62,27 +62,6 @@ def _produce(cluster: Cluster, values: list[bytes]) -> None:
     asyncio.run(run())
 
 
-def _read(cluster: Cluster) -> list[bytes]:
-    agent = cluster.agents[1]
-
-    async def run() -> list[bytes]:
-        resp = await WireClient.call_once(
-            agent.host,
-            agent.port,
-            m.ApiKey.FETCH,
-            m.FetchRequest(
-                -1, 0, 1, 1 << 20, 0, [m.FetchTopic(TOPIC, [m.FetchPartition(0, 0, 1 << 20)])]
-            ),
-        )
-        records = resp.topics[0].partitions[0].records
-        values: list[bytes] = (
-            [] if records is None else decode_batches(records).column("value").to_pylist()
-        )
-        return values
-
-    return asyncio.run(run())
-
-
 def test_a_graceful_restart_leads_again_at_the_same_epoch_and_a_crash_does_not(
     processes: ProcessGroup, zk_chroot: ZooKeeperChroot, zk_client: KazooClient, tmp_path: Path
 ) -> None:
@@ -101,7 +80,7 @@ def test_a_graceful_restart_leads_again_at_the_same_epoch_and_a_crash_does_not(
     assert _incarnation(zk_client) == first
     assert _epoch(zk_client) == epoch  # led again without an election
     assert not (tmp_path / "data" / "agent-1" / clean_shutdown.NOTE).exists()
-    assert _read(cluster) == [b"a", b"b"]
+    assert fetch_values(cluster.agents[1], TOPIC) == [b"a", b"b"]
     _produce(cluster, [b"c"])
 
     cluster.kill(1)  # kill -9: no note, a new incarnation, fenced at a new epoch
@@ -109,4 +88,4 @@ def test_a_graceful_restart_leads_again_at_the_same_epoch_and_a_crash_does_not(
     cluster.wait_for_leaders(TOPIC)
     assert _incarnation(zk_client) != first
     assert _epoch(zk_client) > epoch
-    assert _read(cluster) == [b"a", b"b", b"c"]
+    assert fetch_values(cluster.agents[1], TOPIC) == [b"a", b"b", b"c"]

@@ -13,10 +13,10 @@ import pyarrow as pa
 import pytest
 
 from sdk import Consumer, Producer, TopicPartition
-from storage.codec import decode_batch, decode_batches, encode_batch, iter_batches
+from storage.codec import decode_batch, encode_batch, iter_batches
 from storage.errors import NotEnoughReplicasError, RequestTimedOutError, StrataError
 from storage.protocol import messages as m
-from tests.cluster import Cluster, WireClient, check_acknowledged, produce_request
+from tests.cluster import Cluster, WireClient, check_acknowledged, fetch_values, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
 
 TOPIC = "ledger"
@@ -230,19 +230,8 @@ def test_acks_all_needs_min_insync_replicas_while_acks_1_still_works(cluster: Cl
     assert all_result.error_code == NotEnoughReplicasError.code
     assert one_result.error_code == 0
 
-    async def read() -> list[bytes]:
-        resp = await WireClient.call_once(
-            leader.host,
-            leader.port,
-            m.ApiKey.FETCH,
-            m.FetchRequest(
-                -1, 0, 1, 1 << 20, 0, [m.FetchTopic(TOPIC, [m.FetchPartition(0, 0, 1 << 20)])]
-            ),
-        )
-        records = resp.topics[0].partitions[0].records
-        return [] if records is None else decode_batches(records).column("value").to_pylist()
-
-    assert asyncio.run(read()) == [b"one"]  # with an ISR of one, the high watermark is the log end
+    # with an ISR of one, the high watermark is the log end
+    assert fetch_values(leader, TOPIC) == [b"one"]
 
 
 def test_acks_all_answers_request_timed_out_while_an_in_sync_follower_is_frozen(
