@@ -457,16 +457,8 @@ class MetadataStore:
 
     async def partition_states(self, name: str) -> dict[int, tuple[PartitionState, int]]:
         """Every partition state of ``name`` (with its znode version), read pipelined."""
-        try:
-            children = sorted(int(c) for c in await self.zk.get_children(partitions_path(name)))
-        except NodeNotFoundError:
-            return {}
-        found = await self.zk.get_many([state_path(name, p) for p in children])
-        return {
-            p: (load(PartitionState, got[0]), got[1].version)
-            for p, got in zip(children, found, strict=True)
-            if got is not None
-        }
+        nodes = await self.partition_state_nodes(name)
+        return {p: (load(PartitionState, data), version) for p, (data, version) in nodes.items()}
 
     async def partition_state_nodes(self, name: str) -> dict[int, tuple[bytes, int]]:
         """Every partition state node of ``name`` undecoded: its bytes and znode version, read
