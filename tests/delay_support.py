@@ -101,7 +101,8 @@ def start_scheduler(cluster: Cluster, name: str = "scheduler", *args: str) -> Ma
     """``python -m infra.event_source`` feeding the scheduler, once it has its partitions."""
     argv = [
         sys.executable,
-        *(["/tmp/prof_runner.py"] if os.environ.get("PROF") else ["-m", "infra.event_source"]),
+        "-m",
+        "infra.event_source",
         "--bootstrap",
         cluster.bootstrap,
         "--session-timeout-ms",
