@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker_agents import clean_shutdown
+from broker_agents import clean_shutdown, preopen
 from broker_agents.apis import Apis
 from broker_agents.config import AgentConfig
 from broker_agents.controller import Controller
@@ -390,6 +390,7 @@ class Agent:
         stopped = False  # by ``stop()``, not by a failure
         try:
             await self.store.init()
+            await self._open_local_logs()
             self.zk.add_state_listener(self._on_session)
             await self.tiering.start()
             host, port = await self.server.start(self.config.listen_host, self.config.listen_port)
@@ -427,6 +428,7 @@ class Agent:
                 tg.create_task(self.transactions.run(), name="txn-coordinator")
                 tg.create_task(self.removal.run(), name="topic-removal")
                 tg.create_task(self._sweep_stray_directories(), name="stray-directories")
+                tg.create_task(self._release_preopened(), name="preopened-logs")
                 if self.wal is not None:
                     tg.create_task(self.wal.run(), name="agent-wal")
                 await self._stop.wait()
@@ -640,6 +642,35 @@ class Agent:
             self._unread_specs &= existing  # deleted before its spec was read
         if not self._unread_specs:
             self._specs_read.set()
+
+    async def _open_local_logs(self) -> None:
+        """Open the live topics' local logs at once, before any state is watched (a warm
+        restart, ``broker_agents.preopen``): on one thread, while the event loop waits."""
+        try:
+            names = await self.store.list_topics()
+            found = await asyncio.gather(
+                *(self.store.get_topic(n) for n in names), return_exceptions=True
+            )
+        except MetadataError as exc:
+            log.warning("local logs not opened ahead (their states open them): %s", exc)
+            return
+        specs = [f[0] for f in found if isinstance(f, tuple)]
+        preopened = self.partitions.preopened
+        seconds = await asyncio.to_thread(
+            preopened.open_all,
+            self.config.data_dir,
+            specs,
+            flushed=self.partitions.after_clean_shutdown,
+        )
+        if len(preopened):
+            log.info("opened %d local logs ahead in %.2f s", len(preopened), seconds)
+
+    async def _release_preopened(self) -> None:
+        """Close the logs opened ahead that no state claimed (moved away while we were down)."""
+        await asyncio.sleep(preopen.KEEP_S)  # a deadline for the states, not an event
+        closed = await asyncio.to_thread(self.partitions.preopened.release)
+        if closed:
+            log.info("closed %d local logs opened ahead that no state claimed", closed)
 
     async def _sweep_stray_directories(self) -> None:
         """Once every topic's spec is known: remove local directories of topics deleted while

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from broker_agents.preopen import Preopened
 from storage.config import FsyncPolicy
 from storage.errors import NotLeaderError, StorageError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
@@ -319,6 +320,8 @@ class PartitionManager:
         self._opener = concurrent.futures.ThreadPoolExecutor(
             OPEN_THREADS, thread_name_prefix="partition-open"
         )
+        #: the logs opened at start, before any state arrived (``broker_agents.preopen``)
+        self.preopened = Preopened()
         #: one lock per partition being applied (see ``_Gate``), with its number of users
         self._key_locks: dict[tuple[str, int], tuple[asyncio.Lock, int]] = {}
         #: the object tier's hook: where a new leader's log must start (its manifest's end)
@@ -558,23 +561,27 @@ class PartitionManager:
             # a leader must not serve a gap; a follower need not copy what the bucket holds
             # (a new replica, e.g. a move, catches up on the untiered tail only)
             start = await self.tier_start_offset(topic, partition)
-        loop = asyncio.get_running_loop()
-        removed, created, has_id = await loop.run_in_executor(
-            self._opener, _prepare_directory, directory, topic, topic_id
-        )
-        if removed:
-            self._durable_end.pop(key, None)  # said of the removed incarnation's log
-        if created:
-            await self._data_dir_sync.sync()
-        plog = await loop.run_in_executor(
-            self._opener,
-            _open_new_or_existing,
-            directory,
-            config,
-            start,
-            created,
-            self.after_clean_shutdown and not self._disk_failed,
-        )
+        warm = self.preopened.take(key, config, topic_id) if key not in self._disk_failed else None
+        if warm is not None:
+            plog, has_id = warm, True  # its directory names ``topic_id`` (``preopen``)
+        else:
+            loop = asyncio.get_running_loop()
+            removed, created, has_id = await loop.run_in_executor(
+                self._opener, _prepare_directory, directory, topic, topic_id
+            )
+            if removed:
+                self._durable_end.pop(key, None)  # said of the removed incarnation's log
+            if created:
+                await self._data_dir_sync.sync()
+            plog = await loop.run_in_executor(
+                self._opener,
+                _open_new_or_existing,
+                directory,
+                config,
+                start,
+                created,
+                self.after_clean_shutdown and not self._disk_failed,
+            )
         durable = self._durable_end.get(key)
         if durable is not None and plog.log_end_offset > durable:
             log.warning(
@@ -707,6 +714,7 @@ class PartitionManager:
         """
         async with self._gate.exclusive():
             self.removed_ids.add(topic_id)
+            self.preopened.discard_topic(topic)
             for key, p in list(self.partitions.items()):
                 if key[0] == topic and p.topic_id in (topic_id, ""):
                     self.latest.pop(key, None)
@@ -749,5 +757,6 @@ class PartitionManager:
             for p in list(self.partitions.values()):
                 await self._close(p, delete=False)
                 clean = clean and not p.log.failed
+            await asyncio.to_thread(self.preopened.release)
         self._opener.shutdown(wait=False)
         return clean

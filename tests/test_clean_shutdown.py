@@ -81,6 +81,8 @@ def test_a_graceful_restart_leads_again_at_the_same_epoch_and_a_crash_does_not(
     assert _epoch(zk_client) == epoch  # led again without an election
     assert not (tmp_path / "data" / "agent-1" / clean_shutdown.NOTE).exists()
     assert fetch_values(cluster.agents[1], TOPIC) == [b"a", b"b"]
+    # its log was opened before its state arrived (``broker_agents.preopen``)
+    assert "opened 1 local logs ahead" in cluster.agents[1].process.log_text()
     _produce(cluster, [b"c"])
 
     cluster.kill(1)  # kill -9: no note, a new incarnation, fenced at a new epoch
@@ -88,4 +90,5 @@ def test_a_graceful_restart_leads_again_at_the_same_epoch_and_a_crash_does_not(
     cluster.wait_for_leaders(TOPIC)
     assert _incarnation(zk_client) != first
     assert _epoch(zk_client) > epoch
-    assert fetch_values(cluster.agents[1], TOPIC) == [b"a", b"b", b"c"]
+    assert fetch_values(cluster.agents[1], TOPIC) == [b"a", b"b", b"c"]  # c from the WAL
+    assert "opened 1 local logs ahead" in cluster.agents[1].process.log_text()
