@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kazoo.protocol.states import ZnodeStat
@@ -65,6 +65,8 @@ TRANSACTION_BYTES = 512 * 1024
 """What one transaction of ``create_partition_states`` may carry, counting paths, data and
 ``OP_OVERHEAD`` per operation (headers, ACL): half of ZooKeeper's 1 MiB request limit."""
 OP_OVERHEAD = 128
+TRANSACTIONS_IN_FLIGHT = 8
+"""Transactions of one bulk write sent before the first is answered (``_commit_all``)."""
 
 
 def agent_path(agent_id: int) -> str:
@@ -329,28 +331,46 @@ class MetadataStore:
                 size = 0
             chunks[-1].append((p, data))
             size += cost
-        created: list[int] = []
-        failed: list[tuple[list[int], MetadataError]] = []
-        for i, chunk in enumerate(chunks):
 
-            def build(tx: Any, chunk: list[tuple[int, bytes]] = chunk) -> None:
+        def build(chunk: list[tuple[int, bytes]]) -> Callable[[Any], None]:
+            def ops(tx: Any) -> None:
                 for p, data in chunk:
                     if p not in have:
                         tx.create(partition_path(name, p), b"")
                     tx.create(state_path(name, p), data)
 
-            try:
-                await self.zk.transaction(build)
-            except (NodeExistsError, NodeNotFoundError) as exc:
-                failed.append(([p for p, _ in chunk], exc))
-                if isinstance(exc, NodeNotFoundError):
-                    rest = [p for c in chunks[i + 1 :] for p, _ in c]
-                    if rest:
-                        failed.append((rest, exc))  # the topic is gone: nothing more to do
-                    break
-                continue
-            created.extend(p for p, _ in chunk)
+            return ops
+
+        created: list[int] = []
+        failed: list[tuple[list[int], MetadataError]] = []
+        results = await self._commit_all([build(chunk) for chunk in chunks])
+        for chunk, result in zip(chunks, results, strict=True):
+            if isinstance(result, (NodeExistsError, NodeNotFoundError)):
+                failed.append(([p for p, _ in chunk], result))
+            elif isinstance(result, MetadataError):
+                raise result
+            else:
+                created.extend(p for p, _ in chunk)
         return created, failed
+
+    async def _commit_all(
+        self, transactions: Sequence[Callable[[Any], object]]
+    ) -> list[list[Any] | MetadataError]:
+        """Commit each of ``transactions`` (a builder of kazoo ops) atomically, pipelined on
+        the session, ``TRANSACTIONS_IN_FLIGHT`` at a time (ZooKeeper applies one session's
+        requests in order): each one's results, or its error. One after another, each waited
+        for the loop and kazoo's thread, which an agent busy hosting the partitions just
+        created keeps busy: 10,000 states took 10 s to write where 0.9 s is the server's."""
+        window = asyncio.Semaphore(TRANSACTIONS_IN_FLIGHT)
+
+        async def commit(build: Callable[[Any], object]) -> list[Any] | MetadataError:
+            async with window:
+                try:
+                    return await self.zk.transaction(build)
+                except MetadataError as exc:
+                    return exc
+
+        return await asyncio.gather(*(commit(b) for b in transactions))
 
     async def cas_partition_state(
         self, name: str, partition: int, state: PartitionState, version: int
@@ -379,21 +399,22 @@ class MetadataStore:
                 size = 0
             chunks[-1].append(i)
             size += cost
-        for chunk in chunks:
-            if not chunk:
-                continue
+        chunks = [c for c in chunks if c]
 
-            def build(tx: Any, chunk: list[int] = chunk) -> None:
+        def build(chunk: list[int]) -> Callable[[Any], None]:
+            def ops(tx: Any) -> None:
                 for i in chunk:
                     name, p, _, version = writes[i]
                     tx.set_data(state_path(name, p), data[i], version)
 
-            try:
-                stats = await self.zk.transaction(build)
-            except MetadataError:
+            return ops
+
+        results = await self._commit_all([build(chunk) for chunk in chunks])
+        for chunk, result in zip(chunks, results, strict=True):
+            if isinstance(result, MetadataError):
                 out.extend(await asyncio.gather(*(self._cas_or_error(writes[i]) for i in chunk)))
-                continue
-            out.extend(int(stat.version) for stat in stats)
+            else:
+                out.extend(int(stat.version) for stat in result)
         return out
 
     async def _cas_or_error(
