@@ -661,7 +661,9 @@ class PartitionManager:
         The scan reads every directory's ``partition.metadata`` without holding the gate
         (2 s at 10,000 partitions, during which a restart hosted nothing while it was held);
         only what it found is read again and removed under the exclusive gate, once no
-        partition is being opened and the hosted set is settled."""
+        partition is being opened and the hosted set is settled. Directories the warm start
+        found to be of their topic's current incarnation are not read again (a delete since
+        removes them itself)."""
 
         def stray(candidates: list[Path], hosted: set[Path]) -> list[Path]:
             found: list[Path] = []
@@ -682,7 +684,9 @@ class PartitionManager:
                 return []
             return stray(list(self.data_dir.iterdir()), hosted)
 
-        found = await asyncio.to_thread(scan, {self.directory(t, i) for t, i in self.partitions})
+        found = await asyncio.to_thread(
+            scan, {self.directory(t, i) for t, i in self.partitions} | self.preopened.verified
+        )
         if not found:
             return 0
         async with self._gate.exclusive():

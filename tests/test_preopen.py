@@ -58,6 +58,8 @@ def test_only_live_partitions_of_the_current_incarnation_are_opened(tmp_path: Pa
     pre = Preopened()
     pre.open_all(tmp_path, specs, flushed=True)
     assert len(pre) == 3
+    # not strays, so the sweep of deleted topics' directories need not read them again
+    assert pre.verified == {tmp_path / n for n in ("orders-0", "orders-1", "a-b-0")}
     config = TopicConfig()
     first = pre.take(("orders", 0), config, "id-1")
     assert first is not None and first.log_end_offset == 2
