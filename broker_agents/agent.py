@@ -668,7 +668,7 @@ class Agent:
     async def _release_preopened(self) -> None:
         """Close the logs opened ahead that no state claimed (moved away while we were down)."""
         await asyncio.sleep(preopen.KEEP_S)  # a deadline for the states, not an event
-        closed = await asyncio.to_thread(self.partitions.preopened.release)
+        closed = await asyncio.to_thread(preopen.close_all, self.partitions.preopened.detach())
         if closed:
             log.info("closed %d local logs opened ahead that no state claimed", closed)
 

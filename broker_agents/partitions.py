@@ -36,7 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from broker_agents.preopen import Preopened
+from broker_agents.preopen import Preopened, close_all
 from storage.config import FsyncPolicy
 from storage.errors import NotLeaderError, StorageError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
@@ -761,6 +761,6 @@ class PartitionManager:
             for p in list(self.partitions.values()):
                 await self._close(p, delete=False)
                 clean = clean and not p.log.failed
-            await asyncio.to_thread(self.preopened.release)
+            await asyncio.to_thread(close_all, self.preopened.detach())
         self._opener.shutdown(wait=False)
         return clean

@@ -128,12 +128,22 @@ class Preopened:
         for key in [k for k in self._logs if k[0] == topic]:
             self._logs.pop(key).log.close()
 
+    def detach(self) -> list[PartitionLog]:
+        """Forget every log not taken and return them, for ``close_all`` (call it on the
+        thread that calls ``take``, so that a log is either taken or detached, never both)."""
+        logs, self._logs = self._logs, {}
+        return [warm.log for warm in logs.values()]
+
     def release(self) -> int:
         """Close every log not taken; returns how many."""
-        logs, self._logs = self._logs, {}
-        for warm in logs.values():
-            try:
-                warm.log.close()
-            except StorageError as exc:
-                log.warning("closing %s: %s", warm.log.directory, exc)
-        return len(logs)
+        return close_all(self.detach())
+
+
+def close_all(logs: list[PartitionLog]) -> int:
+    """Close ``logs`` (on a worker thread: each close flushes); returns how many."""
+    for plog in logs:
+        try:
+            plog.close()
+        except StorageError as exc:
+            log.warning("closing %s: %s", plog.directory, exc)
+    return len(logs)
