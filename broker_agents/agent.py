@@ -647,14 +647,10 @@ class Agent:
         """Open the live topics' local logs at once, before any state is watched (a warm
         restart, ``broker_agents.preopen``): on one thread, while the event loop waits."""
         try:
-            names = await self.store.list_topics()
-            found = await asyncio.gather(
-                *(self.store.get_topic(n) for n in names), return_exceptions=True
-            )
+            specs = await self.store.topic_specs()
         except MetadataError as exc:
             log.warning("local logs not opened ahead (their states open them): %s", exc)
             return
-        specs = [f[0] for f in found if isinstance(f, tuple)]
         preopened = self.partitions.preopened
         seconds = await asyncio.to_thread(
             preopened.open_all,

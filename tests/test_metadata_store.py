@@ -63,3 +63,38 @@ def test_fields_of_a_newer_version_survive_an_older_agents_rewrite() -> None:
         read = load(type(model), json.dumps(newer).encode())
         rewritten = json.loads(dump(read.model_copy(update={})))
         assert rewritten["zone"] == "eu-1", type(model).__name__
+
+
+def test_topic_specs_reads_every_topic_and_leaves_out_one_that_does_not_parse(
+    zk_chroot: ZooKeeperChroot,
+) -> None:
+    """What a restarting agent reads to open its logs ahead (``broker_agents.preopen``)."""
+    from storage.metadata.models import TopicSpec
+    from storage.metadata.store import topic_path
+
+    async def run() -> None:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        try:
+            store = MetadataStore(zk)
+            await store.init()
+            for i, name in enumerate(["a", "b.c", "d-e"]):
+                await store.create_topic(
+                    TopicSpec.build(
+                        name=name,
+                        partitions=i + 1,
+                        replication_factor=1,
+                        topic_id=f"id{i}",
+                        created_ms=0,
+                    )
+                )
+            await zk.set(topic_path("b.c"), b"{not json", -1)
+            specs = await store.topic_specs()
+            assert [(s.name, s.partitions, s.topic_id) for s in specs] == [
+                ("a", 1, "id0"),
+                ("d-e", 3, "id2"),
+            ]
+        finally:
+            await zk.stop()
+
+    asyncio.run(run())

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -34,6 +35,7 @@ from typing import Any
 from kazoo.protocol.states import ZnodeStat
 
 from storage.errors import (
+    InvalidConfigError,
     InvalidReplicationFactorError,
     MetadataError,
     NodeExistsError,
@@ -55,6 +57,8 @@ from storage.metadata.models import (
 from storage.metadata.reassignment import Event, next_phase, phase_of
 from storage.metadata.transactions import TRANSACTIONS
 from storage.metadata.zk import AsyncZooKeeper
+
+log = logging.getLogger(__name__)
 
 AGENTS = "/agents"
 CONTROLLER = "/controller"
@@ -198,6 +202,21 @@ class MetadataStore:
 
     async def list_topics(self) -> list[str]:
         return sorted(await self.zk.get_children(TOPICS))
+
+    async def topic_specs(self) -> list[TopicSpec]:
+        """Every topic's spec, read in ``multiRead`` batches (one that does not parse is
+        left out and logged: its own reads report it)."""
+        names = await self.list_topics()
+        specs: list[TopicSpec] = []
+        found = await self.zk.get_many([topic_path(n) for n in names])
+        for name, got in zip(names, found, strict=True):
+            if got is None:
+                continue  # deleted since the listing
+            try:
+                specs.append(load(TopicSpec, got[0]))
+            except InvalidConfigError as exc:
+                log.warning("topic %s: %s", name, exc)
+        return specs
 
     async def update_topic(self, spec: TopicSpec, version: int) -> None:
         """Compare-and-set the topic spec (``VersionConflictError`` if it changed)."""
