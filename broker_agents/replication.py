@@ -507,8 +507,12 @@ class IsrMaintenance:
         if sorted(current.isr) == sorted(isr):
             return version  # already written; the watch has not brought it yet
         agents = self.view.agents
-        # a follower shutting down is not taken back (the controller is draining it)
-        isr = [r for r in isr if r in current.isr or not (r in agents and agents[r].shutting_down)]
+        # only a registered follower that is not shutting down is taken back: the controller
+        # drains one that shuts down, and drops one whose agent is gone from the ISR; this
+        # leader's state may still name it (the drop not applied here yet), and taking it back
+        # would undo the drop, over and over while its last catch-up is recent, holding the
+        # high watermark for a replica that fetches nothing
+        isr = [r for r in isr if r in current.isr or (r in agents and not agents[r].shutting_down)]
         if sorted(current.isr) == sorted(isr):
             return None
         incarnations = {a: reg.incarnation for a, reg in agents.items()}

@@ -11,12 +11,17 @@ an acks=1 record was never readable (``test_replication``'s min.insync test, 1 r
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
+from broker_agents.config import AgentConfig
 from broker_agents.partitions import PartitionManager
+from broker_agents.replication import IsrMaintenance
+from broker_agents.view import ClusterView
 from storage.codec import encode_batch
-from storage.metadata import PartitionState
-from storage.metadata.models import TopicSpec
+from storage.metadata import AsyncZooKeeper, MetadataStore, PartitionState
+from storage.metadata.models import AgentRegistration, TopicSpec
+from tests.harness import ZooKeeperChroot
 
 TOPIC = "t"
 
@@ -70,3 +75,54 @@ def test_a_pending_member_removed_by_a_newer_state_stops_holding_the_high_waterm
         return seen
 
     assert asyncio.run(run()) == [0, 0, 0, 1, 0]
+
+
+def test_the_leader_does_not_take_back_a_follower_whose_agent_is_gone(
+    tmp_path: Path, zk_chroot: ZooKeeperChroot
+) -> None:
+    """Found by CI (the same min.insync test): the controller dropped two stopped followers
+    from the ISR in ZooKeeper; the leader, whose applied state still named them and whose last
+    catch-up of them was recent, wrote them back, and again after each drop, so its high
+    watermark waited for replicas that fetch nothing. A follower whose agent is not registered
+    is not taken back; a registered one is."""
+    spec = TopicSpec.build(
+        name=TOPIC, partitions=1, replication_factor=3, topic_id="id-1", created_ms=0
+    )
+
+    async def run() -> list[list[int]]:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        pm = PartitionManager(1, tmp_path / "data")
+        pm.session_ok = True
+        isrs = []
+        try:
+            store = MetadataStore(zk)
+            await store.init()
+            await store.create_topic(spec)
+            await store.create_partition_states(TOPIC, {0: _state(pm, [1], spec.topic_id)})
+            # applied here: a stale state that still names 2 and 3, both caught up just now
+            await pm.apply(TOPIC, 0, _state(pm, [1, 2, 3], spec.topic_id), spec.config, "", 0)
+            p = pm.partitions[(TOPIC, 0)]
+            p.follower_fetched(2, 0, time.monotonic())
+            p.follower_fetched(3, 0, time.monotonic())
+            reg = AgentRegistration(agent_id=1, host="h", port=1, started_ms=0)
+            view = ClusterView(agents={1: reg})  # 2 and 3 are gone
+            config = AgentConfig.model_validate(
+                {"zookeeper.connect": zk_chroot.connect_string, "data.dir": str(tmp_path)}
+            )
+            isr = IsrMaintenance(1, pm, store, view, config)
+            await isr.check(10.0)
+            isrs.append(sorted((await store.get_partition_state(TOPIC, 0))[0].isr))
+            # the watch brings ZooKeeper's ISR; 2 registers again and fetches: taken back
+            await pm.apply(TOPIC, 0, _state(pm, [1], spec.topic_id), spec.config, "", 1)
+            view.agents[2] = reg.model_copy(update={"agent_id": 2})
+            p.follower_fetched(2, 0, time.monotonic())
+            p.follower_fetched(3, 0, time.monotonic())  # a stray late fetch: not registered
+            await isr.check(10.0)
+            isrs.append(sorted((await store.get_partition_state(TOPIC, 0))[0].isr))
+        finally:
+            await pm.close()
+            await zk.stop()
+        return isrs
+
+    assert asyncio.run(run()) == [[1], [1, 2]]
