@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import platform
@@ -128,22 +129,26 @@ def fsync_count(metrics_url: str) -> float:
 
 @dataclass(frozen=True)
 class AgentProbe:
-    """Before/after readings of the agent process: CPU seconds and fsyncs."""
+    """Before/after readings: the agent process's CPU seconds and fsyncs, and the CPU seconds
+    of this process (the client: the producer or consumer, every thread of it)."""
 
     pid: int
     metrics_url: str
 
-    def read(self) -> tuple[float, float]:
-        return cpu_seconds(self.pid), fsync_count(self.metrics_url)
+    def read(self) -> tuple[float, float, float]:
+        return cpu_seconds(self.pid), fsync_count(self.metrics_url), time.process_time()
 
 
 def phase_figures(
-    records: int, seconds: float, before: tuple[float, float], after: tuple[float, float]
+    records: int, seconds: float, before: tuple[float, ...], after: tuple[float, ...]
 ) -> dict[str, float]:
-    """One phase's figures from its record count, duration and the agent's readings."""
+    """One phase's figures from its record count, duration and the probe's readings (the
+    client's CPU only when the readings have it)."""
     cpu = after[0] - before[0]
     fsyncs = after[1] - before[1]
+    client = after[2] - before[2] if len(after) > 2 else float("nan")
     return {
+        "client_cpu_s_per_1k": client / records * 1000 if records else float("nan"),
         "records": records,
         "seconds": seconds,
         "msgs_per_s": records / seconds,
@@ -192,16 +197,22 @@ async def produce(bootstrap: str, seconds: float, probe: AgentProbe) -> dict[str
         before = probe.read()
         start = time.perf_counter()
         end = start + seconds
-        futures = []
+        # the calls' futures in flight, folded into ``stored`` as they complete: keeping every
+        # call's results alive (a tuple per partition touched) would make the collector's
+        # full passes, not the SDK, the cost that grows with the partition count
+        futures: collections.deque[asyncio.Future[list[Any]]] = collections.deque()
+        stored = 0
         i = 0
         while time.perf_counter() < end:
             keys = key_sets[i % KEY_SETS]
             futures.append(await producer.send_batch(TOPIC, values, keys=keys))
             i += 1
+            while futures and futures[0].done():
+                stored += sum(r.record_count for r in futures.popleft().result())
         await producer.flush()
         elapsed = time.perf_counter() - start
         after = probe.read()
-        stored = sum(r.record_count for f in futures for r in f.result())
+        stored += sum(r.record_count for f in futures for r in f.result())
     if stored != i * CHUNK:
         raise RuntimeError(f"{stored} records acknowledged of {i * CHUNK}")
     return phase_figures(stored, elapsed, before, after)
@@ -359,7 +370,8 @@ def one_round(
         p, c = r[key]["produce"], r[key]["consume_arrow"]
         print(
             f"round {index + 1} {key}: produce {p['msgs_per_s']:,.0f} msgs/s,"
-            f" {p['fsyncs_per_s']:,.0f} fsyncs/s, {p['cpu_s_per_1k']:.4f} CPU s/1k;"
+            f" {p['fsyncs_per_s']:,.0f} fsyncs/s, {p['cpu_s_per_1k']:.4f} CPU s/1k"
+            f" (client {p.get('client_cpu_s_per_1k', float('nan')):.4f});"
             f" consume arrow {c['msgs_per_s']:,.0f},"
             f" getmany {r[key]['consume_getmany']['msgs_per_s']:,.0f} msgs/s",
             flush=True,
@@ -371,7 +383,7 @@ def one_round(
 
 
 FIGURES = {
-    "produce": ("msgs_per_s", "fsyncs_per_s", "cpu_s_per_1k"),
+    "produce": ("msgs_per_s", "fsyncs_per_s", "cpu_s_per_1k", "client_cpu_s_per_1k"),
     "consume_arrow": ("msgs_per_s", "cpu_s_per_1k"),
     "consume_getmany": ("msgs_per_s", "cpu_s_per_1k"),
 }
@@ -401,7 +413,10 @@ def summarize(rounds: list[dict[str, Any]], partitions: list[int]) -> dict[str, 
                 continue
             row: dict[str, Any] = {"policy": policy, "partitions": n, "rounds": len(present)}
             for phase, names in FIGURES.items():
-                row[phase] = {name: spread([x[phase][name] for x in present]) for name in names}
+                row[phase] = {  # a figure older results lack is nan
+                    name: spread([x[phase].get(name, float("nan")) for x in present])
+                    for name in names
+                }
             ratios: dict[str, Any] = {}
             for phase, names in RATIO_FIGURES.items():
                 for name in names:
@@ -491,9 +506,10 @@ def render(r: dict[str, Any]) -> str:
         ),
         "",
         "| `fsync.policy` | partitions | produce msgs/s | ÷ base | agent fsyncs/s | ÷ base |"
-        " agent CPU s / 1k records | consume `getmany_arrow` msgs/s | ÷ base |"
+        " agent CPU s / 1k records | producer CPU s / 1k records |"
+        " consume `getmany_arrow` msgs/s | ÷ base |"
         " consume `getmany` msgs/s | ÷ base | agent CPU s / 1k consumed (arrow) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in s["rows"].values():
         p, ca, cg = row["produce"], row["consume_arrow"], row["consume_getmany"]
@@ -501,12 +517,13 @@ def render(r: dict[str, Any]) -> str:
             f"| `{row['policy']}` | {row['partitions']:,} | {_cell(p['msgs_per_s'])} |"
             f" {_ratio(row, 'produce.msgs_per_s')} | {_cell(p['fsyncs_per_s'])} |"
             f" {_ratio(row, 'produce.fsyncs_per_s')} | {_cell(p['cpu_s_per_1k'], '{:.4f}')} |"
+            f" {_cell(p['client_cpu_s_per_1k'], '{:.4f}')} |"
             f" {_cell(ca['msgs_per_s'])} | {_ratio(row, 'consume_arrow.msgs_per_s')} |"
             f" {_cell(cg['msgs_per_s'])} | {_ratio(row, 'consume_getmany.msgs_per_s')} |"
             f" {_cell(ca['cpu_s_per_1k'], '{:.4f}')} |"
         )
     for key, errors in s.get("errors", {}).items():
-        lines.append(f"| {key} failed in {len(errors)} round(s): {errors[0]} |||||||||||")
+        lines.append(f"| {key} failed in {len(errors)} round(s): {errors[0]} ||||||||||||")
     lines += ["", "Targets of #30 (median of the within-round ratios):", ""]
     for t in targets(s):
         verdict = "not measured" if t["met"] is None else "met" if t["met"] else "**missed**"

@@ -188,13 +188,22 @@ class RunsFuture:
     chunk fills it in when it is acknowledged (``RecordAccumulator.complete``), and the future
     resolves once every slot is filled and the call is done appending (``seal``): no future or
     callback per chunk, however many partitions the call touched. The first failure of any of
-    its batches fails it."""
+    its batches fails it.
 
-    __slots__ = ("future", "pending", "results", "sealed")
+    A slot is kept as plain values in three lists (partition, base offset, count) and the
+    :class:`RecordsMetadata` are made only when the whole call is acknowledged: a call whose
+    chunks wait behind a deep queue (many partitions, a full ``buffer.memory``) then holds no
+    objects the cyclic collector must walk, where a tuple per acknowledged chunk made its
+    full passes the cost that grew with the partition count."""
+
+    __slots__ = ("counts", "future", "offsets", "pending", "sealed", "tps")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.future: asyncio.Future[list[RecordsMetadata]] = loop.create_future()
-        self.results: list[RecordsMetadata | None] = []
+        self.tps: list[TopicPartition] = []
+        #: a slot's base offset once its batch is acknowledged (None until then)
+        self.offsets: list[int | None] = []
+        self.counts: list[int] = []
         self.pending = 0
         self.sealed = False
 
@@ -205,8 +214,15 @@ class RunsFuture:
         """No more chunks: the future resolves when the pending ones are acknowledged."""
         self.sealed = True
         if not self.pending and not self.future.done():
-            self.future.set_result(self.results)  # type: ignore[arg-type]
+            self.future.set_result(self.results())
         return self.future
+
+    def results(self) -> list[RecordsMetadata]:
+        """One :class:`RecordsMetadata` per slot (every slot filled)."""
+        return [
+            _new_tuple(RecordsMetadata, (tp.topic, tp.partition, offset, count, ()))
+            for tp, offset, count in zip(self.tps, self.offsets, self.counts, strict=True)
+        ]
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -253,8 +269,9 @@ class ProducerBatch:
         self.tags: list[Sequence[str] | None] | None = None
         #: (index, future) per record appended alone; runs have one future in ``groups``
         self.futures: list[tuple[int, asyncio.Future[RecordMetadata]]] = []
-        #: (report, its slot, first index, count) per run of records appended by ``extend``
-        self.groups: list[tuple[RunsFuture, int, int, int]] = []
+        #: per run of records appended by ``extend``, flat (no tuple per run): its report,
+        #: its slot there and its first index in the batch, then the next run's three
+        self.groups: list[Any] = []
         self.size = BATCH_OVERHEAD
         self.reserved = 0
         self.closed = False
@@ -335,8 +352,10 @@ class ProducerBatch:
         self.size += size
         self.reserved += size
         report.pending += 1
-        report.results.append(None)
-        self.groups.append((report, len(report.results) - 1, start, n))
+        self.groups += (report, len(report.counts), start)
+        report.tps.append(self.tp)
+        report.offsets.append(None)
+        report.counts.append(n)
 
     def encode(
         self, encoder: Encoder, compression: Compression, sequencer: Sequencer | None = None
@@ -788,16 +807,17 @@ class RecordAccumulator:
             if not fut.done():
                 offset = base_offset + i if base_offset >= 0 else -1
                 fut.set_result(RecordMetadata(topic, partition, offset, timestamps[i]))
-        for report, slot, start, count in batch.groups:
-            # RunsFuture.fill, inline (a call per run adds up over many partitions);
-            # tuple.__new__: the NamedTuple's own __new__ is a Python function
-            results = report.results
-            if results[slot] is None:
-                offset = base_offset + start if base_offset >= 0 else -1
-                results[slot] = _new_tuple(RecordsMetadata, (topic, partition, offset, count, ()))
+        groups = batch.groups
+        for k in range(0, len(groups), 3):
+            # RunsFuture.fill, inline (a call per run adds up over many partitions)
+            report = groups[k]
+            offsets = report.offsets
+            slot = groups[k + 1]
+            if offsets[slot] is None:
+                offsets[slot] = base_offset + groups[k + 2] if base_offset >= 0 else -1
                 report.pending -= 1
                 if not report.pending and report.sealed and not report.future.done():
-                    report.future.set_result(results)  # type: ignore[arg-type]
+                    report.future.set_result(report.results())
 
     def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
         self._landed(batch)
@@ -852,7 +872,7 @@ class RecordAccumulator:
         for _, fut in batch.futures:
             if not fut.done():
                 fut.set_exception(exc)
-        for report, _, _, _ in batch.groups:
+        for report in batch.groups[::3]:
             report.fail(exc)
 
     # ---- flush, close, abort -------------------------------------------------------------
