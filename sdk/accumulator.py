@@ -562,8 +562,47 @@ class RecordAccumulator:
                 raise ProducerClosedError("the producer was closed while send_batch() waited")
         batch_size = self.batch_size
         queues = self._queues
+        # the common case inline (no headers or tags, bytes reserved, the run fits the open
+        # batch, whose columns match): no call or slice beyond the columns' own, as a keyed
+        # call over many partitions is mostly runs of one or two records
+        plain = reserved and headers is None and tags is None
+        keyed = keys is not None
+        offsets, counts, slot_tps = report.offsets, report.counts, report.tps
         for r, tp in enumerate(tps):
             i, end = bounds[r], bounds[r + 1]
+            if plain:
+                queue = queues.get(tp)
+                if queue:
+                    head = queue[-1]
+                    chunk = cum[end - 1] - (cum[i - 1] if i else 0)
+                    if (
+                        not head.closed
+                        and head.size + chunk <= batch_size
+                        and head.headers is None
+                        and head.tags is None
+                        and (head.keys is not None) is keyed
+                    ):
+                        start = len(head.timestamps)
+                        if end - i == 1:
+                            head.values.append(values[i])
+                            head.timestamps.append(timestamps[i])
+                            if keyed:
+                                head.keys.append(keys[i])  # type: ignore[index,union-attr]
+                        else:
+                            head.values += values[i:end]
+                            head.timestamps += timestamps[i:end]
+                            if keyed:
+                                head.keys += keys[i:end]  # type: ignore[index,operator]
+                        head.size += chunk
+                        head.reserved += chunk
+                        report.pending += 1
+                        head.groups += (report, len(counts), start)
+                        slot_tps.append(tp)
+                        offsets.append(None)
+                        counts.append(end - i)
+                        if head.size >= batch_size:
+                            self._close(head)
+                        continue
             while i < end:
                 base = cum[i - 1] if i else 0
                 queue = queues.get(tp)

@@ -657,6 +657,65 @@ def test_append_runs_splits_a_run_over_batches_and_resolves_after_every_one() ->
     run(go)
 
 
+def test_append_runs_into_open_batches_of_every_shape_keeps_the_columns_aligned() -> None:
+    """Runs join open batches that single sends or earlier calls started, with and without
+    keys, headers and tags: every record keeps its own key, value and headers, and every
+    chunk its own offsets, one or many records a run."""
+
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock)
+        tps = [TopicPartition("t", p) for p in range(4)]
+        sent: dict[int, list[tuple[bytes | None, bytes, list[tuple[str, bytes]]]]] = {
+            p: [] for p in range(4)
+        }
+        # partition 0 starts keyed, 1 unkeyed, 2 with headers, 3 with a tag
+        await acc.append(tps[0], b"a0", key=b"k0")
+        await acc.append(tps[1], b"a1")
+        await acc.append(tps[2], b"a2", key=b"k2", headers=[("h", b"1")])
+        await acc.append(tps[3], b"a3", key=b"k3", tags=["t"])
+        sent[0].append((b"k0", b"a0", []))
+        sent[1].append((None, b"a1", []))
+        sent[2].append((b"k2", b"a2", [("h", b"1")]))
+        sent[3].append((b"k3", b"a3", []))
+        reports = []
+        for call, keyed in enumerate((True, False, True)):
+            # runs of one record and of three: partitions 0 and 2 one, 1 and 3 three
+            parts = [0, 1, 1, 1, 2, 3, 3, 3]
+            values = [f"c{call}r{i}".encode() for i in range(len(parts))]
+            keys = [f"k{call}{i}".encode() for i in range(len(parts))] if keyed else None
+            sizes = [
+                estimate_size(v, None if keys is None else keys[i], None, None)
+                for i, v in enumerate(values)
+            ]
+            reports.append(
+                await acc.append_runs(
+                    tps, [0, 1, 4, 5, 8], values, keys, None, None, [7] * 8, sizes
+                )
+            )
+            for i, p in enumerate(parts):
+                sent[p].append((None if keys is None else keys[i], values[i], []))
+        clock.now += 1
+        batches = acc.drain(acc.ready(clock.now)[0])
+        assert sorted(b.tp.partition for b in batches) == [0, 1, 2, 3]
+        for b in batches:
+            p = b.tp.partition
+            records = decode_batch(b.encoded).to_pylist()
+            got = [
+                (r["key"], r["value"], [(h["key"], h["value"]) for h in r["headers"] or []])
+                for r in records
+            ]
+            assert got == sent[p]
+            acc.complete(b, 100 * p)
+        for report in reports:
+            got = await report
+            assert [(m.partition, m.record_count) for m in got] == [(0, 1), (1, 3), (2, 1), (3, 3)]
+        # each call's chunk starts where the records before it in the partition ended
+        assert [m.base_offset for m in reports[1].result()] == [2, 104, 202, 304]
+
+    run(go)
+
+
 def test_append_runs_fails_with_the_first_failed_batch() -> None:
     async def go() -> None:
         clock = Clock()

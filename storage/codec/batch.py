@@ -9,6 +9,7 @@ whole batches.
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import time
 from collections.abc import Iterator
@@ -23,10 +24,12 @@ from storage.codec.body import (
     DIRECTORY_SIZE,
     N_BUFFERS,
     SCHEMA,
+    SMALL_BATCH,
     check_flat_body,
     decode_body,
     encode_body,
 )
+from storage.codec.body import raw_body_length as buffers_length
 from storage.codec.header import (
     ALIGNMENT,
     ATTR_CONTROL,
@@ -53,6 +56,10 @@ _codecs: dict[Compression, pa.Codec] = {}
 #: a decoder refuses to inflate a body beyond this, whatever the header claims
 MAX_RAW_BODY = 256 << 20
 _PAD = bytes(8)
+#: a body up to this size is joined before its CRC is taken (a copy cheaper than the calls)
+_JOIN_BELOW = 64 << 10
+#: ``_TIMESTAMPS[n]`` packs n int64 timestamps, for short batches
+_TIMESTAMPS = [struct.Struct(f"<{i}q") for i in range(SMALL_BATCH + 1)]
 
 
 def _codec(c: Compression) -> pa.Codec:
@@ -95,20 +102,30 @@ def encode_batch(
         raise ValueError(f"base_offset must not be negative, got {base_offset}")
     if timestamps is None:
         timestamps = time.time_ns() // 1_000_000
+    ts: Any = None
     if isinstance(timestamps, int):
         ts = np.full(n, timestamps, dtype=np.int64)
         first_ts = max_ts = timestamps
-    else:
+    elif type(timestamps) is list and len(timestamps) == n <= SMALL_BATCH:
+        # a short list of ints (most batches of a producer of many partitions): no numpy
+        with contextlib.suppress(struct.error):  # not all ints: numpy's way below
+            ts = _TIMESTAMPS[n].pack(*timestamps)
+            first_ts, max_ts = timestamps[0], max(timestamps)
+    if ts is None:
         ts = np.ascontiguousarray(timestamps, dtype=np.int64)
         if ts.shape != (n,):
             raise ValueError(f"{ts.shape} timestamps for {n} records")
         first_ts, max_ts = int(ts[0]), int(ts.max())
     parts, summary_bytes = encode_body(n, ts, keys, values, headers, tags, with_summary=summary)
-    raw_len = sum(memoryview(p).nbytes for p in parts)
+    raw_len = buffers_length(parts)
     if compression != Compression.NONE:
-        body = _codec(compression).compress(pa.py_buffer(b"".join(parts)), asbytes=True)
-        parts = [body]
-    body_len = sum(memoryview(p).nbytes for p in parts)
+        parts = [_codec(compression).compress(pa.py_buffer(b"".join(parts)), asbytes=True)]
+        body_len = len(parts[0])
+    else:
+        body_len = raw_len
+        if len(parts) > 2 and raw_len <= _JOIN_BELOW:
+            # one CRC call instead of one per part (a small body is many small parts)
+            parts = [b"".join(parts)]
     body_end = padded(HEADER_SIZE + body_len)
     if body_end != HEADER_SIZE + body_len:
         parts.append(_PAD[: body_end - HEADER_SIZE - body_len])

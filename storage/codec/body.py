@@ -150,7 +150,7 @@ def _small(col: Any) -> bool:
 
 def encode_body(
     n: int,
-    timestamps: np.ndarray,
+    timestamps: np.ndarray | bytes,
     keys: Any,
     values: Any,
     headers: Any,
@@ -159,8 +159,12 @@ def encode_body(
     with_summary: bool = False,
 ) -> tuple[list[Any], bytes | None]:
     """The raw body as a list of buffer-protocol parts (directory first, padding included),
-    and with ``with_summary`` its records' summary (``storage.codec.summary``)."""
-    if timestamps.shape != (n,):
+    and with ``with_summary`` its records' summary (``storage.codec.summary``).
+    ``timestamps``: an int64 array, or their bytes (little-endian int64s)."""
+    if isinstance(timestamps, bytes):
+        if len(timestamps) != 8 * n:
+            raise ValueError(f"{len(timestamps) // 8} timestamps for {n} records")
+    elif timestamps.shape != (n,):
         raise ValueError(f"{timestamps.shape[0]} timestamps for {n} records")
     if keys is None:
         key_parts: tuple[Any, Any, Any] = (bytes((n + 7) // 8), _EMPTY, _EMPTY)  # all null
@@ -222,7 +226,7 @@ def encode_body(
 
 def _lay_out(buffers: Sequence[Any]) -> list[Any]:
     """The body's parts: the directory of buffer lengths, then each buffer padded to 8."""
-    lengths = [memoryview(b).nbytes for b in buffers]
+    lengths = [len(b) if type(b) is bytes else memoryview(b).nbytes for b in buffers]
     parts: list[Any] = [DIRECTORY.pack(*lengths, 0)]
     for buf, length in zip(buffers, lengths, strict=True):
         if length:
@@ -287,7 +291,7 @@ def _flat_parts(items: list[bytes]) -> tuple[bytes, bytes]:
 
 def _small_body(
     n: int,
-    timestamps: np.ndarray,
+    timestamps: np.ndarray | bytes,
     key_parts: tuple[Any, Any, Any],
     value_parts: tuple[Any, Any, Any],
     headers: tuple[list[int], list[bytes], list[bytes]] | None,
@@ -318,7 +322,8 @@ def _small_body(
 
 
 def raw_body_length(parts: Sequence[Any]) -> int:
-    return sum(memoryview(p).nbytes for p in parts)
+    """Bytes in ``parts`` (``len`` for bytes, the most of them, ``nbytes`` for the others)."""
+    return sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in parts)
 
 
 # ---------------------------------------------------------------------------------------------
