@@ -332,7 +332,9 @@ class ProducerBatch:
         report: RunsFuture,
     ) -> None:
         """Append a run of records, reported as one slot of ``report`` (list extends, no
-        loop)."""
+        loop). ``RecordAccumulator.append_runs`` does the same inline for its common case
+        (a run that fits an open batch of the same columns): a change to the bookkeeping
+        here (size, reserved, the report's slot, ``groups``) goes there too."""
         n = len(values)
         start = len(self.timestamps)
         self.values += values
@@ -564,7 +566,8 @@ class RecordAccumulator:
         queues = self._queues
         # the common case inline (no headers or tags, bytes reserved, the run fits the open
         # batch, whose columns match): no call or slice beyond the columns' own, as a keyed
-        # call over many partitions is mostly runs of one or two records
+        # call over many partitions is mostly runs of one or two records. It is
+        # ProducerBatch.extend's bookkeeping, kept in step with it (tests: *every_shape*)
         plain = reserved and headers is None and tags is None
         keyed = keys is not None
         offsets, counts, slot_tps = report.offsets, report.counts, report.tps
