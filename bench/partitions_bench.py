@@ -371,7 +371,7 @@ def one_round(
         print(
             f"round {index + 1} {key}: produce {p['msgs_per_s']:,.0f} msgs/s,"
             f" {p['fsyncs_per_s']:,.0f} fsyncs/s, {p['cpu_s_per_1k']:.4f} CPU s/1k"
-            f" (client {p.get('client_cpu_s_per_1k', float('nan')):.4f});"
+            f" (client {p['client_cpu_s_per_1k']:.4f});"
             f" consume arrow {c['msgs_per_s']:,.0f},"
             f" getmany {r[key]['consume_getmany']['msgs_per_s']:,.0f} msgs/s",
             flush=True,

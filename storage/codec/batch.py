@@ -28,8 +28,8 @@ from storage.codec.body import (
     check_flat_body,
     decode_body,
     encode_body,
+    raw_body_length,
 )
-from storage.codec.body import raw_body_length as buffers_length
 from storage.codec.header import (
     ALIGNMENT,
     ATTR_CONTROL,
@@ -117,7 +117,7 @@ def encode_batch(
             raise ValueError(f"{ts.shape} timestamps for {n} records")
         first_ts, max_ts = int(ts[0]), int(ts.max())
     parts, summary_bytes = encode_body(n, ts, keys, values, headers, tags, with_summary=summary)
-    raw_len = buffers_length(parts)
+    raw_len = raw_body_length(parts)
     if compression != Compression.NONE:
         parts = [_codec(compression).compress(pa.py_buffer(b"".join(parts)), asbytes=True)]
         body_len = len(parts[0])

@@ -226,7 +226,7 @@ def encode_body(
 
 def _lay_out(buffers: Sequence[Any]) -> list[Any]:
     """The body's parts: the directory of buffer lengths, then each buffer padded to 8."""
-    lengths = [len(b) if type(b) is bytes else memoryview(b).nbytes for b in buffers]
+    lengths = list(map(_nbytes, buffers))
     parts: list[Any] = [DIRECTORY.pack(*lengths, 0)]
     for buf, length in zip(buffers, lengths, strict=True):
         if length:
@@ -321,9 +321,13 @@ def _small_body(
     return parts, summary.encode(built)
 
 
+def _nbytes(buf: Any) -> int:
+    """Bytes in one buffer (``len`` for bytes, the most of them, ``nbytes`` for the others)."""
+    return len(buf) if type(buf) is bytes else memoryview(buf).nbytes
+
+
 def raw_body_length(parts: Sequence[Any]) -> int:
-    """Bytes in ``parts`` (``len`` for bytes, the most of them, ``nbytes`` for the others)."""
-    return sum(len(p) if type(p) is bytes else memoryview(p).nbytes for p in parts)
+    return sum(map(_nbytes, parts))
 
 
 # ---------------------------------------------------------------------------------------------
