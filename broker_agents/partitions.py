@@ -583,7 +583,16 @@ class PartitionManager:
                 self.after_clean_shutdown and not self._disk_failed,
             )
         durable = self._durable_end.get(key)
-        if durable is not None and plog.log_end_offset > durable:
+        if durable is not None and plog.log_end_offset <= durable:
+            # the failed fsync covered nothing of this partition past what an earlier one did
+            log.info(
+                "%s-%d: the log ends at %d, within what was last fsynced (%d): nothing to cut",
+                topic,
+                partition,
+                plog.log_end_offset,
+                durable,
+            )
+        elif durable is not None:
             log.warning(
                 "%s-%d: cutting the log back from %d to %d, where it was last fsynced",
                 topic,
