@@ -60,7 +60,7 @@ from typing import Any
 
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
 from sdk.idempotence import Sequencer
-from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
+from sdk.records import RecordMetadata, RecordsMetadata, StoredRuns, TopicPartition
 from storage.codec import HEADER_SIZE, Compression, encode_batch, with_producer
 from storage.codec.header import DEDUP_WINDOW, SEQUENCE_MASK
 from storage.errors import BatchTooLargeError, OutOfOrderSequenceError, StrataError
@@ -177,7 +177,6 @@ class BufferPool:
             fut.set_result(None)
 
 
-_new_tuple = tuple.__new__
 _ENCODE_ERRORS = (StrataError, ValueError, TypeError, OverflowError)
 
 
@@ -190,16 +189,17 @@ class RunsFuture:
     callback per chunk, however many partitions the call touched. The first failure of any of
     its batches fails it.
 
-    A slot is kept as plain values in three lists (partition, base offset, count) and the
-    :class:`RecordsMetadata` are made only when the whole call is acknowledged: a call whose
-    chunks wait behind a deep queue (many partitions, a full ``buffer.memory``) then holds no
-    objects the cyclic collector must walk, where a tuple per acknowledged chunk made its
-    full passes the cost that grew with the partition count."""
+    A slot is kept as plain values in three lists (partition, base offset, count), and the
+    future resolves to those lists wrapped (:class:`StoredRuns`), whose
+    :class:`RecordsMetadata` are made when read: neither a call waiting behind a deep queue
+    (many partitions, a full ``buffer.memory``) nor a resolved call an application keeps
+    holds objects the cyclic collector must walk, where a tuple per chunk made its full
+    passes the cost that grew with the partition count."""
 
     __slots__ = ("counts", "future", "offsets", "pending", "sealed", "tps")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.future: asyncio.Future[list[RecordsMetadata]] = loop.create_future()
+        self.future: asyncio.Future[Sequence[RecordsMetadata]] = loop.create_future()
         self.tps: list[TopicPartition] = []
         #: a slot's base offset once its batch is acknowledged (None until then)
         self.offsets: list[int | None] = []
@@ -210,19 +210,16 @@ class RunsFuture:
     def done(self) -> bool:
         return self.future.done()
 
-    def seal(self) -> asyncio.Future[list[RecordsMetadata]]:
+    def seal(self) -> asyncio.Future[Sequence[RecordsMetadata]]:
         """No more chunks: the future resolves when the pending ones are acknowledged."""
         self.sealed = True
         if not self.pending and not self.future.done():
             self.future.set_result(self.results())
         return self.future
 
-    def results(self) -> list[RecordsMetadata]:
-        """One :class:`RecordsMetadata` per slot (every slot filled)."""
-        return [
-            _new_tuple(RecordsMetadata, (tp.topic, tp.partition, offset, count, ()))
-            for tp, offset, count in zip(self.tps, self.offsets, self.counts, strict=True)
-        ]
+    def results(self) -> StoredRuns:
+        """One :class:`RecordsMetadata` per slot (every slot filled), made when read."""
+        return StoredRuns(self.tps, self.offsets, self.counts)  # type: ignore[arg-type]
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -520,7 +517,7 @@ class RecordAccumulator:
         timestamps: Sequence[int],
         sizes: Sequence[int],
         max_block: float = 0.0,
-    ) -> asyncio.Future[list[RecordsMetadata]]:
+    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
         """Append a run of records to ``tp`` (``append_runs`` with one run)."""
         return await self.append_runs(
             [tp], [0, len(values)], values, keys, headers, tags, timestamps, sizes, max_block
@@ -537,7 +534,7 @@ class RecordAccumulator:
         timestamps: Sequence[int],
         sizes: Sequence[int],
         max_block: float = 0.0,
-    ) -> asyncio.Future[list[RecordsMetadata]]:
+    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
         """Append runs of records: records ``bounds[r]:bounds[r + 1]`` of the columns go to
         ``tps[r]``, filling batches up to ``batch.size``. ``sizes`` are the records' size
         estimates (``estimate_size``). Returns one future of a :class:`RecordsMetadata` per

@@ -640,7 +640,7 @@ class Producer:
         delay_ms: int | Sequence[int] | None = None,
         deliver_at_ms: int | Sequence[int] | None = None,
         delay_level: int | Sequence[int] | None = None,
-    ) -> asyncio.Future[list[RecordsMetadata]]:
+    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
         """Buffer many records in one call: the fast path for bulk producing.
 
         The records are appended to batches as list slices (no Python code per record, except
@@ -933,7 +933,7 @@ class Producer:
         partition: int | None,
         timestamp_ms: int | None,
         delay: tuple[Any, Any, Any],
-    ) -> asyncio.Future[list[RecordsMetadata]]:
+    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
         """``send_batch`` with one delay for every record and no headers of the caller's: the
         due time and level are worked out once, keyless records share one lane per call."""
         acc = self._running_acc()
@@ -985,7 +985,9 @@ class Producer:
         extra = 16 + len(hdr_id) + len(hdr_ts) + len(stamp) + max(map(len, ids))
         if stamp == str(now).encode():
             stamp = b""
-        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[list[RecordsMetadata]]]]] = []
+        runs: list[
+            tuple[int, tuple[str, ...], list[asyncio.Future[Sequence[RecordsMetadata]]]]
+        ] = []
         for (p, lane), idx in groups.items():
             every = len(idx) == count
             vals = values if every else [values[i] for i in idx]
@@ -1040,7 +1042,7 @@ class Producer:
         partition: int | None,
         timestamp_ms: int | Sequence[int] | None,
         delay: tuple[Any, Any, Any],
-    ) -> asyncio.Future[list[RecordsMetadata]]:
+    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
         acc = self._running_acc()
         cluster = self._cluster
         assert cluster is not None
@@ -1103,7 +1105,9 @@ class Producer:
                 p = self._target_partition(topic, k, partition, n)
             schedule = delays.ScheduleId.new(due, topic, p, k, self._next_schedule_nonce())
             groups[(p, delays.level_for(due - now))].append((i, schedule))
-        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[list[RecordsMetadata]]]]] = []
+        runs: list[
+            tuple[int, tuple[str, ...], list[asyncio.Future[Sequence[RecordsMetadata]]]]
+        ] = []
         for (p, level), members in groups.items():
             level_topic = delays.level_topic(level)
             lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
@@ -1111,7 +1115,7 @@ class Producer:
             for i, schedule in members:
                 by_lane[schedule.lane_in(lanes)].append((i, schedule))
             ids: list[str] = []
-            stored: list[asyncio.Future[list[RecordsMetadata]]] = []
+            stored: list[asyncio.Future[Sequence[RecordsMetadata]]] = []
             for lane, lane_members in by_lane.items():
                 hdrs: list[Headers | None] = []
                 for i, schedule in lane_members:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, overload
+
+_new_tuple = tuple.__new__
 
 
 class TopicPartition(NamedTuple):
@@ -34,6 +36,59 @@ class RecordsMetadata(NamedTuple):
     record_count: int
     schedule_ids: tuple[str, ...] = ()
     """For delayed records: their ids in the run's order (``base_offset`` is then -1)."""
+
+
+class StoredRuns(Sequence[RecordsMetadata]):
+    """What ``Producer.send_batch`` resolves to: one :class:`RecordsMetadata` per run of
+    records stored together, in the order of the input. A read-only sequence (index, slice,
+    iterate, ``len``, compare with a list; ``list(runs)`` for a list of its own).
+
+    The runs are kept as three plain columns (partition, base offset, count) and each
+    :class:`RecordsMetadata` is made when it is read. A keyed call over 1,024 partitions has
+    ~640 runs: as tuples, made when the call is acknowledged, they were what a producer with
+    many calls in flight kept alive, and the collector's full passes over them took a fifth
+    of the producer's time (``docs/benchmarks.md``, *The producer at many partitions*)."""
+
+    __slots__ = ("_counts", "_offsets", "_tps")
+
+    def __init__(
+        self, tps: Sequence[TopicPartition], offsets: Sequence[int], counts: Sequence[int]
+    ) -> None:
+        if not len(tps) == len(offsets) == len(counts):
+            raise ValueError("one partition, base offset and count per run")
+        self._tps, self._offsets, self._counts = tps, offsets, counts
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def _run(self, i: int) -> RecordsMetadata:
+        tp = self._tps[i]
+        return _new_tuple(RecordsMetadata, (tp[0], tp[1], self._offsets[i], self._counts[i], ()))
+
+    @overload
+    def __getitem__(self, i: int) -> RecordsMetadata: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[RecordsMetadata]: ...
+
+    def __getitem__(self, i: int | slice) -> RecordsMetadata | list[RecordsMetadata]:
+        if isinstance(i, slice):
+            return [self._run(j) for j in range(*i.indices(len(self)))]
+        return self._run(range(len(self))[i])  # negative indexes; IndexError past the end
+
+    def __iter__(self) -> Iterator[RecordsMetadata]:
+        for tp, offset, count in zip(self._tps, self._offsets, self._counts, strict=True):
+            yield _new_tuple(RecordsMetadata, (tp[0], tp[1], offset, count, ()))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, StoredRuns | list):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # equal to a list, so unhashable as one
+
+    def __repr__(self) -> str:
+        return f"StoredRuns({list(self)!r})"
 
 
 class ConsumerRecord(NamedTuple):

@@ -19,7 +19,7 @@ from sdk.accumulator import (
 )
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
 from sdk.idempotence import Sequencer
-from sdk.records import RecordMetadata, TopicPartition
+from sdk.records import RecordMetadata, RecordsMetadata, StoredRuns, TopicPartition
 from storage.codec import check_batch, decode_batch, encode_batch
 from storage.codec.header import STAMP
 from storage.errors import BatchTooLargeError, NotLeaderError, OutOfOrderSequenceError
@@ -633,6 +633,31 @@ def test_append_runs_reports_one_chunk_per_partition_in_call_order() -> None:
         assert acc.stats()["queued_partitions"] == 0  # drained queues are dropped
 
     run(go)
+
+
+def test_the_runs_of_a_call_read_as_a_list_of_records_metadata() -> None:
+    tps = [TopicPartition("t", p) for p in (3, 0, 7)]
+    runs = StoredRuns(tps, [30, 10, 70], [2, 1, 3])
+    whole = [
+        RecordsMetadata("t", 3, 30, 2),
+        RecordsMetadata("t", 0, 10, 1),
+        RecordsMetadata("t", 7, 70, 3),
+    ]
+    assert len(runs) == 3
+    assert list(runs) == whole and runs == whole and whole == runs
+    assert runs[0] == whole[0] and runs[-1] == whole[-1] and runs[1:] == whole[1:]
+    assert runs[::-1] == whole[::-1] and list(reversed(runs)) == whole[::-1]
+    assert whole[2] in runs and runs.index(whole[1]) == 1
+    assert isinstance(runs[0], RecordsMetadata) and runs[0].schedule_ids == ()
+    assert sum(r.record_count for r in runs) == 6
+    assert runs != whole[:2] and runs != tuple(whole)  # a list's equality, not a tuple's
+    assert repr(runs) == f"StoredRuns({whole!r})"
+    with pytest.raises(IndexError):
+        runs[3]
+    with pytest.raises(TypeError):
+        hash(runs)
+    with pytest.raises(ValueError, match="one partition, base offset and count per run"):
+        StoredRuns(tps, [30, 10], [2, 1, 3])
 
 
 def test_append_runs_splits_a_run_over_batches_and_resolves_after_every_one() -> None:
