@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,7 +59,7 @@ from bench.common import cpu_seconds, create_topic, publish, save_result, settle
 from broker_agents.config import ENV_PREFIX, AgentConfig
 from infra.agents import AgentProcess, start_agent
 from infra.zookeeper import start_zookeeper
-from sdk import Consumer, Producer, TopicPartition
+from sdk import Consumer, Producer, StoredRuns, TopicPartition
 from storage.config import LogConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,8 +199,8 @@ async def produce(bootstrap: str, seconds: float, probe: AgentProbe) -> dict[str
         end = start + seconds
         # the calls' futures in flight, folded into ``stored`` in order as they complete (a
         # call over many partitions completes out of order: the ones behind a slow one wait
-        # here with their results, which are compact, StoredRuns)
-        futures: collections.deque[asyncio.Future[Sequence[Any]]] = collections.deque()
+        # here with their results, which are compact: StoredRuns)
+        futures: collections.deque[asyncio.Future[StoredRuns]] = collections.deque()
         stored = 0
         i = 0
         while time.perf_counter() < end:
@@ -208,11 +208,11 @@ async def produce(bootstrap: str, seconds: float, probe: AgentProbe) -> dict[str
             futures.append(await producer.send_batch(TOPIC, values, keys=keys))
             i += 1
             while futures and futures[0].done():
-                stored += sum(r.record_count for r in futures.popleft().result())
+                stored += futures.popleft().result().record_count
         await producer.flush()
         elapsed = time.perf_counter() - start
         after = probe.read()
-        stored += sum(r.record_count for f in futures for r in f.result())
+        stored += sum(f.result().record_count for f in futures)
     if stored != i * CHUNK:
         raise RuntimeError(f"{stored} records acknowledged of {i * CHUNK}")
     return phase_figures(stored, elapsed, before, after)

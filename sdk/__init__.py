@@ -21,7 +21,14 @@ from sdk.errors import (
     ProducerClosedError,
 )
 from sdk.producer import Producer
-from sdk.records import ConsumerRecord, OffsetAndTimestamp, RecordMetadata, TopicPartition
+from sdk.records import (
+    ConsumerRecord,
+    OffsetAndTimestamp,
+    RecordMetadata,
+    RecordsMetadata,
+    StoredRuns,
+    TopicPartition,
+)
 from sdk.sync import SyncConsumer, SyncProducer
 
 __all__ = [
@@ -38,6 +45,8 @@ __all__ = [
     "ProducerClosedError",
     "ProducerConfig",
     "RecordMetadata",
+    "RecordsMetadata",
+    "StoredRuns",
     "SyncConsumer",
     "SyncProducer",
     "TopicPartition",

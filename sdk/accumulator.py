@@ -60,7 +60,7 @@ from typing import Any
 
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
 from sdk.idempotence import Sequencer
-from sdk.records import RecordMetadata, RecordsMetadata, StoredRuns, TopicPartition
+from sdk.records import RecordMetadata, StoredRuns, TopicPartition
 from storage.codec import HEADER_SIZE, Compression, encode_batch, with_producer
 from storage.codec.header import DEDUP_WINDOW, SEQUENCE_MASK
 from storage.errors import BatchTooLargeError, OutOfOrderSequenceError, StrataError
@@ -199,7 +199,7 @@ class RunsFuture:
     __slots__ = ("counts", "future", "offsets", "pending", "sealed", "tps")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.future: asyncio.Future[Sequence[RecordsMetadata]] = loop.create_future()
+        self.future: asyncio.Future[StoredRuns] = loop.create_future()
         self.tps: list[TopicPartition] = []
         #: a slot's base offset once its batch is acknowledged (None until then)
         self.offsets: list[int | None] = []
@@ -210,7 +210,7 @@ class RunsFuture:
     def done(self) -> bool:
         return self.future.done()
 
-    def seal(self) -> asyncio.Future[Sequence[RecordsMetadata]]:
+    def seal(self) -> asyncio.Future[StoredRuns]:
         """No more chunks: the future resolves when the pending ones are acknowledged."""
         self.sealed = True
         if not self.pending and not self.future.done():
@@ -517,7 +517,7 @@ class RecordAccumulator:
         timestamps: Sequence[int],
         sizes: Sequence[int],
         max_block: float = 0.0,
-    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
+    ) -> asyncio.Future[StoredRuns]:
         """Append a run of records to ``tp`` (``append_runs`` with one run)."""
         return await self.append_runs(
             [tp], [0, len(values)], values, keys, headers, tags, timestamps, sizes, max_block
@@ -534,7 +534,7 @@ class RecordAccumulator:
         timestamps: Sequence[int],
         sizes: Sequence[int],
         max_block: float = 0.0,
-    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
+    ) -> asyncio.Future[StoredRuns]:
         """Append runs of records: records ``bounds[r]:bounds[r + 1]`` of the columns go to
         ``tps[r]``, filling batches up to ``batch.size``. ``sizes`` are the records' size
         estimates (``estimate_size``). Returns one future of a :class:`RecordsMetadata` per

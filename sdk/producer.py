@@ -84,7 +84,7 @@ from sdk.partitioner import (
     partition_for_key,
     partitions_for_keys,
 )
-from sdk.records import RecordMetadata, RecordsMetadata, TopicPartition
+from sdk.records import RecordMetadata, StoredRuns, TopicPartition
 from sdk.transactions import ConsumerGroupMetadata, TransactionManager
 from storage.codec import encode_batch
 from storage.errors import InvalidDelayError, StrataError, UnknownTopicOrPartitionError, from_wire
@@ -640,14 +640,15 @@ class Producer:
         delay_ms: int | Sequence[int] | None = None,
         deliver_at_ms: int | Sequence[int] | None = None,
         delay_level: int | Sequence[int] | None = None,
-    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
+    ) -> asyncio.Future[StoredRuns]:
         """Buffer many records in one call: the fast path for bulk producing.
 
         The records are appended to batches as list slices (no Python code per record, except
         the murmur2 hash when ``keys`` pick the partitions). Keyless records without a
         ``partition`` all go to the topic's current sticky partition. The returned future
-        resolves to one :class:`RecordsMetadata` per run of records stored together (record
-        ``i`` of a run is at ``base_offset + i``), in the order of the input.
+        resolves to a :class:`StoredRuns`: a sequence of one :class:`RecordsMetadata` per run
+        of records stored together (record ``i`` of a run is at ``base_offset + i``), in the
+        order of the input, and the call's ``record_count``.
 
         ``delay_ms`` / ``deliver_at_ms`` / ``delay_level`` (one of them, for the batch or one
         per record) delay the records as ``send`` does; the future then resolves to one
@@ -933,7 +934,7 @@ class Producer:
         partition: int | None,
         timestamp_ms: int | None,
         delay: tuple[Any, Any, Any],
-    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
+    ) -> asyncio.Future[StoredRuns]:
         """``send_batch`` with one delay for every record and no headers of the caller's: the
         due time and level are worked out once, keyless records share one lane per call."""
         acc = self._running_acc()
@@ -985,9 +986,7 @@ class Producer:
         extra = 16 + len(hdr_id) + len(hdr_ts) + len(stamp) + max(map(len, ids))
         if stamp == str(now).encode():
             stamp = b""
-        runs: list[
-            tuple[int, tuple[str, ...], list[asyncio.Future[Sequence[RecordsMetadata]]]]
-        ] = []
+        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[StoredRuns]]]] = []
         for (p, lane), idx in groups.items():
             every = len(idx) == count
             vals = values if every else [values[i] for i in idx]
@@ -1025,10 +1024,15 @@ class Producer:
             ]
             runs.append((p, tuple(run_ids), stored))
 
-        async def settle() -> list[RecordsMetadata]:
+        async def settle() -> StoredRuns:
             for _, _, stored in runs:
                 await asyncio.gather(*stored)
-            return [RecordsMetadata(topic, p, -1, len(ids), ids) for p, ids, _ in runs]
+            return StoredRuns(
+                [TopicPartition(topic, p) for p, _, _ in runs],
+                [-1] * len(runs),
+                [len(ids) for _, ids, _ in runs],
+                [ids for _, ids, _ in runs],
+            )
 
         return asyncio.ensure_future(settle())
 
@@ -1042,7 +1046,7 @@ class Producer:
         partition: int | None,
         timestamp_ms: int | Sequence[int] | None,
         delay: tuple[Any, Any, Any],
-    ) -> asyncio.Future[Sequence[RecordsMetadata]]:
+    ) -> asyncio.Future[StoredRuns]:
         acc = self._running_acc()
         cluster = self._cluster
         assert cluster is not None
@@ -1105,9 +1109,7 @@ class Producer:
                 p = self._target_partition(topic, k, partition, n)
             schedule = delays.ScheduleId.new(due, topic, p, k, self._next_schedule_nonce())
             groups[(p, delays.level_for(due - now))].append((i, schedule))
-        runs: list[
-            tuple[int, tuple[str, ...], list[asyncio.Future[Sequence[RecordsMetadata]]]]
-        ] = []
+        runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[StoredRuns]]]] = []
         for (p, level), members in groups.items():
             level_topic = delays.level_topic(level)
             lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
@@ -1115,7 +1117,7 @@ class Producer:
             for i, schedule in members:
                 by_lane[schedule.lane_in(lanes)].append((i, schedule))
             ids: list[str] = []
-            stored: list[asyncio.Future[Sequence[RecordsMetadata]]] = []
+            stored: list[asyncio.Future[StoredRuns]] = []
             for lane, lane_members in by_lane.items():
                 hdrs: list[Headers | None] = []
                 for i, schedule in lane_members:
@@ -1145,10 +1147,15 @@ class Producer:
                 )
             runs.append((p, tuple(ids), stored))
 
-        async def settle() -> list[RecordsMetadata]:
+        async def settle() -> StoredRuns:
             for _, _, stored in runs:
                 await asyncio.gather(*stored)
-            return [RecordsMetadata(topic, p, -1, len(ids), ids) for p, ids, _ in runs]
+            return StoredRuns(
+                [TopicPartition(topic, p) for p, _, _ in runs],
+                [-1] * len(runs),
+                [len(ids) for _, ids, _ in runs],
+                [ids for _, ids, _ in runs],
+            )
 
         return asyncio.ensure_future(settle())
 

@@ -49,21 +49,34 @@ class StoredRuns(Sequence[RecordsMetadata]):
     many calls in flight kept alive, and the collector's full passes over them took a fifth
     of the producer's time (``docs/benchmarks.md``, *The producer at many partitions*)."""
 
-    __slots__ = ("_counts", "_offsets", "_tps")
+    __slots__ = ("_counts", "_ids", "_offsets", "_tps")
 
     def __init__(
-        self, tps: Sequence[TopicPartition], offsets: Sequence[int], counts: Sequence[int]
+        self,
+        tps: Sequence[TopicPartition],
+        offsets: Sequence[int],
+        counts: Sequence[int],
+        schedule_ids: Sequence[tuple[str, ...]] | None = None,
     ) -> None:
-        if not len(tps) == len(offsets) == len(counts):
-            raise ValueError("one partition, base offset and count per run")
+        if not len(tps) == len(offsets) == len(counts) or (
+            schedule_ids is not None and len(schedule_ids) != len(counts)
+        ):
+            raise ValueError("one partition, base offset and count (and ids) per run")
         self._tps, self._offsets, self._counts = tps, offsets, counts
+        self._ids = schedule_ids
 
     def __len__(self) -> int:
         return len(self._counts)
 
+    @property
+    def record_count(self) -> int:
+        """How many records the call stored: the sum of its runs' ``record_count``."""
+        return sum(self._counts)
+
     def _run(self, i: int) -> RecordsMetadata:
         tp = self._tps[i]
-        return _new_tuple(RecordsMetadata, (tp[0], tp[1], self._offsets[i], self._counts[i], ()))
+        ids = () if self._ids is None else self._ids[i]
+        return _new_tuple(RecordsMetadata, (tp[0], tp[1], self._offsets[i], self._counts[i], ids))
 
     @overload
     def __getitem__(self, i: int) -> RecordsMetadata: ...
@@ -77,6 +90,9 @@ class StoredRuns(Sequence[RecordsMetadata]):
         return self._run(range(len(self))[i])  # negative indexes; IndexError past the end
 
     def __iter__(self) -> Iterator[RecordsMetadata]:
+        if self._ids is not None:
+            yield from map(self._run, range(len(self)))
+            return
         for tp, offset, count in zip(self._tps, self._offsets, self._counts, strict=True):
             yield _new_tuple(RecordsMetadata, (tp[0], tp[1], offset, count, ()))
 

@@ -649,15 +649,24 @@ def test_the_runs_of_a_call_read_as_a_list_of_records_metadata() -> None:
     assert runs[::-1] == whole[::-1] and list(reversed(runs)) == whole[::-1]
     assert whole[2] in runs and runs.index(whole[1]) == 1
     assert isinstance(runs[0], RecordsMetadata) and runs[0].schedule_ids == ()
-    assert sum(r.record_count for r in runs) == 6
+    assert runs.record_count == sum(r.record_count for r in runs) == 6
     assert runs != whole[:2] and runs != tuple(whole)  # a list's equality, not a tuple's
     assert repr(runs) == f"StoredRuns({whole!r})"
     with pytest.raises(IndexError):
         runs[3]
     with pytest.raises(TypeError):
         hash(runs)
-    with pytest.raises(ValueError, match="one partition, base offset and count per run"):
+    with pytest.raises(ValueError, match="one partition, base offset and count"):
         StoredRuns(tps, [30, 10], [2, 1, 3])
+    # delayed records: no offsets yet, their schedule ids per run
+    delayed = StoredRuns(tps[:2], [-1, -1], [2, 1], [("a", "b"), ("c",)])
+    assert delayed == [
+        RecordsMetadata("t", 3, -1, 2, ("a", "b")),
+        RecordsMetadata("t", 0, -1, 1, ("c",)),
+    ]
+    assert delayed[1].schedule_ids == ("c",) and delayed.record_count == 3
+    with pytest.raises(ValueError, match="one partition, base offset and count"):
+        StoredRuns(tps[:2], [-1, -1], [2, 1], [("a", "b")])
 
 
 def test_append_runs_splits_a_run_over_batches_and_resolves_after_every_one() -> None:
