@@ -135,6 +135,11 @@ class Agent:
                 if config.wal_mode == "agent"
                 else frozenset({FsyncPolicy.INTERVAL})
             )
+            if config.wal_mode == "auto":
+                self.partitions.wal_auto = (
+                    config.wal_auto_topic_partitions,
+                    config.wal_auto_max_own_commits,
+                )
         self.partitions.on_disk_failure = self._disk_failure
         self.view = ClusterView()
         self.tiering = Tiering(
@@ -733,6 +738,7 @@ class Agent:
                         spec.config if spec else None,
                         spec.topic_id if spec else "",
                         version,
+                        spec.partitions if spec else 0,
                     )
                 except Exception as exc:
                     results[i] = exc

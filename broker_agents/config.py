@@ -103,9 +103,14 @@ class AgentConfig(_Config):
     # agent: one WAL per data directory makes the appends of every always/interval topic durable
     # (one fsync a round, however many partitions); partition: each partition log fsyncs its
     # own files; auto: interval topics on the agent WAL (one flusher, not one per partition),
-    # always topics on their own group commit, measured faster on one ext4 disk (#30,
-    # docs/benchmarks.md "Partitions are cheap")
+    # always topics on their own group commit (measured faster at few partitions on one ext4
+    # disk: the WAL writes every byte twice) unless the topic has more than
+    # wal.auto.topic.partitions partitions or wal.auto.max.own.commits partitions here
+    # already commit on their own: then on the WAL too (#30, docs/benchmarks.md "Partitions
+    # are cheap")
     wal_mode: Literal["auto", "agent", "partition"] = Field("auto", alias="wal.mode")
+    wal_auto_topic_partitions: int = Field(64, alias="wal.auto.topic.partitions", ge=0)
+    wal_auto_max_own_commits: int = Field(256, alias="wal.auto.max.own.commits", ge=0)
     # a checkpoint (partition files fsynced, older WAL files removed) starts at this size...
     wal_max_bytes: int = Field(256 << 20, alias="wal.max.bytes", ge=1 << 16)
     # ...or this long after the last one

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from broker_agents.preopen import Preopened, close_all
-from storage.config import FsyncPolicy
+from storage.config import FsyncPolicy, LogConfig
 from storage.errors import NotLeaderError, StorageError, UnknownTopicOrPartitionError
 from storage.metadata import PartitionState, TopicConfig
 from storage.wal import GroupCommitLog, PartitionLog, fileio
@@ -340,6 +340,11 @@ class PartitionManager:
         #: policies whose topics use it
         self.wal: AgentWal | None = None
         self.wal_policies: frozenset[FsyncPolicy] = frozenset()
+        #: ``wal.mode=auto``: (topic partitions, own commits) past which an ``always``
+        #: partition goes on the WAL as well (``_uses_wal``); None: the policies decide alone
+        self.wal_auto: tuple[int, int] | None = None
+        #: hosted ``always`` partitions with their own group commit (``wal_auto``'s count)
+        self._own_commits: set[tuple[str, int]] = set()
 
     @contextlib.asynccontextmanager
     async def _partition_lock(self, key: tuple[str, int]) -> AsyncIterator[None]:
@@ -402,11 +407,13 @@ class PartitionManager:
         config: TopicConfig | None,
         topic_id: str = "",
         version: int = -1,
+        topic_partitions: int = 0,
     ) -> None:
         """Make this agent's role for ``topic-partition`` match ``state`` (None: topic gone).
 
         ``topic_id`` is the topic spec's id, used when the state predates ids in states;
-        ``version`` the ZooKeeper version ``state`` was read at (-1: not known).
+        ``version`` the ZooKeeper version ``state`` was read at (-1: not known);
+        ``topic_partitions`` the topic's partition count (0: not known; ``_uses_wal``).
         Calls for different partitions may run concurrently; for one partition they apply
         one at a time, in the order they were made."""
         key = (topic, partition)
@@ -473,7 +480,7 @@ class PartitionManager:
                 assert config is not None
                 plog = await self._open_log(topic, partition, config, role, topic_id)
                 committer: GroupCommitLog | WalPartition
-                if self.wal is not None and plog.config.fsync_policy in self.wal_policies:
+                if self.wal is not None and self._uses_wal(plog.config, topic_partitions):
                     try:
                         committer = await self.wal.register(plog, topic_id)
                     except BaseException:
@@ -481,6 +488,8 @@ class PartitionManager:
                         raise
                 else:
                     committer = GroupCommitLog(plog)
+                    if plog.config.fsync_policy is FsyncPolicy.ALWAYS:
+                        self._own_commits.add(key)
                 await committer.start()
                 current = Partition(
                     topic,
@@ -754,8 +763,24 @@ class PartitionManager:
                 )
             return removed
 
+    def _uses_wal(self, config: LogConfig, topic_partitions: int) -> bool:
+        """Whether a partition opened now goes on the agent WAL: its fsync policy's topics do
+        (``wal_policies``), and under ``wal.mode=auto`` an ``always`` partition does too when
+        its topic has more than ``wal.auto.topic.partitions`` partitions (keyed writes spread
+        every request thin over them: a round of small appends to many files, one fsync each,
+        where the WAL gives the round one) or when ``wal.auto.max.own.commits`` partitions
+        here already fsync their own files (so the fsyncs of a round stay bounded however
+        many topics there are). A partition keeps its committer until it is closed."""
+        if config.fsync_policy in self.wal_policies:
+            return True
+        if self.wal_auto is None or config.fsync_policy is not FsyncPolicy.ALWAYS:
+            return False
+        many, cap = self.wal_auto
+        return topic_partitions > many or len(self._own_commits) >= cap
+
     async def _close(self, p: Partition, *, delete: bool) -> None:
         self.partitions.pop((p.topic, p.index), None)
+        self._own_commits.discard((p.topic, p.index))
         p.role = "closed"  # acks=all waiters see it and answer NOT_LEADER instead of timing out
         p.notify()
         await p.committer.close()
