@@ -36,6 +36,19 @@ class CountingFileSystem(crashfs.RecordingFileSystem):
         super().fsync_dir(path)
 
 
+def sole_leader(pm: PartitionManager, topic_id: str) -> PartitionState:
+    """A partition state with agent 1 (``pm``'s) as leader and only replica."""
+    return PartitionState(
+        leader=1,
+        leader_epoch=0,
+        replicas=[1],
+        isr=[1],
+        controller_epoch=1,
+        incarnations={1: pm.incarnation},
+        topic_id=topic_id,
+    )
+
+
 def host_all(data: Path, spec: TopicSpec) -> int:
     """Apply a leader state for every partition at once; returns how many were hosted (the
     caller installs the recording file system and puts its own back)."""
@@ -43,15 +56,7 @@ def host_all(data: Path, spec: TopicSpec) -> int:
     async def run() -> int:
         pm = PartitionManager(1, data)
         pm.session_ok = True
-        state = PartitionState(
-            leader=1,
-            leader_epoch=0,
-            replicas=[1],
-            isr=[1],
-            controller_epoch=1,
-            incarnations={1: pm.incarnation},
-            topic_id=spec.topic_id,
-        )
+        state = sole_leader(pm, spec.topic_id)
         try:
             await asyncio.gather(
                 *(pm.apply(TOPIC, p, state, spec.config) for p in range(PARTITIONS))
@@ -118,15 +123,7 @@ def test_auto_wal_mode_puts_topics_of_many_partitions_and_the_overflow_on_the_ag
         pm.wal_auto = (8, 6)  # topics of more than 8 partitions; at most 6 own commits
 
         async def host(s: TopicSpec, partitions: range) -> list[bool]:
-            state = PartitionState(
-                leader=1,
-                leader_epoch=0,
-                replicas=[1],
-                isr=[1],
-                controller_epoch=1,
-                incarnations={1: pm.incarnation},
-                topic_id=s.topic_id,
-            )
+            state = sole_leader(pm, s.topic_id)
             for p in partitions:  # one at a time: the cap counts in order
                 await pm.apply(s.name, p, state, s.config, s.topic_id, -1, s.partitions)
             return [
