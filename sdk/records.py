@@ -45,9 +45,10 @@ class StoredRuns(Sequence[RecordsMetadata]):
 
     The runs are kept as three plain columns (partition, base offset, count) and each
     :class:`RecordsMetadata` is made when it is read. A keyed call over 1,024 partitions has
-    ~640 runs: as tuples, made when the call is acknowledged, they were what a producer with
-    many calls in flight kept alive, and the collector's full passes over them took a fifth
-    of the producer's time (``docs/benchmarks.md``, *The producer at many partitions*)."""
+    ~640 runs and finishes out of order (when its last run is acknowledged): as tuples made
+    then, the finished calls an application had not looked at yet held ~150,000 of them, and
+    the collector's full passes over them took a fifth of the producer's time
+    (``docs/benchmarks.md``, *The collector again*)."""
 
     __slots__ = ("_counts", "_ids", "_offsets", "_tps")
 
