@@ -537,8 +537,8 @@ class RecordAccumulator:
     ) -> asyncio.Future[StoredRuns]:
         """Append runs of records: records ``bounds[r]:bounds[r + 1]`` of the columns go to
         ``tps[r]``, filling batches up to ``batch.size``. ``sizes`` are the records' size
-        estimates (``estimate_size``). Returns one future of a :class:`RecordsMetadata` per
-        batch-sized chunk, in order (see :class:`RunsFuture`).
+        estimates (``estimate_size``). Returns one future of a :class:`StoredRuns`: a
+        :class:`RecordsMetadata` per batch-sized chunk, in order (see :class:`RunsFuture`).
 
         The work is per chunk (a list slice into a batch), not per record, and there is no
         future per chunk. The call's bytes are reserved at once (waiting up to ``max_block``

@@ -328,6 +328,21 @@ class Sender:
         self._acc.fail(batch, exc)
 
 
+async def _scheduled_runs(
+    topic: str, runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[StoredRuns]]]]
+) -> StoredRuns:
+    """What a delayed ``send_batch`` resolves to once every lane's records are stored: one
+    run per target partition (and level), no offsets yet, the records' schedule ids."""
+    for _, _, stored in runs:
+        await asyncio.gather(*stored)
+    return StoredRuns(
+        [TopicPartition(topic, p) for p, _, _ in runs],
+        [-1] * len(runs),
+        [len(ids) for _, ids, _ in runs],
+        [ids for _, ids, _ in runs],
+    )
+
+
 class Producer:
     """Send records to topics (see the module docstring). Use as an async context manager::
 
@@ -1024,17 +1039,7 @@ class Producer:
             ]
             runs.append((p, tuple(run_ids), stored))
 
-        async def settle() -> StoredRuns:
-            for _, _, stored in runs:
-                await asyncio.gather(*stored)
-            return StoredRuns(
-                [TopicPartition(topic, p) for p, _, _ in runs],
-                [-1] * len(runs),
-                [len(ids) for _, ids, _ in runs],
-                [ids for _, ids, _ in runs],
-            )
-
-        return asyncio.ensure_future(settle())
+        return asyncio.ensure_future(_scheduled_runs(topic, runs))
 
     async def _send_batch_delayed(
         self,
@@ -1147,17 +1152,7 @@ class Producer:
                 )
             runs.append((p, tuple(ids), stored))
 
-        async def settle() -> StoredRuns:
-            for _, _, stored in runs:
-                await asyncio.gather(*stored)
-            return StoredRuns(
-                [TopicPartition(topic, p) for p, _, _ in runs],
-                [-1] * len(runs),
-                [len(ids) for _, ids, _ in runs],
-                [ids for _, ids, _ in runs],
-            )
-
-        return asyncio.ensure_future(settle())
+        return asyncio.ensure_future(_scheduled_runs(topic, runs))
 
     async def send_exact(
         self,
