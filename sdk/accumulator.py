@@ -58,9 +58,12 @@ from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate, repeat
 from typing import Any
 
+import numpy as np
+
 from sdk.errors import BufferExhaustedError, DeliveryTimeoutError, ProducerClosedError
 from sdk.idempotence import Sequencer
 from sdk.records import RecordMetadata, StoredRuns, TopicPartition
+from sdk.staging import STAGE_MAX_RECORD_SHARE, Stage, StageCut, StagedCall
 from storage.codec import HEADER_SIZE, Compression, encode_batch, with_producer
 from storage.codec.header import DEDUP_WINDOW, SEQUENCE_MASK
 from storage.errors import BatchTooLargeError, OutOfOrderSequenceError, StrataError
@@ -233,6 +236,8 @@ class ProducerBatch:
         "attempts",
         "closed",
         "created",
+        "cut",
+        "cut_index",
         "deadline",
         "done",
         "encoded",
@@ -251,6 +256,7 @@ class ProducerBatch:
         "tags",
         "timestamps",
         "tp",
+        "unsent",
         "values",
     )
 
@@ -281,6 +287,11 @@ class ProducerBatch:
         self.last_error: BaseException | None = None
         #: set when the batch is completed or failed; made only when a flush waits for it
         self.done: asyncio.Future[None] | None = None
+        #: a batch a stage's cut made: the cut (which reports on its calls), its index there,
+        #: and whether it still counts in the stage's unsent bytes (not yet drained)
+        self.cut: StageCut | None = None
+        self.cut_index = 0
+        self.unsent = False
 
     @property
     def record_count(self) -> int:
@@ -440,6 +451,10 @@ class RecordAccumulator:
         #: partitions whose sequences restart once nothing of theirs is in flight
         self._needs_reset: set[TopicPartition] = set()
         self._incomplete: set[ProducerBatch] = set()
+        #: staged keyed calls per topic (``sdk.staging``), and the partitions per topic whose
+        #: batch was opened here (a staged call closes them first, to keep their order)
+        self._stages: dict[str, Stage] = {}
+        self._opened: dict[str, set[TopicPartition]] = {}
         self._flushing = 0
         self._closing = False
         #: set whenever the sender may have new work: a new or closed batch, a flush, a retry
@@ -471,6 +486,10 @@ class RecordAccumulator:
 
     def _current(self, tp: TopicPartition, size: int) -> ProducerBatch:
         """The open batch of ``tp`` that ``size`` more bytes fit in (a new one if needed)."""
+        if self._stages:
+            stage = self._stages.get(tp.topic)
+            if stage is not None and stage.holds(tp.partition):
+                self._cut(stage)  # the staged records of tp go first
         queue = self._queues.get(tp)
         if queue is None:
             queue = self._queues[tp] = deque()
@@ -488,6 +507,10 @@ class RecordAccumulator:
             if batch.deadline < self._next_deadline:
                 self._next_deadline = batch.deadline
             self._incomplete.add(batch)
+            opened = self._opened.get(tp.topic)
+            if opened is None:
+                opened = self._opened[tp.topic] = set()
+            opened.add(tp)
             self.wakeup.set()
         return batch
 
@@ -641,6 +664,103 @@ class RecordAccumulator:
                 i = j
         return report.seal()
 
+    def stageable(self, total: int, largest: int) -> bool:
+        """Whether a keyed call of ``total`` bytes, none over ``largest``, may be staged: its
+        bytes can be reserved at once and each record is a small share of a batch."""
+        room = self.batch_size - BATCH_OVERHEAD
+        return total <= self.pool.total and largest * STAGE_MAX_RECORD_SHARE <= room
+
+    async def stage_runs(
+        self,
+        tps: Sequence[TopicPartition],
+        parts: np.ndarray,
+        values: list[bytes | None],
+        keys: list[bytes | None],
+        timestamps: np.ndarray,
+        sizes: np.ndarray,
+        max_block: float = 0.0,
+    ) -> asyncio.Future[StoredRuns]:
+        """Stage a keyed call (``sdk.staging``): record ``i`` goes to ``tps[parts[i]]``, the
+        records in partition order (``parts`` ascending). Same report as ``append_runs`` (one
+        :class:`RecordsMetadata` per run stored together, in order); ``stageable`` says which
+        calls may come here. The call's bytes are reserved at once, waiting up to
+        ``max_block`` seconds."""
+        if self._closing:
+            raise ProducerClosedError("the producer is closed")
+        total = int(sizes.sum())
+        if not self.pool.try_reserve(total):
+            await self.pool.reserve(total, max_block)
+            if self._closing:
+                self.pool.release(total)
+                raise ProducerClosedError("the producer was closed while send_batch() waited")
+        topic = tps[0].topic
+        stage = self._stages.get(topic)
+        if stage is not None and len(stage.tps) != len(tps):
+            self._cut(stage)  # the topic grew: its staged records go first, then a new stage
+            stage = None
+        if stage is None or len(stage.tps) != len(tps):
+            stage = self._stages[topic] = Stage(tps)
+        opened = self._opened.pop(topic, None)
+        if opened:  # batches opened the other way go first
+            for tp in opened:
+                queue = self._queues.get(tp)
+                if queue and not queue[-1].closed:
+                    self._close(queue[-1])
+        future: asyncio.Future[StoredRuns] = asyncio.get_running_loop().create_future()
+        stage.add(
+            StagedCall(future, parts, values, keys, timestamps, sizes, self.clock()),
+            self.batch_size - BATCH_OVERHEAD,
+        )
+        self.wakeup.set()
+        return future
+
+    def _cut(self, stage: Stage) -> None:
+        """Every record ``stage`` holds into closed batches at the tails of their queues."""
+        if not stage.calls:
+            return
+        cut = stage.cut(self.batch_size - BATCH_OVERHEAD)
+        tps, queues, incomplete = stage.tps, self._queues, self._incomplete
+        values, keys, timestamps, starts = cut.values, cut.keys, cut.timestamps, cut.starts
+        timeout = self.delivery_timeout
+        nearest = self._next_deadline
+        for k, (p, reserved, created) in enumerate(
+            zip(cut.parts, cut.reserved, cut.created, strict=True)
+        ):
+            tp = tps[p]
+            batch = ProducerBatch(tp, created, created + timeout)
+            i, j = starts[k], starts[k + 1]
+            batch.values = values[i:j]
+            batch.keys = keys[i:j]
+            batch.timestamps = timestamps[i:j]  # type: ignore[assignment]
+            batch.size = BATCH_OVERHEAD + reserved
+            batch.reserved = reserved
+            batch.closed = True
+            batch.cut, batch.cut_index, batch.unsent = cut, k, True
+            queue = queues.get(tp)
+            if queue is None:
+                queue = queues[tp] = deque()
+            queue.append(batch)
+            incomplete.add(batch)
+            if batch.deadline < nearest:
+                nearest = batch.deadline
+            stage.unsent += reserved
+        self._next_deadline = nearest
+        cut.release_columns()
+        self.wakeup.set()
+
+    def _cut_all(self) -> None:
+        for stage in self._stages.values():
+            self._cut(stage)
+
+    def _dequeued(self, batch: ProducerBatch) -> None:
+        """A cut's batch left its queue for the first time (drained, expired or aborted)."""
+        if batch.unsent and batch.cut is not None:
+            batch.unsent = False
+            stage = batch.cut.stage
+            stage.unsent -= batch.reserved
+            if stage.calls and stage.unsent <= stage.staged:
+                self.wakeup.set()  # the stage may be due
+
     async def append(
         self,
         tp: TopicPartition,
@@ -679,6 +799,17 @@ class RecordAccumulator:
         wait: float | None = None
         hurry = self._flushing > 0 or self._closing
         cutoff = now + _EPSILON
+        if self._stages:
+            for topic, stage in list(self._stages.items()):
+                if not stage.calls:
+                    if not stage.unsent:
+                        del self._stages[topic]
+                    continue
+                due, delay = stage.due(now, self.linger, hurry)
+                if due:
+                    self._cut(stage)
+                elif delay is not None:
+                    wait = delay if wait is None else min(wait, delay)
         admit = self.admit
         for tp, queue in self._queues.items():
             if not queue or not self._can_send(tp) or (admit is not None and not admit(tp)):
@@ -741,6 +872,7 @@ class RecordAccumulator:
                     data = batch.encode(self._encoder, self.compression, sequencer)
                 except _ENCODE_ERRORS as exc:
                     queue.popleft()
+                    self._dequeued(batch)
                     self._finish(batch)
                     self._fail_futures(batch, exc)
                     continue
@@ -750,6 +882,8 @@ class RecordAccumulator:
                     full = True
                     break
                 queue.popleft()
+                if batch.unsent:
+                    self._dequeued(batch)
                 batch.in_flight = True
                 self._in_flight[tp] = self._in_flight.get(tp, 0) + 1
                 taken.append(batch)
@@ -857,6 +991,8 @@ class RecordAccumulator:
                 report.pending -= 1
                 if not report.pending and report.sealed and not report.future.done():
                     report.future.set_result(report.results())
+        if batch.cut is not None:
+            batch.cut.complete(batch.cut_index, base_offset)
 
     def fail(self, batch: ProducerBatch, exc: BaseException) -> None:
         self._landed(batch)
@@ -875,6 +1011,7 @@ class RecordAccumulator:
         for tp, queue in list(self._queues.items()):
             while queue and queue[0].deadline <= now:
                 expired.append(queue.popleft())
+                self._dequeued(expired[-1])
             if queue:
                 nearest = min(nearest, queue[0].deadline)
             else:
@@ -913,12 +1050,15 @@ class RecordAccumulator:
                 fut.set_exception(exc)
         for report in batch.groups[::3]:
             report.fail(exc)
+        if batch.cut is not None:
+            batch.cut.fail(batch.cut_index, exc)
 
     # ---- flush, close, abort -------------------------------------------------------------
     @property
     def incomplete(self) -> int:
-        """Batches created and not yet completed (queued, in flight or waiting to retry)."""
-        return len(self._incomplete)
+        """Batches created and not yet completed (queued, in flight or waiting to retry), and
+        calls staged (not yet cut into batches)."""
+        return len(self._incomplete) + sum(len(s.calls) for s in self._stages.values())
 
     def queued(self) -> int:
         """Batches waiting in queues (not in flight)."""
@@ -927,6 +1067,7 @@ class RecordAccumulator:
     async def flush(self) -> None:
         """Make every buffered record ready now and wait until all of them are completed."""
         self._flushing += 1
+        self._cut_all()
         self.wakeup.set()
         try:
             loop = asyncio.get_running_loop()
@@ -946,11 +1087,14 @@ class RecordAccumulator:
         self.wakeup.set()
 
     def abort(self, exc: BaseException) -> None:
-        """Fail every batch that is not in flight (a forced close, an aborted transaction)."""
+        """Fail every batch that is not in flight (a forced close, an aborted transaction),
+        and every staged call."""
+        self._cut_all()
         queues, self._queues = self._queues, {}
         for queue in queues.values():
             while queue:
                 batch = queue.popleft()
+                self._dequeued(batch)
                 self._finish(batch)
                 self._fail_futures(batch, exc)
 
@@ -978,4 +1122,5 @@ class RecordAccumulator:
             "queued_batches": self.queued(),
             "in_flight_partitions": len(self._in_flight),
             "queued_partitions": len(self._queues),
+            "staged_calls": sum(len(s.calls) for s in self._stages.values()),
         }

@@ -85,6 +85,7 @@ from sdk.partitioner import (
     partitions_for_keys,
 )
 from sdk.records import RecordMetadata, StoredRuns, TopicPartition
+from sdk.staging import STAGE_MIN_RUNS
 from sdk.transactions import ConsumerGroupMetadata, TransactionManager
 from storage.codec import encode_batch
 from storage.errors import InvalidDelayError, StrataError, UnknownTopicOrPartitionError, from_wire
@@ -752,11 +753,34 @@ class Producer:
         tps = self._topic_partitions(topic, n)
         run_tps: Sequence[TopicPartition]
         bounds: list[int]
+        grouped = None
+        if (
+            partition is None
+            and key_list is not None
+            and header_list is None
+            and tag_lists is None
+            and min(count, n) >= STAGE_MIN_RUNS
+            and None not in key_list
+            and acc.stageable(int(sizes.sum()), int(sizes.max()))
+        ):
+            grouped = group_by_partition(partitions_for_keys(key_list, n))  # type: ignore[arg-type]
+            if len(grouped[1]) >= STAGE_MIN_RUNS:
+                return await self._stage_by_key(
+                    acc,
+                    tps,
+                    grouped,
+                    values,
+                    key_list,
+                    timestamp_ms,
+                    timestamps,
+                    sizes,
+                    max_block - (self._clock() - started),
+                )
         if partition is not None:
             run_tps, bounds = (tps[partition],), [0, count]
         else:
             assert key_list is not None
-            order, parts, bounds = self._runs_by_key(topic, key_list, n)
+            order, parts, bounds = grouped or self._runs_by_key(topic, key_list, n)
             run_tps = [tps[parts[0]]] if len(parts) == 1 else itemgetter(*parts)(tps)
             if len(parts) > 1:
                 # every column in partition order at once (C loops), then one slice a run
@@ -781,6 +805,35 @@ class Producer:
             timestamps,
             sizes.tolist(),
             max_block - (self._clock() - started),
+        )
+
+    async def _stage_by_key(
+        self,
+        acc: RecordAccumulator,
+        tps: list[TopicPartition],
+        grouped: tuple[np.ndarray, list[int], list[int]],
+        values: list[bytes | None],
+        keys: list[bytes | None],
+        timestamp_ms: int | Sequence[int] | None,
+        timestamps: list[int],
+        sizes: np.ndarray,
+        max_block: float,
+    ) -> asyncio.Future[StoredRuns]:
+        """A keyed call over many partitions goes to the accumulator's stage
+        (``sdk.staging``): its columns in partition order (``grouped``, as
+        ``group_by_partition`` gives it), and no Python work per run."""
+        order, parts, bounds = grouped
+        if self._txn is not None:
+            for p in parts:
+                self._txn.maybe_add(tps[p])
+        ordered = np.repeat(np.asarray(parts, dtype=np.int64), np.diff(bounds))
+        take = itemgetter(*order.tolist())
+        if timestamp_ms is None or isinstance(timestamp_ms, int):
+            ts = np.full(len(values), timestamps[0], dtype=np.int64)
+        else:
+            ts = np.asarray(timestamps, dtype=np.int64)[order]
+        return await acc.stage_runs(
+            tps, ordered, list(take(values)), list(take(keys)), ts, sizes[order], max_block
         )
 
     def _topic_partitions(self, topic: str, n: int) -> list[TopicPartition]:

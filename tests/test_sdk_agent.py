@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,6 +19,7 @@ from sdk import (
     SyncProducer,
     TopicPartition,
 )
+from sdk.partitioner import murmur2, to_positive
 from storage.errors import InvalidTopicError, UnknownTopicOrPartitionError
 from storage.protocol import messages as m
 from tests.cluster import Cluster, WireClient, read_records
@@ -291,3 +293,68 @@ def test_new_data_is_fetched_while_another_partition_of_the_leader_long_polls(
     took = asyncio.run(run())
     # the bug this guards against makes it wait out the other partition's 20 s poll
     assert took < wait_ms / 1000 / 2, f"the second record took {took:.1f} s"
+
+
+def test_keyed_calls_over_many_partitions_store_each_record_where_their_report_says(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """Keyed ``send_batch`` calls over a topic of many partitions go through the producer's
+    stage (``sdk.staging``): every record lands on its key's murmur2 partition, at the offset
+    its call's runs name, in call order within a partition, with a ``send`` in between kept in
+    its place."""
+    c = Cluster(processes, zk_chroot, tmp_path / "data")
+    c.start(1)
+    c.create_topic("wide", 128)
+    c.wait_for_leaders("wide")
+    n = 3000
+    calls = [
+        (
+            [b"key-%d" % ((i * 7919 + k) % 1000) for i in range(n)],
+            [b"%d-%d" % (k, i) for i in range(n)],
+            [1_700_000_000_000 + k * n + i for i in range(n)],
+        )
+        for k in range(3)
+    ]
+
+    async def run() -> tuple[list[Any], Any]:
+        async with Producer(
+            {"bootstrap.servers": c.bootstrap, "batch.size": 8 << 10, "linger.ms": 60_000}
+        ) as producer:
+            futures, single = [], None
+            for k, (keys, values, ts) in enumerate(calls):
+                futures.append(
+                    await producer.send_batch("wide", values, keys=keys, timestamp_ms=ts)
+                )
+                if k == 0:
+                    assert producer.metrics()["staged_calls"] == 1  # staged, not yet cut
+                if k == 1:
+                    single = await producer.send("wide", b"single", key=keys[0])
+            await producer.flush()
+            assert producer.metrics()["staged_calls"] == 0
+            runs = [f.result() for f in futures]
+            assert single is not None
+        async with Consumer(
+            {"bootstrap.servers": c.bootstrap, "auto.offset.reset": "earliest"}
+        ) as consumer:
+            consumer.assign([("wide", p) for p in range(128)])
+            got = await read_records(consumer, 3 * n + 1)
+        return runs, (single.result(), got)
+
+    runs, (single, got) = asyncio.run(run())
+    stored = {(r.partition, r.offset): (r.key, r.value, r.timestamp) for r in got}
+    assert len(stored) == 3 * n + 1
+    assert stored[(single.partition, single.offset)][1] == b"single"
+    for (keys, values, ts), call_runs in zip(calls, runs, strict=True):
+        assert call_runs.record_count == n
+        parts = [to_positive(murmur2(key)) % 128 for key in keys]
+        order = iter(sorted(range(n), key=parts.__getitem__))  # runs: in partition order
+        for run_ in call_runs:
+            for j in range(run_.record_count):
+                i = next(order)
+                assert run_.partition == parts[i]
+                assert stored[(run_.partition, run_.base_offset + j)] == (keys[i], values[i], ts[i])
+    # the single send sits between call 1's and call 2's records of its partition
+    mine = [off for (p, off), rec in stored.items() if p == single.partition]
+    before = [off for off in mine if stored[(single.partition, off)][1].startswith((b"0-", b"1-"))]
+    after = [off for off in mine if stored[(single.partition, off)][1].startswith(b"2-")]
+    assert max(before) < single.offset < min(after)
