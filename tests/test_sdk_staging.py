@@ -211,13 +211,16 @@ def test_while_the_last_cut_is_unsent_the_stage_grows_instead_of_cutting_small()
         await Call(spread(400, 3), "a").stage(acc)
         clock.now += 0.005
         acc.ready(clock.now)  # cut: 100 batches queued, none drained yet
-        await Call(spread(150, 4), "b").stage(acc)
+        await Call(spread(400, 4), "b").stage(acc)
         clock.now += 0.005
         ready, _ = acc.ready(clock.now)
         assert acc.stats()["staged_calls"] == 1  # due by age, but the last cut is mostly unsent
-        taken = acc.drain(ready[:80])  # most of the last cut is on its way
-        assert len(taken) == 80
-        ready, _ = acc.ready(clock.now)
+        taken = acc.drain(ready[:50])  # half the last cut is on its way: not enough
+        assert len(taken) == 50
+        acc.ready(clock.now)
+        assert acc.stats()["staged_calls"] == 1
+        assert len(acc.drain(ready[50:98])) == 48  # all but two partitions' batches
+        acc.ready(clock.now)
         assert acc.stats()["staged_calls"] == 0  # now the stage is cut
 
     asyncio.run(go())
