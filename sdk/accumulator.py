@@ -707,11 +707,9 @@ class RecordAccumulator:
                 if queue and not queue[-1].closed:
                     self._close(queue[-1])
         future: asyncio.Future[StoredRuns] = asyncio.get_running_loop().create_future()
-        stage.add(
-            StagedCall(future, parts, values, keys, timestamps, sizes, self.clock()),
-            self.batch_size - BATCH_OVERHEAD,
-        )
-        self.wakeup.set()
+        call = StagedCall(future, parts, values, keys, timestamps, sizes, self.clock())
+        if stage.add(call, self.batch_size - BATCH_OVERHEAD):
+            self.wakeup.set()
         return future
 
     def _cut(self, stage: Stage) -> None:
@@ -757,9 +755,10 @@ class RecordAccumulator:
         if batch.unsent and batch.cut is not None:
             batch.unsent = False
             stage = batch.cut.stage
+            held = stage.held
             stage.unsent -= batch.reserved
-            if stage.calls and stage.unsent <= stage.staged:
-                self.wakeup.set()  # the stage may be due
+            if held and stage.calls and not stage.held:
+                self.wakeup.set()  # the stage may be due now
 
     async def append(
         self,

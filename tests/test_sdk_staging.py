@@ -299,3 +299,30 @@ def test_staged_batches_take_sequences_in_partition_order() -> None:
         assert fut.done()
 
     asyncio.run(go())
+
+
+def test_a_staged_call_wakes_the_sender_only_when_the_stage_may_be_due() -> None:
+    """The sender's pass looks at every queued partition: a wake-up per staged call would cost
+    the partition count per call."""
+
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=5)
+        acc.wakeup.clear()
+        await Call(list(range(N)), "a").stage(acc)
+        assert acc.wakeup.is_set()  # a new stage: its linger starts
+        acc.wakeup.clear()
+        await Call(list(range(N)), "b").stage(acc)
+        assert not acc.wakeup.is_set()  # the sender already waits for that linger
+        clock.now += 0.005
+        acc.ready(clock.now)  # cut: 100 batches unsent
+        acc.wakeup.clear()
+        await Call(list(range(N)), "c").stage(acc)
+        assert not acc.wakeup.is_set()  # held back by the unsent cut
+        ready, _ = acc.ready(clock.now)
+        acc.drain(ready[:50])
+        assert not acc.wakeup.is_set()  # still held
+        acc.drain(ready[50:])
+        assert acc.wakeup.is_set()  # no longer held: the stage is due
+
+    asyncio.run(go())
