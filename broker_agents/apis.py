@@ -131,6 +131,14 @@ def by_id(exc: StrataError, requested: str | None) -> StrataError:
     return exc
 
 
+def _one_journal(pending: list[tuple[m.ProducePartitionResult, Partition, int]]) -> bool:
+    """Whether every partition of ``pending`` has its durability from one agent WAL."""
+    first = getattr(pending[0][1].committer, "wal", None)
+    return first is not None and all(
+        getattr(p.committer, "wal", None) is first for _, p, _ in pending
+    )
+
+
 class Apis:
     def __init__(
         self,
@@ -311,6 +319,9 @@ class Apis:
             result.error_message = f"not durable within {timeout_ms} ms"
 
         limit = max(timeout_ms, 1) / 1000
+        if acks == 1 and len(pending) > 1 and _one_journal(pending):
+            await self._wait_one_journal(pending, limit, timed_out)
+            return
         if len(pending) == 1:  # the common case: no task, no asyncio.wait
             try:
                 async with asyncio.timeout(limit):
@@ -324,6 +335,30 @@ class Apis:
             if t in not_done:
                 t.cancel()
                 timed_out(result)
+
+    @staticmethod
+    async def _wait_one_journal(
+        pending: list[tuple[m.ProducePartitionResult, Partition, int]],
+        limit: float,
+        timed_out: Callable[[m.ProducePartitionResult], None],
+    ) -> None:
+        """acks=1, every partition on one agent WAL: one fsync of the WAL covers them all, so
+        they are waited for in turn, in one coroutine (after the first, the rest are mostly
+        durable already), not with a task each: a request over 4,096 partitions made 4,096
+        tasks per request."""
+        left = iter(pending)
+        try:
+            async with asyncio.timeout(limit):
+                for result, p, end in left:
+                    try:
+                        await p.committer.wait_acknowledgeable(end)
+                    except StrataError as exc:
+                        result.error_code, result.error_message = exc.code, str(exc)
+        except TimeoutError:
+            timed_out(result)
+            for result, p, end in left:
+                if not p.committer.acknowledgeable(end):
+                    timed_out(result)
 
     # ---- Fetch ------------------------------------------------------------------------------
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
