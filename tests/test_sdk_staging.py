@@ -17,30 +17,10 @@ from sdk.idempotence import Sequencer
 from sdk.records import RecordsMetadata, TopicPartition
 from storage.codec import check_batch, decode_batch
 from storage.errors import NotLeaderError
+from tests.test_sdk_accumulator import Clock, make
 
 N = 100
 TPS = [TopicPartition("t", p) for p in range(N)]
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def make(clock: Clock, **kw: Any) -> RecordAccumulator:
-    args: dict[str, Any] = {
-        "batch_size": 1 << 20,
-        "linger_ms": 5,
-        "buffer_memory": 64 << 20,
-        "delivery_timeout_ms": 120_000,
-        "max_request_size": 4 << 20,
-        "clock": clock,
-    }
-    args.update(kw)
-    return RecordAccumulator(**args)
 
 
 class Call:
