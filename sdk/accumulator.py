@@ -698,7 +698,7 @@ class RecordAccumulator:
         if stage is not None and len(stage.tps) != len(tps):
             self._cut(stage)  # the topic grew: its staged records go first, then a new stage
             stage = None
-        if stage is None or len(stage.tps) != len(tps):
+        if stage is None:
             stage = self._stages[topic] = Stage(tps)
         opened = self._opened.pop(topic, None)
         if opened:  # batches opened the other way go first

@@ -156,9 +156,6 @@ class StageCut:
         self.keys = _gather(list(chain.from_iterable(c.keys for c in calls)), listed)
         self.timestamps = np.concatenate([c.timestamps for c in calls])[order]
 
-    def __len__(self) -> int:
-        return len(self.parts)
-
     def release_columns(self) -> None:
         """The batches hold their slices: the cut keeps only what reports need."""
         self.values = self.keys = []

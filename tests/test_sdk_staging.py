@@ -137,17 +137,18 @@ def test_a_partition_over_batch_size_is_split_and_the_stage_is_due_at_once() -> 
         fut = await call.stage(acc)
         ready, _ = acc.ready(clock.now)  # partition 5 holds three batches' worth: no linger
         assert TopicPartition("t", 5) in ready
-        bases: dict[int, int] = {}
+        fives: list[ProducerBatch] = []
+        bases: list[int] = []
 
         def base(batch: ProducerBatch) -> int:
-            # a gap after each batch: the report must follow each batch's own base
-            bases[id(batch)] = got = sum(b.record_count + 10 for b in fives[:-1])
-            return got
+            if batch.tp.partition != 5:
+                return 0
+            # a gap of 10 after each batch: the report must follow each batch's own base
+            bases.append(sum(b.record_count + 10 for b in fives))
+            fives.append(batch)
+            return bases[-1]
 
-        fives: list[ProducerBatch] = []
-        out = deliver(
-            acc, clock.now, lambda b: (fives.append(b), base(b))[1] if b.tp.partition == 5 else 0
-        )
+        out = deliver(acc, clock.now, base)
         assert len(fives) > 1 and len(out) == N - 1 + len(fives)
         for b in fives:
             assert b.size <= acc.batch_size and b.encoded is not None
@@ -156,7 +157,7 @@ def test_a_partition_over_batch_size_is_split_and_the_stage_is_due_at_once() -> 
         assert got == [call.values[i] for i, p in enumerate(parts) if p == 5]
         runs = [r for r in await fut if r.partition == 5]
         assert [(r.base_offset, r.record_count) for r in runs] == [
-            (bases[id(b)], b.record_count) for b in fives
+            (base, b.record_count) for base, b in zip(bases, fives, strict=True)
         ]
 
     asyncio.run(go())
@@ -304,5 +305,35 @@ def test_a_staged_call_wakes_the_sender_only_when_the_stage_may_be_due() -> None
         assert not acc.wakeup.is_set()  # still held
         acc.drain(ready[50:])
         assert acc.wakeup.is_set()  # no longer held: the stage is due
+
+    asyncio.run(go())
+
+
+def test_a_topic_that_grew_has_its_stage_cut_before_the_wider_call_is_staged() -> None:
+    async def go() -> None:
+        clock = Clock()
+        acc = make(clock, linger_ms=60_000)
+        narrow = await Call(list(range(N)), "a").stage(acc)
+        wider = [TopicPartition("t", p) for p in range(N + 20)]
+        values = [b"w%d" % p for p in range(N + 20)]
+        sizes = np.array([estimate_size(v, v, None, None) for v in values])
+        wide = await acc.stage_runs(
+            wider, np.arange(N + 20), values, values, np.full(N + 20, 3, dtype=np.int64), sizes
+        )
+        assert acc.stats()["staged_calls"] == 1  # the narrow call went into batches first
+        assert [b.record_count for b in acc.batches(TopicPartition("t", 7))] == [1]
+        acc.begin_close()
+        stored: dict[int, int] = {}  # records stored per partition so far
+
+        def base(batch: ProducerBatch) -> int:
+            p = batch.tp.partition
+            stored[p] = stored.get(p, 0) + batch.record_count
+            return 10 * p + stored[p] - batch.record_count
+
+        deliver(acc, clock.now, base)
+        assert [r.base_offset for r in await narrow] == [10 * p for p in range(N)]
+        runs = await wide
+        assert [r.partition for r in runs] == list(range(N + 20))
+        assert runs[7].base_offset == 71 and runs[N + 5].base_offset == 10 * (N + 5)
 
     asyncio.run(go())
