@@ -38,7 +38,7 @@ from sdk.records import StoredRuns, TopicPartition
 
 #: a keyed ``send_batch`` call is staged when it has at least this many runs (partitions)
 STAGE_MIN_RUNS = 64
-#: ... and none of its records is more than this share of ``batch.size``
+#: ... and none of its records is more than 1/STAGE_MAX_RECORD_SHARE of ``batch.size``
 STAGE_MAX_RECORD_SHARE = 4
 #: a stage due by age waits while the last cut's unsent bytes are more than this share of
 #: what is staged (``Stage.due``)
