@@ -40,8 +40,8 @@ from sdk.records import StoredRuns, TopicPartition
 STAGE_MIN_RUNS = 64
 #: ... and none of its records is more than 1/STAGE_MAX_RECORD_SHARE of ``batch.size``
 STAGE_MAX_RECORD_SHARE = 4
-#: a stage due by age waits while the last cut's unsent bytes are more than this share of
-#: what is staged (``Stage.due``)
+#: a stage due by age waits while the last cut's unsent bytes are more than
+#: 1/STAGE_UNSENT_SHARE of what is staged (``Stage.due``)
 STAGE_UNSENT_SHARE = 8
 #: clock readings this close count as equal (as in ``sdk.accumulator``)
 _EPSILON = 1e-6
