@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 
 from storage.config import _Config
 from storage.protocol import DEFAULT_MAX_FRAME
-from storage.tls import ClientAuth, SecurityProtocol, TlsFiles
+from storage.tls import ClientAuth, SecurityProtocol, TlsFiles, check_inline_pem, with_inline_pem
 
 #: agent settings from the environment: this prefix and the key, upper-cased, ``_`` for ``.``
 ENV_PREFIX = "STRATA_AGENT_"
@@ -40,6 +40,11 @@ class AgentConfig(_Config):
     ssl_certfile: str | None = Field(None, alias="ssl.certfile")
     ssl_keyfile: str | None = Field(None, alias="ssl.keyfile")
     ssl_cafile: str | None = Field(None, alias="ssl.cafile")
+    # the same three as PEM text (Kafka's KIP-651 names), e.g. from a secret in the
+    # environment (STRATA_AGENT_SSL_KEYSTORE_KEY): written to private files at start
+    ssl_keystore_certificate_chain: str | None = Field(None, alias="ssl.keystore.certificate.chain")
+    ssl_keystore_key: SecretStr | None = Field(None, alias="ssl.keystore.key")
+    ssl_truststore_certificates: str | None = Field(None, alias="ssl.truststore.certificates")
     # none: no client certificates; requested: verified when shown (the CN is the principal);
     # required: a connection without a certificate the CA signed is refused
     ssl_client_auth: ClientAuth = Field(ClientAuth.NONE, alias="ssl.client.auth")
@@ -209,15 +214,21 @@ class AgentConfig(_Config):
     def sasl_mechanisms(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(self.sasl_enabled_mechanisms.split(",")))
 
+    @model_validator(mode="after")
+    def _pem_one_way(self) -> Self:
+        check_inline_pem(self)
+        return self
+
     @property
     def tls_files(self) -> TlsFiles:
-        return TlsFiles(
+        files = TlsFiles(
             certfile=self.ssl_certfile,
             keyfile=self.ssl_keyfile,
             cafile=self.ssl_cafile,
             client_auth=self.ssl_client_auth,
             check_hostname=self.ssl_check_hostname,
         )
+        return with_inline_pem(files, self)
 
     @classmethod
     def env_values(

@@ -15,6 +15,8 @@ A bad value, an unknown name or an inconsistent combination raises
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
 from collections.abc import Mapping
@@ -33,7 +35,7 @@ from pydantic import (
 
 from storage.codec import Compression
 from storage.errors import InvalidConfigError
-from storage.tls import SecurityProtocol, TlsFiles
+from storage.tls import SecurityProtocol, TlsFiles, check_inline_pem, with_inline_pem
 
 MiB = 1 << 20
 _HOST_PORT = re.compile(
@@ -88,6 +90,11 @@ class ClientConfig(BaseModel):
     #: a client certificate and its key (mTLS: the certificate's CN is the principal)
     ssl_certfile: str | None = Field(None, alias="ssl.certfile")
     ssl_keyfile: str | None = Field(None, alias="ssl.keyfile")
+    #: the same three as PEM text (Kafka's KIP-651 names), e.g. from a secret: written to
+    #: private files once per process (storage.tls.inline_pem_files)
+    ssl_truststore_certificates: str | None = Field(None, alias="ssl.truststore.certificates")
+    ssl_keystore_certificate_chain: str | None = Field(None, alias="ssl.keystore.certificate.chain")
+    ssl_keystore_key: SecretStr | None = Field(None, alias="ssl.keystore.key")
     #: check the agent's name against its certificate (Kafka's
     #: ssl.endpoint.identification.algorithm=https)
     ssl_check_hostname: bool = Field(True, alias="ssl.check.hostname")
@@ -106,6 +113,7 @@ class ClientConfig(BaseModel):
                 f"invalid {type(self).__name__}: security.protocol {self.security_protocol}"
                 " needs sasl.username and sasl.password"
             )
+        check_inline_pem(self)
         return self
 
     @field_validator("security_protocol", mode="before")
@@ -148,12 +156,13 @@ class ClientConfig(BaseModel):
         """The TLS material to connect with (None: plaintext)."""
         if not self.security_protocol.tls:
             return None
-        return TlsFiles(
+        files = TlsFiles(
             certfile=self.ssl_certfile,
             keyfile=self.ssl_keyfile,
             cafile=self.ssl_cafile,
             check_hostname=self.ssl_check_hostname,
         )
+        return with_inline_pem(files, self)
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -327,14 +336,59 @@ CLIENT_SECURITY_ENV = {
     "ssl.cafile": "STRATA_CLIENT_SSL_CAFILE",
     "ssl.certfile": "STRATA_CLIENT_SSL_CERTFILE",
     "ssl.keyfile": "STRATA_CLIENT_SSL_KEYFILE",
+    "ssl.truststore.certificates": "STRATA_CLIENT_SSL_TRUSTSTORE_CERTIFICATES",
+    "ssl.keystore.certificate.chain": "STRATA_CLIENT_SSL_KEYSTORE_CERTIFICATE_CHAIN",
+    "ssl.keystore.key": "STRATA_CLIENT_SSL_KEYSTORE_KEY",
+    "ssl.check.hostname": "STRATA_CLIENT_SSL_CHECK_HOSTNAME",
 }
+#: a Secrets Manager secret (ARN) whose JSON object holds any of those settings by their
+#: Kafka names: how a Lambda function, which has no secrets in its environment, gets them
+CLIENT_SECRET_ENV = "STRATA_CLIENT_SECRET_ARN"
+SECRET_TIMEOUT_S = 5.0
 
 
 def client_security(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The security settings ``env`` (default: the process's environment) names in
-    ``CLIENT_SECURITY_ENV`` (also what ``sdk.admin.Admin`` takes as its ``config``)."""
+    ``CLIENT_SECURITY_ENV``, over those of the secret ``STRATA_CLIENT_SECRET_ARN`` names (also
+    what ``sdk.admin.Admin`` takes as its ``config``)."""
     env = os.environ if env is None else env
-    return {key: env[name] for key, name in CLIENT_SECURITY_ENV.items() if env.get(name)}
+    out = dict(_secret_settings(env[CLIENT_SECRET_ENV])) if env.get(CLIENT_SECRET_ENV) else {}
+    out.update({key: env[name] for key, name in CLIENT_SECURITY_ENV.items() if env.get(name)})
+    return out
+
+
+@functools.lru_cache(maxsize=4)
+def _secret_settings(arn: str) -> tuple[tuple[str, str], ...]:
+    """The client settings in the secret ``arn`` (read once per process; boto3's credentials,
+    region and endpoint; a deadline of ``SECRET_TIMEOUT_S`` per attempt)."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    config = Config(
+        connect_timeout=SECRET_TIMEOUT_S,
+        read_timeout=SECRET_TIMEOUT_S,
+        retries={"max_attempts": 3, "mode": "standard"},
+    )
+    try:
+        text = boto3.client("secretsmanager", config=config).get_secret_value(SecretId=arn)[
+            "SecretString"
+        ]
+    except (BotoCoreError, ClientError, KeyError) as exc:
+        raise InvalidConfigError(f"cannot read the client secret {arn}: {exc}") from None
+    try:
+        values = json.loads(text)
+    except ValueError:
+        values = None
+    if not isinstance(values, dict):
+        raise InvalidConfigError(f"the client secret {arn} is not a JSON object")
+    unknown = sorted(set(values) - set(CLIENT_SECURITY_ENV))
+    if unknown:  # names only: values may be passwords
+        raise InvalidConfigError(
+            f"the client secret {arn} has settings a client does not take from it: {unknown}"
+            f" (allowed: {sorted(CLIENT_SECURITY_ENV)})"
+        )
+    return tuple((k, str(v)) for k, v in values.items())
 
 
 def client_config(

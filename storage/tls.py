@@ -14,6 +14,12 @@ ciphers (TLS 1.2 at least). What this module adds:
   logs why; connections already open keep the context they were made with. At most one
   ``stat`` per file per ``check_interval`` seconds, so a connection storm does not become a
   ``stat`` storm.
+* **PEM text instead of files** (``inline_pem_files``, Kafka's KIP-651 settings
+  ``ssl.keystore.certificate.chain``, ``ssl.keystore.key``, ``ssl.truststore.certificates``):
+  where the material arrives in the environment (an ECS task's secrets, docs/deploy.md), it
+  is written once to files only this process's user can read, in a private directory
+  removed at exit, and used as the files above. Such material changes with a new process,
+  not by reload.
 * **The principal of a certificate** (``principal_of``): the subject's common name of a
   verified peer certificate, as Kafka's default ``ssl.principal.mapping.rules`` give it.
 
@@ -23,14 +29,19 @@ start raises ``InvalidConfigError`` (the process should not start half-secured).
 
 from __future__ import annotations
 
+import atexit
+import dataclasses
 import enum
+import functools
 import logging
 import os
+import shutil
 import ssl
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from storage.errors import InvalidConfigError
 
@@ -75,6 +86,100 @@ class TlsFiles:
     @property
     def paths(self) -> tuple[str, ...]:
         return tuple(p for p in (self.certfile, self.keyfile, self.cafile) if p)
+
+
+#: the settings that carry PEM text, and the file setting each one stands for
+INLINE_PEM = {
+    "ssl.keystore.certificate.chain": "certfile",
+    "ssl.keystore.key": "keyfile",
+    "ssl.truststore.certificates": "cafile",
+}
+
+
+class PemSettings(Protocol):
+    """A config with the file settings and their PEM twins (the agent's and the SDK's)."""
+
+    @property
+    def ssl_certfile(self) -> str | None: ...
+    @property
+    def ssl_keyfile(self) -> str | None: ...
+    @property
+    def ssl_cafile(self) -> str | None: ...
+    @property
+    def ssl_keystore_certificate_chain(self) -> str | None: ...
+    @property
+    def ssl_keystore_key(self) -> Any: ...  # a pydantic SecretStr
+    @property
+    def ssl_truststore_certificates(self) -> str | None: ...
+
+
+def _inline(config: PemSettings) -> tuple[str | None, str | None, str | None]:
+    key = config.ssl_keystore_key
+    return (
+        config.ssl_keystore_certificate_chain,
+        None if key is None else key.get_secret_value(),
+        config.ssl_truststore_certificates,
+    )
+
+
+def check_inline_pem(config: PemSettings) -> None:
+    """Refuse a setting given both as a file and as PEM text, and text that is not PEM."""
+    _check_pem(*_inline(config))
+    files = (config.ssl_certfile, config.ssl_keyfile, config.ssl_cafile)
+    for (name, setting), path, text in zip(INLINE_PEM.items(), files, _inline(config), strict=True):
+        if text is not None and path is not None:
+            raise InvalidConfigError(f"give ssl.{setting} or {name}, not both")
+
+
+def with_inline_pem(files: TlsFiles, config: PemSettings) -> TlsFiles:
+    """``files`` with the PEM texts ``config`` gives written out, in place of their files."""
+    texts = _inline(config)
+    if texts == (None, None, None):
+        return files
+    paths = inline_pem_files(*texts)
+    return dataclasses.replace(
+        files,
+        certfile=paths.get("certfile", files.certfile),
+        keyfile=paths.get("keyfile", files.keyfile),
+        cafile=paths.get("cafile", files.cafile),
+    )
+
+
+def inline_pem_files(
+    certificate_chain: str | None, key: str | None, ca: str | None
+) -> dict[str, str]:
+    """Paths of files holding the PEM texts given (``certfile``, ``keyfile``, ``cafile``:
+    only those given). Each distinct set is written once per process (0600 files in a 0700
+    directory, removed at exit). A text that is not PEM raises ``InvalidConfigError``
+    without showing it (it may be a key)."""
+    _check_pem(certificate_chain, key, ca)
+    return dict(_written(certificate_chain, key, ca))
+
+
+def _check_pem(certificate_chain: str | None, key: str | None, ca: str | None) -> None:
+    for name, text in zip(INLINE_PEM, (certificate_chain, key, ca), strict=True):
+        if text is not None and "-----BEGIN " not in text:
+            raise InvalidConfigError(f"{name} is not PEM text (no -----BEGIN line)")
+    if certificate_chain is None and key is not None:
+        raise InvalidConfigError("ssl.keystore.key needs ssl.keystore.certificate.chain")
+
+
+@functools.lru_cache(maxsize=8)
+def _written(
+    certificate_chain: str | None, key: str | None, ca: str | None
+) -> tuple[tuple[str, str], ...]:
+    directory = tempfile.mkdtemp(prefix="strata-tls-")  # mode 0700
+    atexit.register(shutil.rmtree, directory, True)
+    out = []
+    for setting, text in zip(INLINE_PEM.values(), (certificate_chain, key, ca), strict=True):
+        if text is None:
+            continue
+        path = os.path.join(directory, f"{setting}.pem")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text if text.endswith("\n") else text + "\n")
+        out.append((setting, path))
+    return tuple(out)
 
 
 def server_context(files: TlsFiles) -> ssl.SSLContext:

@@ -139,7 +139,97 @@ def test_the_delay_scheduler_runs_as_a_fargate_service_with_no_bucket_access(
     env = {e["Name"]: e["Value"] for e in td["ContainerDefinitions"][0]["Environment"]}
     assert env["STRATA_ZOOKEEPER_CONNECT"] == {"Ref": "ZooKeeperConnect"}
     role = cfn["Resources"]["SchedulerTaskRole"]["Properties"]
-    assert "Policies" not in role and "ManagedPolicyArns" not in role
+    assert "ManagedPolicyArns" not in role
+    assert "Policies" not in _resolve(role, secured=False)
+    # secured, it may read its client settings and nothing else
+    statements = [
+        s for p in _resolve(role, True)["Policies"] for s in p["PolicyDocument"]["Statement"]
+    ]
+    assert [(s["Action"], s["Resource"]) for s in statements] == [
+        ("secretsmanager:GetSecretValue", {"Ref": "ClientSecretArn"})
+    ]
+
+
+def _resolve(node: Any, secured: bool) -> Any:
+    """``node`` as CloudFormation deploys it with ListenerSecurityProtocol SASL_SSL
+    (``secured``) or PLAINTEXT: ``Fn::If`` on ``Secured`` taken, ``AWS::NoValue`` dropped."""
+    if isinstance(node, dict):
+        if set(node) == {"Fn::If"}:
+            condition, yes, no = node["Fn::If"]
+            assert condition == "Secured"
+            return _resolve(yes if secured else no, secured)
+        out = {k: _resolve(v, secured) for k, v in node.items()}
+        return {k: v for k, v in out.items() if v != _NO_VALUE}
+    if isinstance(node, list):
+        return [x for x in (_resolve(v, secured) for v in node) if x != _NO_VALUE]
+    return node
+
+
+_NO_VALUE = {"Ref": "AWS::NoValue"}
+
+
+def test_agents_listen_with_sasl_ssl_and_get_their_secrets_from_secrets_manager(
+    cfn: dict[str, Any],
+) -> None:
+    """By default the listener is SASL_SSL with ACLs on; the certificate, key, CA and SCRAM
+    password reach each agent task as environment variables from the agents' secret (never
+    on the command line), under names the agent reads as the settings meant; only ECS may
+    read that secret, and the scheduler and the functions read only the client secret."""
+    from broker_agents.config import AgentConfig
+    from sdk.config import CLIENT_SECRET_ENV
+
+    params = cfn["Parameters"]
+    assert params["ListenerSecurityProtocol"]["Default"] == "SASL_SSL"
+    rule = cfn["Rules"]["SecretsWhenSecured"]
+    asserted = [a["Assert"]["Fn::Not"][0]["Fn::Equals"][0] for a in rule["Assertions"]]
+    assert asserted == [{"Ref": "AgentSecretArn"}, {"Ref": "ClientSecretArn"}]
+
+    resources = cfn["Resources"]
+    container = _resolve(resources["AgentTaskDefinition"]["Properties"], True)[
+        "ContainerDefinitions"
+    ][0]
+    env = {e["Name"]: e["Value"] for e in container["Environment"]}
+    secrets = {e["Name"]: e["ValueFrom"] for e in container["Secrets"]}
+    settings = AgentConfig.env_values({name: "x" for name in [*env, *secrets]})
+    assert {
+        "listener.security.protocol", "authorizer.enable", "super.users",
+        "inter.agent.sasl.username", "inter.agent.sasl.password", "ssl.check.hostname",
+        "ssl.keystore.certificate.chain", "ssl.keystore.key", "ssl.truststore.certificates",
+    } <= set(settings)  # fmt: skip
+    assert env["STRATA_AGENT_LISTENER_SECURITY_PROTOCOL"] == {"Ref": "ListenerSecurityProtocol"}
+    assert env["STRATA_AGENT_AUTHORIZER_ENABLE"] == "true"
+    keys = {name: ref["Fn::Sub"] for name, ref in secrets.items()}
+    assert keys == {
+        "STRATA_AGENT_SSL_KEYSTORE_CERTIFICATE_CHAIN": "${AgentSecretArn}:certificate_chain::",
+        "STRATA_AGENT_SSL_KEYSTORE_KEY": "${AgentSecretArn}:private_key::",
+        "STRATA_AGENT_SSL_TRUSTSTORE_CERTIFICATES": "${AgentSecretArn}:ca_certificates::",
+        "STRATA_AGENT_INTER_AGENT_SASL_PASSWORD": "${AgentSecretArn}:sasl_password::",
+    }
+    assert "Secret" not in str(container["Command"]) and "ssl" not in str(container["Command"])
+
+    def secret_readers(secured: bool) -> dict[str, list[Any]]:
+        out: dict[str, list[Any]] = {}
+        for name, r in resources.items():
+            if r["Type"] != "AWS::IAM::Role":
+                continue
+            for policy in _resolve(r["Properties"], secured).get("Policies", []):
+                for s in policy["PolicyDocument"]["Statement"]:
+                    if "secretsmanager" in str(s["Action"]):
+                        out.setdefault(name, []).append(s["Resource"])
+        return out
+
+    assert secret_readers(True) == {
+        "AgentExecutionRole": [{"Ref": "AgentSecretArn"}],
+        "SchedulerTaskRole": [{"Ref": "ClientSecretArn"}],
+        "AdminFunctionRole": [{"Ref": "ClientSecretArn"}],
+    }
+    assert secret_readers(False) == {}
+    # PLAINTEXT: no secrets handed out, no ACLs
+    plain = _resolve(resources["AgentTaskDefinition"]["Properties"], False)
+    assert "Secrets" not in plain["ContainerDefinitions"][0]
+    function_env = resources["AdminFunction"]["Properties"]["Environment"]["Variables"]
+    assert _resolve(function_env, True)[CLIENT_SECRET_ENV] == {"Ref": "ClientSecretArn"}
+    assert _resolve(function_env, False)[CLIENT_SECRET_ENV] == ""
 
 
 def test_admin_api_checks_acls_by_default_and_needs_a_super_user(cfn: dict[str, Any]) -> None:
