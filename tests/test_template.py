@@ -224,6 +224,13 @@ def test_agents_listen_with_sasl_ssl_and_get_their_secrets_from_secrets_manager(
         "AdminFunctionRole": [{"Ref": "ClientSecretArn"}],
     }
     assert secret_readers(False) == {}
+    # no other task is run by the role that may read the agents' secret
+    runs = [
+        name
+        for name, r in _of_type(cfn, "AWS::ECS::TaskDefinition").items()
+        if r["Properties"]["ExecutionRoleArn"] == {"Fn::GetAtt": ["AgentExecutionRole", "Arn"]}
+    ]
+    assert runs == ["AgentTaskDefinition"]
     # PLAINTEXT: no secrets handed out, no ACLs
     plain = _resolve(resources["AgentTaskDefinition"]["Properties"], False)
     assert "Secrets" not in plain["ContainerDefinitions"][0]
