@@ -242,6 +242,43 @@ def test_leader_stamps_base_offset_and_epoch_without_reencoding(
     assert bytes(log.read(0, 1 << 20).data) == on_disk[: seg.size]
 
 
+def test_a_reader_at_the_log_end_sees_each_batch_as_it_is_appended(
+    tmp_path: Path, open_log: Opener
+) -> None:
+    """A tail reader asks, after each append, for the offset it has not read yet: answered
+    from the newest batch's own header and a ``pread`` (no walk, no new mapping), it must
+    be what the log holds, across segment rolls and after a truncation inside a segment."""
+    log = open_log(tmp_path, config(segment_bytes=4096, index_interval_bytes=512))
+    rng = random.Random(21)
+    written: list[Record] = []
+    seen: list[Record] = []
+    position = 0
+    for i in range(60):
+        if i == 40:  # cut inside a segment: the reader goes back to the new end
+            bases = next(
+                b
+                for seg in reversed(log.segments)
+                if len(b := [h.base_offset for h, _ in seg.walk(0)]) >= 2
+            )
+            position = bases[1]
+            log.truncate_to(position)
+            written, seen = written[:position], seen[:position]
+            assert log.read(position, 1 << 20).batch_count == 0
+        written += fill(log, rng, 1)
+        end = log.log_end_offset
+        held = log.read(position, 1 << 20, max_offset=end - 1)  # not below the bound yet
+        assert (held.batch_count, len(held), held.next_offset) == (0, 0, position)
+        s = log.read(position, 1 << 20)
+        assert (s.batch_count, s.first_offset, s.next_offset) == (1, position, end)
+        seen += decode(s.data)
+        position = s.next_offset
+    assert seen == written
+    assert [r for seg in log.segments for r in decode(log.read(seg.base_offset, 1 << 20).data)] == (
+        written
+    )
+    assert len(log.segments) > 3
+
+
 def test_read_returns_a_zero_copy_view_of_the_segment_map(tmp_path: Path, open_log: Opener) -> None:
     log = open_log(tmp_path)
     fill(log, random.Random(6), 4)
