@@ -81,6 +81,7 @@ import pyarrow as pa
 from sdk.backoff import ExponentialBackoff
 from sdk.cluster import STALE_METADATA_ERRORS, Cluster
 from sdk.config import ConsumerConfig
+from sdk.crashes import CrashWatch
 from sdk.errors import IllegalStateError, NoOffsetForPartitionError
 from sdk.group import GroupClient, OffsetAndMetadata, RebalanceListener
 from sdk.records import ConsumerRecord, OffsetAndTimestamp, TopicPartition
@@ -278,6 +279,8 @@ class Consumer:
         self._filter: Filter | None = None
         self._retrier: Retrier | None = None
         self._key_order = KeyOrder() if self.config.retry_ordering == "key" else None
+        #: a retry-enabled group member's crash counting (sdk.crashes)
+        self._crashes: CrashWatch | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -302,6 +305,8 @@ class Consumer:
         self._cluster.add_listener(self._wake.set)
         if cfg.group_id is not None:
             self._group = GroupClient(self, self._cluster, cfg)
+            if self._retries_enabled:
+                self._crashes = CrashWatch(self._group, self._spawn)
         running: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._supervisor = asyncio.create_task(self._supervise(running), name="strata-consumer")
         await running
@@ -503,6 +508,8 @@ class Consumer:
             st = self._states.get(tp)
             if st is not None and st.position is None:
                 st.position, st.reset = offset, None
+        if self._crashes is not None:
+            self._crashes.assigned()
         self._notify()
 
     @property
@@ -1123,18 +1130,53 @@ class Consumer:
         wanted = [_as_tp(tp) for tp in partitions]
         for tp in wanted:
             self._state(tp)
+        crashes = self._crashes if self._crashes is not None and self._crashes.enabled else None
         deadline = self._clock() + max(timeout_ms, 0) / 1000
         while True:
+            if crashes is not None:  # (an assignment may have come while this poll waited)
+                await crashes.learn(self._states.keys())
             got = self._take(wanted or list(self._states), limit)
+            if got and crashes is not None:
+                got = await self._in_flight(crashes, got)
+                if not got:
+                    continue  # every record taken had crashed consumers: sent to retry
             if got:
                 return got
             remaining = deadline - self._clock()
             if remaining <= 0:
+                if crashes is not None:
+                    await crashes.note({})  # the last records handed out are done
                 return {}
             await self._wait_changed(remaining)
             self._check_running()
             if self._group is not None and self._group.refused is not None:
                 raise self._group.refused
+
+    async def _in_flight(
+        self, crashes: CrashWatch, got: dict[TopicPartition, list[pa.RecordBatch]]
+    ) -> dict[TopicPartition, list[pa.RecordBatch]]:
+        """Before handing ``got`` out: a record that crashed consumers goes to retry instead
+        (its crashes counted as attempts), and the coordinator hears what is in flight."""
+        ranges: dict[TopicPartition, tuple[int, int]] = {}
+        for tp, batches in list(got.items()):
+            first = batches[0].column(0)[0].as_py()
+            n = crashes.crashes_of(tp, first, sum(b.num_rows for b in batches))
+            if n:
+                record = to_records(tp, batches)[0]
+                retrier = await self._ensure_retrier()
+                why = f"its consumer died while processing it ({n} time(s): kill -9, OOM, ...)"
+                await retrier.submit(record, why, crashes=n)
+                del got[tp]
+                continue
+            st = self._states[tp]
+            assert st.position is not None
+            ranges[tp] = (first, crashes.span(tp, first, st.position, st.high_watermark))
+        await crashes.note(ranges)
+        return got
+
+    def _state_position(self, tp: TopicPartition) -> int | None:
+        st = self._states.get(tp)
+        return None if st is None or st.paused or st.error is not None else st.position
 
     def _take(
         self, tps: list[TopicPartition], limit: int
@@ -1142,10 +1184,16 @@ class Consumer:
         out: dict[TopicPartition, list[pa.RecordBatch]] = {}
         taken = 0
         failed: tuple[TopicPartition, _PartitionState] | None = None
+        crashes = self._crashes if self._crashes is not None and self._crashes.suspects else None
         if tps:
             start = self._rotation % len(tps)
             self._rotation += 1
             tps = tps[start:] + tps[:start]
+        if crashes is not None:
+            careful = [tp for tp in tps if crashes.careful(tp, self._state_position(tp))]
+            if careful:  # one record in all, so that a crash names it (sdk.crashes)
+                ready = [tp for tp in careful if self._states[tp].buffered is not None]
+                tps, limit = ready[:1], 1
         for tp in tps:
             st = self._states.get(tp)
             if st is None or st.paused:
@@ -1153,9 +1201,11 @@ class Consumer:
             if st.error is not None:
                 failed = failed or (tp, st)
                 continue
-            while st.buffered is not None and taken < limit:
+            cap = None if crashes is None else crashes.cap(tp, st.position)
+            room = limit - taken if cap is None else min(limit - taken, cap)
+            while st.buffered is not None and room > 0:
                 try:
-                    part = self._next_slice(st, st.buffered, limit - taken)
+                    part = self._next_slice(st, st.buffered, room)
                 except StrataError as exc:
                     self._drop(st)
                     st.error = exc
@@ -1167,6 +1217,7 @@ class Consumer:
                     break
                 out.setdefault(tp, []).append(part)
                 taken += part.num_rows
+                room -= part.num_rows
             if taken >= limit:
                 break
         if failed is not None and not out:

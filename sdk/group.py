@@ -59,6 +59,7 @@ from storage.errors import (
     StrataError,
     UnknownMemberIdError,
     UnstableOffsetCommitError,
+    UnsupportedVersionError,
     from_wire,
 )
 from storage.filters import Filter
@@ -268,6 +269,45 @@ class GroupClient:
                 self.member_id, self.generation = "", m.NO_GENERATION
                 self._need_join.set()
             raise err
+
+    async def progress(
+        self, ranges: Mapping[TopicPartition, tuple[int, int]]
+    ) -> dict[TopicPartition, tuple[int, int, int, bool]] | None:
+        """Tell the coordinator which offsets this member is about to process (``ranges``:
+        [first, end) per partition; every earlier note is done); returns the group's
+        suspects (offsets in flight when members crashed, and how often), or None when the
+        note was not taken (no generation yet, a rebalance, the coordinator moving). A suspect
+        is (first, end, crashes, pinned): pinned when its last crash had that one record in
+        flight and nothing else.
+        ``docs/retries.md``, "Poison messages and crashes"."""
+        if not self.member_id or self.generation == m.NO_GENERATION:
+            return None
+        topics: dict[str, list[m.ProgressPartition]] = {}
+        for tp, (first, end) in ranges.items():
+            topics.setdefault(tp.topic, []).append(m.ProgressPartition(tp.partition, first, end))
+        req = m.ConsumerProgressRequest(
+            self.group_id,
+            self.generation,
+            self.member_id,
+            [m.ProgressTopic(t, ps) for t, ps in topics.items()],
+        )
+        resp: m.ConsumerProgressResponse = await self._send(
+            req, request_timeout=self.config.request_timeout_ms / 1000
+        )
+        if resp.error_code:
+            err = from_wire(resp.error_code, f"progress note (group {self.group_id!r})")
+            if isinstance(err, UnsupportedVersionError):
+                raise err
+            return None
+        return {
+            TopicPartition(s.topic, s.partition): (
+                s.first_offset,
+                s.end_offset,
+                s.crashes,
+                bool(s.pinned),
+            )
+            for s in resp.suspects
+        }
 
     async def committed(
         self, partitions: Iterable[TopicPartition]

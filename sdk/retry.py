@@ -167,10 +167,13 @@ def build_failure(
     *,
     parked: bool = False,
     ordered: bool = False,
+    crashes: int = 0,
 ) -> Failure:
-    """The failure record for ``record`` (from a source topic or the group's retry topic)."""
+    """The failure record for ``record`` (from a source topic or the group's retry topic);
+    ``crashes``: consumers died processing this delivery that many times, each a failed
+    attempt (``sdk.crashes``)."""
     info = retry_info(record)
-    attempt = info.attempt - 1 if parked else info.attempt
+    attempt = info.attempt - 1 if parked else info.attempt + max(crashes - 1, 0)
     parks = info.parked + 1 if parked else info.parked
     user = [(k, bytes(v)) for k, v in record.headers if not k.startswith(("strata.",))]
     error = reason.encode(errors="replace")[:MAX_ERROR_BYTES]
@@ -307,11 +310,14 @@ class Retrier:
         *,
         parked: bool = False,
         ordered: bool = False,
+        crashes: int = 0,
     ) -> None:
         """Start storing the failure record of ``record``; :meth:`flush` waits for it."""
         n = await self._failure_partitions()
         now = time.time_ns() // 1_000_000
-        f = build_failure(self.group, record, reason, now, n, parked=parked, ordered=ordered)
+        f = build_failure(
+            self.group, record, reason, now, n, parked=parked, ordered=ordered, crashes=crashes
+        )
         where = TopicPartition(record.topic, record.partition)
         unsent = self._unsent.setdefault(where, {})
         unsent[record.offset] = unsent.get(record.offset, 0) + 1

@@ -6,6 +6,10 @@ It fails the records the test's plan says (``tests.test_retries.failure_plan``: 
 first two attempts, 1% always) with ``retry_later``, and logs every success as one line
 ``ok <record number>`` to FILE (O_APPEND, one write each: a kill -9 loses nothing written).
 It commits after every batch (never past a failure record not yet stored).
+
+With ``--poison 37,201`` it injects no failures; instead the process kills itself (SIGKILL,
+nothing cleaned up) when it is handed one of those records, from any topic: a record that
+crashes its consumer.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ def fails(i: int, attempt: int) -> bool:
 
 async def main(args: argparse.Namespace) -> None:
     fd = os.open(args.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    poison = {int(v) for v in args.poison.split(",")} if args.poison else set()
     consumer = Consumer(
         {
             "bootstrap.servers": args.bootstrap,
@@ -50,7 +55,9 @@ async def main(args: argparse.Namespace) -> None:
                 for record in records:
                     i = int(record.value or b"-1")
                     attempt = retry_info(record).attempt
-                    if fails(i, attempt):
+                    if i in poison:
+                        os.kill(os.getpid(), signal.SIGKILL)
+                    if not poison and fails(i, attempt):
                         await consumer.retry_later(record, reason=f"injected failure {attempt}")
                     else:
                         lines.append(f"ok {i}\n")
@@ -64,4 +71,5 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     for name in ("--bootstrap", "--group", "--topic", "--log"):
         p.add_argument(name, required=True)
+    p.add_argument("--poison", default="")
     asyncio.run(main(p.parse_args()))

@@ -24,7 +24,7 @@ import pytest
 from handlers.admin import handler as admin_handler
 from infra import demo_retries
 from infra.local_runtime import start_local_runtime
-from sdk import Consumer, Producer
+from sdk import Consumer, ConsumerRecord, Producer
 from sdk.admin import SyncAdmin
 from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
 from storage.errors import InvalidRetryPolicyError, StrataError
@@ -353,6 +353,60 @@ def test_consumer_and_router_killed_at_random_moments_lose_nothing_and_dead_lett
     assert set(values) == always, "a record lost on its way to the dead-letter topic"
     assert not oks() & always
     assert twice <= oks()
+
+
+def test_a_record_that_kills_its_consumer_counts_each_crash_as_an_attempt(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """Poison that is not an exception: the consumer process dies (SIGKILL) whenever it is
+    handed one of two records. Each death is seen when its session expires; the group's next
+    member hands the suspect offsets out one at a time, and a record that crashed consumers
+    goes to retry with its crashes counted as attempts, so after ``max_attempts`` it is in
+    the dead-letter topic, once, and the partition goes on. Nothing else is lost, and the
+    deaths are bounded (at most ``max_attempts + 1`` per poison record)."""
+    n = 400
+    poison = {57, 288}
+    set_policy(cluster, GROUP, TOPIC, POLICY)
+    start_scheduler(cluster)
+    start_router(cluster)
+    asyncio.run(produce(cluster.bootstrap, n, 100))
+    log = tmp_path / "consumer.log"
+    argv = [sys.executable, "-m", "tests.retry_consumer", "--bootstrap", cluster.bootstrap]
+    argv += ["--group", GROUP, "--topic", TOPIC, "--log", str(log)]
+    argv += ["--poison", ",".join(map(str, sorted(poison)))]
+
+    def oks() -> set[int]:
+        text = log.read_text() if log.exists() else ""
+        return {int(line.split()[1]) for line in text.splitlines() if line.startswith("ok ")}
+
+    deaths = 0
+    member = cluster.processes.start(argv, name="consumer-0", cwd=ROOT, env={})
+    dlq: list[ConsumerRecord] = []
+    deadline = time.monotonic() + 240
+    bound = len(poison) * (POLICY["max_attempts"] + 1)
+    while time.monotonic() < deadline and deaths <= bound:
+        if not member.alive:
+            assert member.returncode == -signal.SIGKILL, member.log_text()[-2000:]
+            deaths += 1
+            member = cluster.processes.start(argv, name=f"consumer-{deaths}", cwd=ROOT, env={})
+        if oks() >= set(range(n)) - poison:
+            dlq = asyncio.run(read_all(cluster.bootstrap, DLQ, PARTITIONS, len(poison), 1, 0))
+            if len(dlq) >= len(poison):
+                break
+        time.sleep(0.2)
+    dlq = asyncio.run(read_all(cluster.bootstrap, DLQ, PARTITIONS, len(poison), 30, 3))
+    values = sorted(int(r.value or b"-1") for r in dlq)
+    assert values == sorted(poison), f"dead letters {values}, {deaths} consumer deaths"
+    assert oks() >= set(range(n)) - poison and not oks() & poison
+    assert POLICY["max_attempts"] <= deaths / len(poison) and deaths <= bound
+    for rec in dlq:
+        info = retry_info(rec._replace(topic="__strata_retry_failures"))
+        # the attempt that failed last: max_attempts, or one more if the crash that found
+        # the record in a retried batch counted on top (see sdk/crashes.py)
+        assert info.topic == TOPIC
+        assert POLICY["max_attempts"] <= info.attempt - 1 <= POLICY["max_attempts"] + 1
+        assert "died while processing it" in (info.last_error or "")
+    assert member.alive  # the partition goes on without it
 
 
 def test_the_demo_step_retries_dead_letters_and_redrives(cluster: Cluster, tmp_path: Path) -> None:

@@ -3,12 +3,15 @@ order bookkeeping of a ``retry.ordering=key`` consumer."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+from typing import Any
 
 import pytest
 
 from handlers import redrive
-from sdk.records import ConsumerRecord
+from sdk.crashes import NOTE_SPAN, CrashWatch
+from sdk.records import ConsumerRecord, TopicPartition
 from sdk.retry import DROP, H_DEAD, HAND_OUT, HOLD, PARK, KeyOrder, retry_topic
 from storage.errors import InvalidRequestError
 from storage.retry_policy import RetryPolicy
@@ -80,3 +83,57 @@ def test_key_order_a_dead_letter_notice_releases_the_key_and_a_full_memory_parks
     # asking for the next record settles 2 (it succeeded): the parked 3 is next in line
     assert ko.admit(rec(b"k", 12, retried_from=3)) == HAND_OUT
     assert ko.admit(rec(b"k", 4)) == HAND_OUT and ko.lines == {}
+
+
+class _Group:
+    """A GroupClient stand-in that answers notes with fixed suspects and records them."""
+
+    def __init__(self, suspects: dict[TopicPartition, tuple[int, int, int, bool]]) -> None:
+        self.suspects = suspects
+        self.notes: list[dict[TopicPartition, tuple[int, int]]] = []
+
+    async def progress(self, ranges: dict[TopicPartition, tuple[int, int]]) -> Any:
+        self.notes.append(dict(ranges))
+        return self.suspects
+
+
+def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinned_records() -> None:
+    a, b, c = TopicPartition("t", 0), TopicPartition("t", 1), TopicPartition("t", 2)
+    group = _Group({a: (10, 20, 1, False), b: (7, 8, 2, True), c: (3, 4, 1, False)})
+    spawned: list[Any] = []
+    watch = CrashWatch(group, lambda coro, name: spawned.append(coro))  # type: ignore[arg-type]
+
+    async def run() -> None:
+        await watch.learn({a, b, c})
+        assert group.notes == [{}] and set(watch.suspects) == {a, b, c}
+        await watch.learn({a, b, c})  # learnt: no note until the next assignment
+        assert len(group.notes) == 1
+        # before the range: as usual, up to its start; inside: one record
+        assert (watch.cap(a, 4), watch.cap(a, 10), watch.cap(a, 19)) == (6, 1, 1)
+        assert watch.careful(a, 12) and not watch.careful(a, 9)
+        # a single-record suspect no crash pinned is handed out alone, not diverted
+        assert watch.crashes_of(c, 3, 1) == 0 and c in watch.suspects
+        # a pinned one is settled here, with its crashes
+        assert watch.crashes_of(b, 7, 1) == 2 and b not in watch.suspects
+        # notes: a suspect's range is exact and awaited; others reach ahead and are skipped
+        # while covered
+        assert watch.span(a, 12, 13, 500) == 13
+        free = TopicPartition("u", 0)
+        assert watch.span(free, 100, 150, 90_000) == 100 + NOTE_SPAN
+        await watch.note({free: (100, 100 + NOTE_SPAN)})
+        await watch.note({free: (150, 400)})
+        assert group.notes[1:] == [{free: (100, 100 + NOTE_SPAN)}]
+        await watch.note({a: (12, 13)})  # careful: always sent
+        await watch.note({a: (12, 13)})
+        assert group.notes[2:] == [{a: (12, 13)}, {a: (12, 13)}]
+        # past the range, the suspect is forgotten; an empty poll clears without waiting
+        assert watch.cap(a, 20) is None and a not in watch.suspects
+        await watch.note({})
+        assert len(spawned) == 1
+        await spawned.pop()
+        assert group.notes[-1] == {}
+        watch.assigned()
+        await watch.learn({a})
+        assert set(watch.suspects) == {a}
+
+    asyncio.run(run())

@@ -50,6 +50,14 @@ Theory of operation (``docs/groups.md`` has the full text):
   partition has parked offsets, an offset fetch with ``require_stable`` answers
   ``UNSTABLE_OFFSET_COMMIT`` (retriable) for it (KIP-447): a new owner of the partition never
   starts from an offset a transaction in flight is about to move.
+* **Crashes on a record** (``ConsumerProgress``, ``docs/retries.md``). A member with retries
+  names, before handing records out, the offsets it is about to process; they are kept in
+  memory with the member, each note replacing the last. When the member's *session expires*
+  (a kill -9, an OOM: not a leave, not a rebalance) the ranges it had in flight become
+  *suspects* of the group, persisted with its state: a range that lies inside the partition's
+  suspect already counts one crash more, any other starts at one. Every note is answered
+  with the group's suspects, so the partition's next owner learns them; a note past a
+  suspect's end clears it.
 """
 
 from __future__ import annotations
@@ -93,6 +101,7 @@ from storage.metadata.groups import (
     GroupTxnState,
     MemberRecord,
     PendingTxnOffsets,
+    SuspectRecord,
     TopicCommits,
     b64,
     unb64,
@@ -139,6 +148,8 @@ class Member:
     join: asyncio.Future[m.JoinGroupResponse] | None = None
     sync: asyncio.Future[m.SyncGroupResponse] | None = None
     filter: str | None = None  # the subscription's filter (canonical text); None: all records
+    #: (topic, partition) -> [first, end) offsets it said it is processing (ConsumerProgress)
+    inflight: dict[tuple[str, int], tuple[int, int]] = field(default_factory=dict)
 
     def record(self) -> MemberRecord:
         return MemberRecord(
@@ -179,6 +190,9 @@ class Group:
     #: transactional offsets not yet settled, marker tokens (``/groups/<g>/txn``) and version
     txn: GroupTxnState = field(default_factory=lambda: GroupTxnState({}, {}))
     txn_version: int = -1
+    #: (topic, partition) -> (first, end, crashes, pinned): offsets in flight when members
+    #: crashed; pinned: the last crash had that one record in flight and nothing else
+    suspects: dict[tuple[str, int], tuple[int, int, int, bool]] = field(default_factory=dict)
 
     def unstable(self) -> set[tuple[str, int]]:
         """Partitions with transactional offsets waiting for their transaction's marker."""
@@ -202,6 +216,12 @@ class Group:
             leader=self.leader,
             members=[mb.record() for mb in self.members.values()],
             updated_ms=int(time.time() * 1000),
+            suspects=[
+                SuspectRecord(
+                    topic=t, partition=p, first_offset=a, end_offset=b, crashes=n, pinned=pin
+                )
+                for (t, p), (a, b, n, pin) in self.suspects.items()
+            ],
         )
 
 
@@ -221,6 +241,10 @@ class GroupSummary:
     protocol_type: str
     protocol: str
     members: list[MemberSummary]
+
+
+#: most suspects a group keeps, and most partitions one progress note names
+MAX_SUSPECTS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +318,10 @@ class GroupCoordinator:
             group.protocol_type = record.protocol_type
             group.protocol = record.protocol
             group.leader = record.leader
+            group.suspects = {
+                (r.topic, r.partition): (r.first_offset, r.end_offset, r.crashes, r.pinned)
+                for r in record.suspects
+            }
             for mr in record.members:
                 group.members[mr.member_id] = Member(
                     mr.member_id,
@@ -374,6 +402,7 @@ class GroupCoordinator:
         ]
         for mb in expired:
             log.info("group %s: member %s expired", group.group_id, mb.member_id)
+            self._crashed(group, mb)
             await self._remove(group, mb, UnknownMemberIdError("session expired"))
         if group.phase == Phase.PREPARING_REBALANCE:
             await self._maybe_complete_join(group)
@@ -436,7 +465,9 @@ class GroupCoordinator:
                 f" with filter {req.filter!r} cannot join it (one subscription per group)"
             )
         if member is None and static is not None:
-            # a static member back under a new member id: it takes the old one's place
+            # a static member back under a new member id: it takes the old one's place (the
+            # old process is gone: what it had in flight counts as a crash)
+            self._crashed(group, static)
             old_id = static.member_id
             new_id = f"{req.group_instance_id}-{uuid.uuid4().hex[:12]}"
             for fut in (static.join, static.sync):
@@ -472,6 +503,7 @@ class GroupCoordinator:
             group.members[member.member_id] = member
             group.protocol_type = req.protocol_type
         member.protocols = protocols
+        member.inflight = {}  # alive and rejoining: nothing it had in flight crashed
         member.filter = req.filter
         member.session_timeout_ms = req.session_timeout_ms
         member.rebalance_timeout_ms = req.rebalance_timeout_ms
@@ -677,6 +709,58 @@ class GroupCoordinator:
             return m.HeartbeatResponse(0)
         except StrataError as exc:
             return m.HeartbeatResponse(exc.code)
+
+    # ---- progress, and crashes on a record --------------------------------------------------
+    async def consumer_progress(self, req: m.ConsumerProgressRequest) -> m.ConsumerProgressResponse:
+        try:
+            group = await self._group(req.group_id)
+            member = self._member(group, req.member_id, None, req.generation_id)
+            inflight: dict[tuple[str, int], tuple[int, int]] = {}
+            for t in req.topics:
+                for p in t.partitions:
+                    if not 0 <= p.first_offset < p.end_offset:
+                        raise InvalidRequestError(
+                            f"progress range [{p.first_offset}, {p.end_offset}) of"
+                            f" {t.name}-{p.partition} is empty or negative"
+                        )
+                    inflight[(t.name, p.partition)] = (p.first_offset, p.end_offset)
+            if len(inflight) > MAX_SUSPECTS:
+                raise InvalidRequestError(f"a progress note names over {MAX_SUSPECTS} partitions")
+            for tp, (first, _) in inflight.items():
+                suspect = group.suspects.get(tp)
+                if suspect is not None and first >= suspect[1]:
+                    del group.suspects[tp]  # past it (persisted with the next write)
+            member.inflight = inflight
+            suspects = [
+                m.Suspect(t, p, a, b, n, int(pin))
+                for (t, p), (a, b, n, pin) in group.suspects.items()
+            ]
+            return m.ConsumerProgressResponse(0, suspects)
+        except StrataError as exc:
+            return m.ConsumerProgressResponse(exc.code, [])
+
+    def _crashed(self, group: Group, member: Member) -> None:
+        """``member``'s session expired: what it had in flight counts one crash."""
+        alone = len(member.inflight) == 1
+        for tp, (first, end) in member.inflight.items():
+            old = group.suspects.pop(tp, None)
+            crashes = 1
+            if old is not None and old[0] <= first and end <= old[1]:
+                crashes = old[2] + 1  # narrowed down (or the same range again)
+            group.suspects[tp] = (first, end, crashes, alone and end - first == 1)
+            log.warning(
+                "group %s: member %s died processing %s-%d offsets [%d, %d) (crash %d there)",
+                group.group_id,
+                member.member_id,
+                tp[0],
+                tp[1],
+                first,
+                end,
+                crashes,
+            )
+        member.inflight = {}
+        while len(group.suspects) > MAX_SUSPECTS:  # the oldest go first
+            del group.suspects[next(iter(group.suspects))]
 
     async def leave_group(self, req: m.LeaveGroupRequest) -> m.LeaveGroupResponse:
         try:
@@ -1079,6 +1163,7 @@ class GroupCoordinator:
             m.ApiKey.OFFSET_COMMIT: self.offset_commit,
             m.ApiKey.OFFSET_FETCH: self.offset_fetch,
             m.ApiKey.TXN_OFFSET_COMMIT: self.txn_offset_commit,
+            m.ApiKey.CONSUMER_PROGRESS: self.consumer_progress,
         }
 
     async def close(self) -> None:

@@ -18,7 +18,8 @@ Fetch / OffsetForLeaderEpoch  from a replica: a super user (agents are listed in
 ListOffsets                 Describe on the topic (per partition)
 FindCoordinator             Describe on the group (or the transactional id)
 Join/Sync/Heartbeat/Leave,  Read on the group (GROUP_AUTHORIZATION_FAILED for the request)
-OffsetCommit, OffsetFetch
+OffsetCommit, OffsetFetch,
+ConsumerProgress
 InitProducerId              Write on the transactional id, when it names one
 AddPartitionsToTxn, EndTxn, Write on the transactional id (TRANSACTIONAL_ID_AUTHORIZATION_FAILED)
 AddOffsetsToTxn,            (and Read on the group for the last two)
@@ -256,6 +257,9 @@ class GuardedGroups:
     async def leave_group(self, req: Any, *a: Any) -> Any:
         return await self._group("leave_group")(req, *a)
 
+    async def consumer_progress(self, req: Any, *a: Any) -> Any:
+        return await self._group("consumer_progress")(req, *a)
+
     async def offset_commit(self, req: Any, *a: Any) -> Any:
         return await self._group("offset_commit")(req, *a)
 
@@ -309,6 +313,7 @@ class Guard:
                 m.ApiKey.SYNC_GROUP: self.groups.sync_group,
                 m.ApiKey.HEARTBEAT: self.groups.heartbeat,
                 m.ApiKey.LEAVE_GROUP: self.groups.leave_group,
+                m.ApiKey.CONSUMER_PROGRESS: self.groups.consumer_progress,
                 m.ApiKey.OFFSET_COMMIT: self.groups.offset_commit,
                 m.ApiKey.OFFSET_FETCH: self.groups.offset_fetch,
                 m.ApiKey.TXN_OFFSET_COMMIT: self.groups.txn_offset_commit,

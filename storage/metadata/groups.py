@@ -108,6 +108,21 @@ class MemberRecord(BaseModel):
     """The subscription's filter (canonical text, ``storage.filters``); None: every record."""
 
 
+class SuspectRecord(BaseModel):
+    """Offsets of a partition that were being processed when a member's session expired
+    (``docs/retries.md``, "Poison messages and crashes"), and how many such crashes."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    topic: str
+    partition: int = Field(ge=0)
+    first_offset: int = Field(ge=0)
+    end_offset: int = Field(ge=0)
+    crashes: int = Field(ge=1)
+    pinned: bool = False
+    """The last crash had this one record in flight, and nothing else."""
+
+
 class GroupRecord(BaseModel):
     """``/groups/<group>/state``: what a new coordinator needs to take the group over."""
 
@@ -123,6 +138,7 @@ class GroupRecord(BaseModel):
     leader: str | None = None
     members: list[MemberRecord] = Field(default_factory=list)
     updated_ms: int = 0
+    suspects: list[SuspectRecord] = Field(default_factory=list)
 
 
 def b64(data: bytes | memoryview | None) -> str:

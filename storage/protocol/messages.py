@@ -59,6 +59,8 @@ class ApiKey(enum.IntEnum):
     END_TXN = 26
     WRITE_TXN_MARKERS = 27
     TXN_OFFSET_COMMIT = 28
+    # Strata's own, outside Kafka's numbers
+    CONSUMER_PROGRESS = 1000  # what a group member is processing (docs/retries.md, crashes)
 
 
 LATEST_TIMESTAMP = -1
@@ -687,6 +689,65 @@ class OffsetFetchResponse(Message):
     SCHEMA = (("error_code", INT16), ("topics", Array(struct_of(OffsetFetchTopicResult))))
 
 
+# ---- ConsumerProgress (docs/retries.md, "Poison messages and crashes") ---------------------------
+# A member with retries says, before handing records out, which offsets of which partitions
+# it is about to process; the coordinator keeps that in memory and, if the member's session
+# expires (a crash, not a leave), counts one crash against those ranges ("suspects", kept
+# with the group). The answer lists the group's suspects, so a new owner learns them.
+@dataclass(slots=True)
+class ProgressPartition(Message):
+    partition: int
+    first_offset: int
+    end_offset: int  # exclusive
+    SCHEMA = (("partition", INT32), ("first_offset", INT64), ("end_offset", INT64))
+
+
+@dataclass(slots=True)
+class ProgressTopic(Message):
+    name: str
+    partitions: list[ProgressPartition]
+    SCHEMA = (("name", STRING), ("partitions", Array(struct_of(ProgressPartition))))
+
+
+@dataclass(slots=True)
+class ConsumerProgressRequest(Message):
+    group_id: str
+    generation_id: int
+    member_id: str
+    topics: list[ProgressTopic]  # in flight now: every range of an earlier note is done
+    SCHEMA = (
+        ("group_id", STRING),
+        ("generation_id", INT32),
+        ("member_id", STRING),
+        ("topics", Array(struct_of(ProgressTopic))),
+    )
+
+
+@dataclass(slots=True)
+class Suspect(Message):
+    topic: str
+    partition: int
+    first_offset: int
+    end_offset: int
+    crashes: int  # sessions that expired while these offsets were in flight
+    pinned: int  # 1: the last crash had this one record in flight and nothing else
+    SCHEMA = (
+        ("topic", STRING),
+        ("partition", INT32),
+        ("first_offset", INT64),
+        ("end_offset", INT64),
+        ("crashes", INT32),
+        ("pinned", INT8),
+    )
+
+
+@dataclass(slots=True)
+class ConsumerProgressResponse(Message):
+    error_code: int
+    suspects: list[Suspect]
+    SCHEMA = (("error_code", INT16), ("suspects", Array(struct_of(Suspect))))
+
+
 # ---- Transactions (docs/transactions.md) -------------------------------------------------------
 # Producer side: InitProducerId, AddPartitionsToTxn, AddOffsetsToTxn and EndTxn go to the
 # transaction coordinator (FindCoordinator with key_type 1), TxnOffsetCommit to the group's
@@ -973,5 +1034,6 @@ APIS: dict[int, Api] = {
         Api(ApiKey.END_TXN, EndTxnRequest, EndTxnResponse),
         Api(ApiKey.WRITE_TXN_MARKERS, WriteTxnMarkersRequest, WriteTxnMarkersResponse),
         Api(ApiKey.TXN_OFFSET_COMMIT, TxnOffsetCommitRequest, TxnOffsetCommitResponse),
+        Api(ApiKey.CONSUMER_PROGRESS, ConsumerProgressRequest, ConsumerProgressResponse),
     )
 }
