@@ -434,6 +434,7 @@ class Cluster:
         request_timeout: float | None = None,
         expect_response: bool = True,
         channel: str = "",
+        on_sent: Callable[[], None] | None = None,
     ) -> Any:
         """One request to one agent; network trouble also asks for fresh metadata.
 
@@ -445,7 +446,10 @@ class Cluster:
         try:
             conn = await self.connection_for(agent_id, channel)
             return await conn.request(
-                body, request_timeout=request_timeout, expect_response=expect_response
+                body,
+                request_timeout=request_timeout,
+                expect_response=expect_response,
+                on_sent=on_sent,
             )
         except (NetworkError, RequestTimedOutError):
             self.request_update()

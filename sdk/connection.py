@@ -186,11 +186,13 @@ class Connection:
         *,
         request_timeout: float | None = None,
         expect_response: bool = True,
+        on_sent: Callable[[], None] | None = None,
     ) -> Any:
         """Send ``body`` and return the decoded response body (None if none is expected).
 
         ``request_timeout`` (seconds, default ``request.timeout.ms``) covers waiting for a free
-        in-flight slot, writing and the answer.
+        in-flight slot, writing and the answer. ``on_sent`` is called once the whole request
+        has been handed to the socket.
         """
         api_key = _API_KEY[type(body)]
         limit = self.request_timeout if request_timeout is None else request_timeout
@@ -199,7 +201,7 @@ class Connection:
         try:
             async with asyncio.timeout(limit):
                 async with self._sem:
-                    frame = await self._exchange(api_key, body, expect_response)
+                    frame = await self._exchange(api_key, body, expect_response, on_sent)
         except TimeoutError:
             exc = RequestTimedOutError(
                 f"{type(body).__name__} to {self.host}:{self.port} got no response within "
@@ -217,7 +219,13 @@ class Connection:
             raise error
         return _RESPONSE[api_key].decode(frame.body)
 
-    async def _exchange(self, api_key: int, body: Message, expect_response: bool) -> Any:
+    async def _exchange(
+        self,
+        api_key: int,
+        body: Message,
+        expect_response: bool,
+        on_sent: Callable[[], None] | None = None,
+    ) -> Any:
         if self._closed is not None:
             raise self._closed_error()
         stream = self._stream
@@ -240,6 +248,8 @@ class Connection:
         except OSError as exc:
             self._fail(NetworkError(f"writing to {self.host}:{self.port} failed: {exc}"))
             raise self._closed_error() from None
+        if on_sent is not None:
+            on_sent()
         if fut is None:
             return None
         try:

@@ -1145,7 +1145,7 @@ class Consumer:
             remaining = deadline - self._clock()
             if remaining <= 0:
                 if crashes is not None:
-                    await crashes.note({})  # the last records handed out are done
+                    await crashes.note({}, self._state_position)  # what it had is done
                 return {}
             await self._wait_changed(remaining)
             self._check_running()
@@ -1170,8 +1170,8 @@ class Consumer:
                 continue
             st = self._states[tp]
             assert st.position is not None
-            ranges[tp] = (first, crashes.span(tp, first, st.position, st.high_watermark))
-        await crashes.note(ranges)
+            ranges[tp] = (first, st.position)
+        await crashes.note(ranges, self._state_position)
         return got
 
     def _state_position(self, tp: TopicPartition) -> int | None:
@@ -1191,9 +1191,11 @@ class Consumer:
             tps = tps[start:] + tps[:start]
         if crashes is not None:
             careful = [tp for tp in tps if crashes.careful(tp, self._state_position(tp))]
-            if careful:  # one record in all, so that a crash names it (sdk.crashes)
-                ready = [tp for tp in careful if self._states[tp].buffered is not None]
+            ready = [tp for tp in careful if self._states[tp].buffered is not None]
+            if ready:  # one record in all, so that a crash names it (sdk.crashes)
                 tps, limit = ready[:1], 1
+            elif careful:  # none to hand out there yet: the other partitions go on
+                tps = [tp for tp in tps if tp not in careful]
         for tp in tps:
             st = self._states.get(tp)
             if st is None or st.paused:

@@ -18,22 +18,26 @@ The owner of a partition with a suspect [first, end):
   that one record (its count then includes the crash of the range it was found in: the
   records before it in that range were just processed without one);
 * a record a crash *pinned* (the dead member had that one record in flight and nothing
-  else), with ``n`` crashes, is not handed out: it is written as a failure record, its attempt counted ``n`` times
-  (``Retrier.submit(crashes=n)``), and takes the retry path: back after the policy's backoff,
-  to the dead-letter topic after ``max_attempts``. A poison record therefore costs at most
-  ``max_attempts + 1`` crashes, each detected within one session timeout.
+  else), with ``n`` crashes, is not handed out: it is written as a failure record, its
+  attempt counted ``n`` times (``Retrier.submit(crashes=n)``), and takes the retry path:
+  back after the policy's backoff, to the dead-letter topic after ``max_attempts``. A
+  poison record therefore costs at most ``max_attempts + 1`` crashes, each detected within
+  one session timeout.
 
-A note must have reached the coordinator before the records are processed (a process
-killed right after handing them out may never run another line), so notes are awaited: one
-round trip to the coordinator. To keep that off most polls, a note outside a suspect names
-more than the poll hands out, up to the partition's high watermark and at most ``NOTE_SPAN``
-offsets ahead, and a poll whose records lie inside what was last noted sends none; a crash
-then blames a wider range, which costs only the careful pass above. An empty poll (the
-application asked for more: what it had is done) clears the note without waiting.
+A note must be on its way before the records are processed (a process killed right after
+handing them out may never run another line): the poll waits until the note is in the
+socket, which the kernel delivers even if the process dies next; only a note of a suspect's
+record also waits for the coordinator's answer. To keep notes off most polls, a note names
+more than the poll hands out (``NOTE_SPAN`` offsets ahead of it) and keeps naming the other
+partitions of the last note from their position on; a poll whose records lie inside what
+was last noted sends none. A crash then blames wider ranges, which costs only the careful
+pass above (one round trip per record). An empty poll (the application asked for more: what
+it had is done) clears the note without waiting.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Collection, Coroutine, Mapping
 from typing import Any
@@ -46,7 +50,7 @@ log = logging.getLogger(__name__)
 
 Suspects = dict[TopicPartition, tuple[int, int, int, bool]]
 #: how far past its first offset one note may name a partition's offsets as in flight
-NOTE_SPAN = 10_000
+NOTE_SPAN = 2_000
 
 
 class CrashWatch:
@@ -99,16 +103,23 @@ class CrashWatch:
         del self.suspects[tp]
         return s[2]
 
-    def span(self, tp: TopicPartition, first: int, end: int, high_watermark: int) -> int:
-        """The end to note for records [first, end) handed out: exactly ``end`` in a
-        suspect's range, else as far as the high watermark, ``NOTE_SPAN`` at most."""
-        if tp in self.suspects:
-            return end
-        return max(end, min(high_watermark, first + NOTE_SPAN))
+    async def note(
+        self,
+        ranges: Mapping[TopicPartition, tuple[int, int]],
+        position_of: Callable[[TopicPartition], int | None],
+    ) -> None:
+        """Say what is in flight now (awaited): ``ranges`` holds the records [first, end)
+        handed out per partition. Nothing is sent if the last note covers them and none is
+        a suspect's; an empty ``ranges`` clears the last note without waiting. A note names
+        exactly [first, end) of a suspect's record, else ``NOTE_SPAN`` offsets ahead (what
+        may be handed out next, so the polls after it need no note).
 
-    async def note(self, ranges: Mapping[TopicPartition, tuple[int, int]]) -> None:
-        """Say what is in flight now (awaited), unless the last note covers it and none is
-        a suspect's; an empty ``ranges`` clears the last note without waiting."""
+        A note replaces the last one at the coordinator, so it also names the other
+        partitions of the last one, from their position on (``position_of``: where their
+        next hand-out starts; everything before it is done) and ``NOTE_SPAN`` ahead again.
+        So polls that take turns among partitions are covered, and a note is needed about
+        once per ``NOTE_SPAN`` offsets of a partition. A note of a suspect's record names
+        that record alone."""
         if not self.enabled:
             return
         if not ranges:
@@ -123,15 +134,53 @@ class CrashWatch:
             for tp, (first, end) in ranges.items()
         ):
             return
-        self._noted = dict(ranges)
-        await self._note(ranges)
+        merged: dict[TopicPartition, tuple[int, int]] = {}
+        if careful:
+            merged = dict(ranges)
+        else:
+            for tp, (first, end) in noted.items():
+                position = position_of(tp)
+                if tp not in ranges and position is not None:
+                    merged[tp] = (max(first, position), max(end, position + NOTE_SPAN))
+            for tp, (first, end) in ranges.items():
+                merged[tp] = (first, max(end, first + NOTE_SPAN))
+        self._noted = merged
+        if careful:
+            await self._note(merged)  # the answer too: the record is then known to be in flight
+        else:
+            await self._out(merged)
 
-    async def _send_off(self, ranges: dict[TopicPartition, tuple[int, int]]) -> None:
-        await self._note(ranges)
+    async def _out(self, ranges: dict[TopicPartition, tuple[int, int]]) -> None:
+        """Send a note and wait only until it is in the socket (not for the answer): a
+        process killed after that still delivers it (the kernel sends what it was given)."""
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
-    async def _note(self, ranges: Mapping[TopicPartition, tuple[int, int]]) -> Suspects | None:
+        def sent() -> None:
+            if not written.done():
+                written.set_result(None)
+
+        task = self._spawn(self._send_off(ranges, sent), "strata-consumer-progress")
+        await asyncio.wait([written, task], return_when=asyncio.FIRST_COMPLETED)
+        if not written.done():
+            written.cancel()
+
+    async def _send_off(
+        self,
+        ranges: dict[TopicPartition, tuple[int, int]],
+        on_sent: Callable[[], None] | None = None,
+    ) -> None:
         try:
-            return await self.group.progress(ranges)
+            await self._note(ranges, on_sent)
+        except Exception:  # a side channel: never the consumer's end (a bug, logged)
+            log.exception("a progress note failed")
+
+    async def _note(
+        self,
+        ranges: Mapping[TopicPartition, tuple[int, int]],
+        on_sent: Callable[[], None] | None = None,
+    ) -> Suspects | None:
+        try:
+            return await self.group.progress(ranges, on_sent)
         except UnsupportedVersionError:
             log.warning("the group coordinator does not count crashes (an older agent)")
             self.enabled = False

@@ -71,6 +71,9 @@ log = logging.getLogger(__name__)
 #: the group's requests go on a connection of their own (``Cluster.send``): a JoinGroup waits
 #: at the coordinator until the rebalance completes, and must not hold up the fetches' answers
 GROUP_CHANNEL = "group"
+#: progress notes (sdk.crashes) on a connection of their own: the agent answers a connection's
+#: requests in order, and an offset commit waits there for its ZooKeeper write
+PROGRESS_CHANNEL = "progress"
 
 _REDISCOVER = (
     NotCoordinatorError,
@@ -194,7 +197,14 @@ class GroupClient:
             await asyncio.sleep(min(0.05 * 2**attempt, 1.0))
             attempt += 1
 
-    async def _send(self, body: Any, *, request_timeout: float | None = None) -> Any:
+    async def _send(
+        self,
+        body: Any,
+        *,
+        request_timeout: float | None = None,
+        channel: str = GROUP_CHANNEL,
+        on_sent: Callable[[], None] | None = None,
+    ) -> Any:
         """One request to the coordinator, finding it (again) on the way when needed."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.request_timeout_ms / 1000
@@ -204,7 +214,11 @@ class GroupClient:
             assert self.coordinator is not None
             try:
                 return await self.cluster.send(
-                    self.coordinator, body, request_timeout=request_timeout, channel=GROUP_CHANNEL
+                    self.coordinator,
+                    body,
+                    request_timeout=request_timeout,
+                    channel=channel,
+                    on_sent=on_sent,
                 )
             except StrataError as exc:
                 if not isinstance(exc, _REDISCOVER) and not exc.retriable:
@@ -271,7 +285,9 @@ class GroupClient:
             raise err
 
     async def progress(
-        self, ranges: Mapping[TopicPartition, tuple[int, int]]
+        self,
+        ranges: Mapping[TopicPartition, tuple[int, int]],
+        on_sent: Callable[[], None] | None = None,
     ) -> dict[TopicPartition, tuple[int, int, int, bool]] | None:
         """Tell the coordinator which offsets this member is about to process (``ranges``:
         [first, end) per partition; every earlier note is done); returns the group's
@@ -292,7 +308,10 @@ class GroupClient:
             [m.ProgressTopic(t, ps) for t, ps in topics.items()],
         )
         resp: m.ConsumerProgressResponse = await self._send(
-            req, request_timeout=self.config.request_timeout_ms / 1000
+            req,
+            request_timeout=self.config.request_timeout_ms / 1000,
+            channel=PROGRESS_CHANNEL,
+            on_sent=on_sent,
         )
         if resp.error_code:
             err = from_wire(resp.error_code, f"progress note (group {self.group_id!r})")

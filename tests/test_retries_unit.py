@@ -92,16 +92,24 @@ class _Group:
         self.suspects = suspects
         self.notes: list[dict[TopicPartition, tuple[int, int]]] = []
 
-    async def progress(self, ranges: dict[TopicPartition, tuple[int, int]]) -> Any:
+    async def progress(self, ranges: dict[TopicPartition, tuple[int, int]], on_sent: Any) -> Any:
         self.notes.append(dict(ranges))
+        if on_sent is not None:
+            on_sent()
+        await asyncio.sleep(0)  # the answer comes later
         return self.suspects
 
 
 def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinned_records() -> None:
     a, b, c = TopicPartition("t", 0), TopicPartition("t", 1), TopicPartition("t", 2)
     group = _Group({a: (10, 20, 1, False), b: (7, 8, 2, True), c: (3, 4, 1, False)})
-    spawned: list[Any] = []
-    watch = CrashWatch(group, lambda coro, name: spawned.append(coro))  # type: ignore[arg-type]
+    spawned: list[asyncio.Task[None]] = []
+
+    def spawn(coro: Any, name: str) -> asyncio.Task[None]:
+        spawned.append(asyncio.ensure_future(coro))
+        return spawned[-1]
+
+    watch = CrashWatch(group, spawn)  # type: ignore[arg-type]
 
     async def run() -> None:
         await watch.learn({a, b, c})
@@ -117,20 +125,25 @@ def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinne
         assert watch.crashes_of(b, 7, 1) == 2 and b not in watch.suspects
         # notes: a suspect's range is exact and awaited; others reach ahead and are skipped
         # while covered
-        assert watch.span(a, 12, 13, 500) == 13
         free = TopicPartition("u", 0)
-        assert watch.span(free, 100, 150, 90_000) == 100 + NOTE_SPAN
-        await watch.note({free: (100, 100 + NOTE_SPAN)})
-        await watch.note({free: (150, 400)})
+        positions: dict[TopicPartition, int] = {}
+        await watch.note({free: (100, 150)}, positions.get)
+        await watch.note({free: (150, 400)}, positions.get)
         assert group.notes[1:] == [{free: (100, 100 + NOTE_SPAN)}]
-        await watch.note({a: (12, 13)})  # careful: always sent
-        await watch.note({a: (12, 13)})
-        assert group.notes[2:] == [{a: (12, 13)}, {a: (12, 13)}]
+        # another partition's records: noted with what is left of the last note
+        other = TopicPartition("u", 1)
+        positions[free] = 400
+        await watch.note({other: (0, 50)}, positions.get)
+        assert group.notes[2] == {free: (400, 400 + NOTE_SPAN), other: (0, NOTE_SPAN)}
+        await watch.note({free: (400, 450)}, positions.get)  # covered: taking turns
+        assert len(group.notes) == 3
+        await watch.note({a: (12, 13)}, positions.get)  # a suspect's: exact, always sent
+        await watch.note({a: (12, 13)}, positions.get)
+        assert group.notes[3:] == [{a: (12, 13)}, {a: (12, 13)}]
         # past the range, the suspect is forgotten; an empty poll clears without waiting
         assert watch.cap(a, 20) is None and a not in watch.suspects
-        await watch.note({})
-        assert len(spawned) == 1
-        await spawned.pop()
+        await watch.note({}, positions.get)
+        await asyncio.gather(*spawned)
         assert group.notes[-1] == {}
         watch.assigned()
         await watch.learn({a})
