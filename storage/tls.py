@@ -174,8 +174,8 @@ def _written(
     for setting, text in zip(INLINE_PEM.values(), (certificate_chain, key, ca), strict=True):
         if text is None:
             continue
-        path = os.path.join(directory, f"{setting}.pem")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        # mkstemp: a new file (O_EXCL), mode 0600; not the data directory (no fileio seam)
+        fd, path = tempfile.mkstemp(dir=directory, prefix=f"{setting}-", suffix=".pem")
         with os.fdopen(fd, "w") as f:
             f.write(text if text.endswith("\n") else text + "\n")
         out.append((setting, path))
