@@ -7,8 +7,8 @@ was. So a consumer with retries tells its group coordinator, before it hands rec
 which offsets it is about to process (``ConsumerProgress``: [first, end) per partition, each
 note replacing the last; an empty poll says nothing is in flight). If the member's session
 then expires, the coordinator counts one crash against those ranges and keeps them, with the
-group, as *suspects*; every note is answered with the group's suspects, so whoever owns the
-partition next learns them (the first note after each assignment is awaited for that).
+group, as *suspects*. Whoever owns the partition next learns them: the first note after each
+assignment asks for the suspects of the partitions assigned, and is awaited for that.
 
 The owner of a partition with a suspect [first, end):
 
@@ -64,18 +64,22 @@ class CrashWatch:
         self.suspects: Suspects = {}
         self.enabled = True  # off against agents that do not serve ConsumerProgress
         self._stale = True  # learn the suspects before handing anything out
+        self._assignments = 0  # assignments seen (one coming while learning: learn again)
         self._noted: dict[TopicPartition, tuple[int, int]] = {}  # what the last note said
 
     def assigned(self) -> None:
         """A new assignment: learn the suspects again before the next hand-out."""
         self._stale = True
+        self._assignments += 1
 
     async def learn(self, owned: Collection[TopicPartition]) -> None:
+        """Ask for the suspects of ``owned`` (the partitions assigned), unless known."""
         if not self._stale or not self.enabled:
             return
-        got = await self._note({})
-        if got is not None:
-            self.suspects = {tp: s for tp, s in got.items() if tp in owned}
+        seen, asked = self._assignments, set(owned)
+        got = await self._note({}, asked=asked)
+        if got is not None and seen == self._assignments:
+            self.suspects = {tp: s for tp, s in got.items() if tp in asked}
             self._stale = False
 
     def cap(self, tp: TopicPartition, position: int | None) -> int | None:
@@ -178,9 +182,10 @@ class CrashWatch:
         self,
         ranges: Mapping[TopicPartition, tuple[int, int]],
         on_sent: Callable[[], None] | None = None,
+        asked: Collection[TopicPartition] = (),
     ) -> Suspects | None:
         try:
-            return await self.group.progress(ranges, on_sent)
+            return await self.group.progress(ranges, on_sent, asked)
         except UnsupportedVersionError:
             log.warning("the group coordinator does not count crashes (an older agent)")
             self.enabled = False

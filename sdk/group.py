@@ -39,7 +39,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -288,24 +288,29 @@ class GroupClient:
         self,
         ranges: Mapping[TopicPartition, tuple[int, int]],
         on_sent: Callable[[], None] | None = None,
+        asked: Collection[TopicPartition] = (),
     ) -> dict[TopicPartition, tuple[int, int, int, bool]] | None:
         """Tell the coordinator which offsets this member is about to process (``ranges``:
         [first, end) per partition; every earlier note is done); returns the group's
-        suspects (offsets in flight when members crashed, and how often), or None when the
-        note was not taken (no generation yet, a rebalance, the coordinator moving). A suspect
-        is (first, end, crashes, pinned): pinned when its last crash had that one record in
-        flight and nothing else.
+        suspects among the ``asked`` partitions (offsets in flight when members crashed, and
+        how often), or None when the note was not taken (no generation yet, a rebalance, the
+        coordinator moving). A suspect is (first, end, crashes, pinned): pinned when its last
+        crash had that one record in flight and nothing else.
         ``docs/retries.md``, "Poison messages and crashes"."""
         if not self.member_id or self.generation == m.NO_GENERATION:
             return None
         topics: dict[str, list[m.ProgressPartition]] = {}
         for tp, (first, end) in ranges.items():
             topics.setdefault(tp.topic, []).append(m.ProgressPartition(tp.partition, first, end))
+        wanted: dict[str, list[int]] = {}
+        for tp in asked:
+            wanted.setdefault(tp.topic, []).append(tp.partition)
         req = m.ConsumerProgressRequest(
             self.group_id,
             self.generation,
             self.member_id,
             [m.ProgressTopic(t, ps) for t, ps in topics.items()],
+            [m.AskedTopic(t, ps) for t, ps in wanted.items()],
         )
         resp: m.ConsumerProgressResponse = await self._send(
             req,

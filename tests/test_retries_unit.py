@@ -91,13 +91,17 @@ class _Group:
     def __init__(self, suspects: dict[TopicPartition, tuple[int, int, int, bool]]) -> None:
         self.suspects = suspects
         self.notes: list[dict[TopicPartition, tuple[int, int]]] = []
+        self.asked: list[set[TopicPartition]] = []
 
-    async def progress(self, ranges: dict[TopicPartition, tuple[int, int]], on_sent: Any) -> Any:
+    async def progress(
+        self, ranges: dict[TopicPartition, tuple[int, int]], on_sent: Any, asked: Any = ()
+    ) -> Any:
         self.notes.append(dict(ranges))
+        self.asked.append(set(asked))
         if on_sent is not None:
             on_sent()
         await asyncio.sleep(0)  # the answer comes later
-        return self.suspects
+        return {tp: s for tp, s in self.suspects.items() if tp in self.asked[-1]}
 
 
 def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinned_records() -> None:
@@ -113,7 +117,8 @@ def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinne
 
     async def run() -> None:
         await watch.learn({a, b, c})
-        assert group.notes == [{}] and set(watch.suspects) == {a, b, c}
+        assert group.notes == [{}] and group.asked == [{a, b, c}]
+        assert set(watch.suspects) == {a, b, c}
         await watch.learn({a, b, c})  # learnt: no note until the next assignment
         assert len(group.notes) == 1
         # before the range: as usual, up to its start; inside: one record
@@ -147,6 +152,7 @@ def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinne
         assert group.notes[-1] == {}
         watch.assigned()
         await watch.learn({a})
-        assert set(watch.suspects) == {a}
+        assert group.asked[-1] == {a} and set(watch.suspects) == {a}
+        assert all(not asked for asked in group.asked[1:-1])  # only a learning note asks
 
     asyncio.run(run())

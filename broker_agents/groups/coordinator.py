@@ -715,6 +715,10 @@ class GroupCoordinator:
         try:
             group = await self._group(req.group_id)
             member = self._member(group, req.member_id, None, req.generation_id)
+            named = sum(len(t.partitions) for t in req.topics)
+            asked = sum(len(t.partitions) for t in req.asked)
+            if max(named, asked) > MAX_SUSPECTS:
+                raise InvalidRequestError(f"a progress note names over {MAX_SUSPECTS} partitions")
             inflight: dict[tuple[str, int], tuple[int, int]] = {}
             for t in req.topics:
                 for p in t.partitions:
@@ -724,16 +728,16 @@ class GroupCoordinator:
                             f" {t.name}-{p.partition} is empty or negative"
                         )
                     inflight[(t.name, p.partition)] = (p.first_offset, p.end_offset)
-            if len(inflight) > MAX_SUSPECTS:
-                raise InvalidRequestError(f"a progress note names over {MAX_SUSPECTS} partitions")
             for tp, (first, _) in inflight.items():
                 suspect = group.suspects.get(tp)
                 if suspect is not None and first >= suspect[1]:
                     del group.suspects[tp]  # past it (persisted with the next write)
             member.inflight = inflight
             suspects = [
-                m.Suspect(t, p, a, b, n, int(pin))
-                for (t, p), (a, b, n, pin) in group.suspects.items()
+                m.Suspect(t.name, p, *found[:3], int(found[3]))
+                for t in req.asked
+                for p in t.partitions
+                if (found := group.suspects.get((t.name, p))) is not None
             ]
             return m.ConsumerProgressResponse(0, suspects)
         except StrataError as exc:

@@ -18,7 +18,7 @@ no topic has it, for the partitions concerned, and never touches another incarna
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from storage.protocol.schema import (
@@ -710,16 +710,26 @@ class ProgressTopic(Message):
 
 
 @dataclass(slots=True)
+class AskedTopic(Message):
+    name: str
+    partitions: list[int]
+    SCHEMA = (("name", STRING), ("partitions", Array(INT32)))
+
+
+@dataclass(slots=True)
 class ConsumerProgressRequest(Message):
     group_id: str
     generation_id: int
     member_id: str
     topics: list[ProgressTopic]  # in flight now: every range of an earlier note is done
+    # the partitions whose suspects the member wants back (its assignment, when it learns them)
+    asked: list[AskedTopic] = field(default_factory=list)
     SCHEMA = (
         ("group_id", STRING),
         ("generation_id", INT32),
         ("member_id", STRING),
         ("topics", Array(struct_of(ProgressTopic))),
+        ("asked", Array(struct_of(AskedTopic))),
     )
 
 
