@@ -26,7 +26,10 @@ not return within ``invocation_timeout``, fails the whole batch.
 policy gives up on a partition, ``on_give_up`` decides what happens (the default keeps
 retrying at the longest backoff). With ``retry`` (``--retry``) the runner applies the
 group's retry policy instead: each failed record goes to the group's retry topic and the rest
-of the batch is committed (``docs/retries.md``).
+of the batch is committed (``docs/retries.md``). A record that kills the runner (kill -9, an
+OOM) counts as a failed attempt too, as for any consumer with ``retry.enable``
+(``sdk.crashes``): after a crash, the records the dead runner had in flight are invoked one at
+a time, with nothing else running, so that the next crash names its record.
 
 **Commits** run in the background, every partition that finished in one request, so a
 partition's next batch does not wait for the commit of its last; a failed commit is retried
@@ -252,6 +255,9 @@ class EventSourceRunner:
                     "fetch.max.wait.ms": cfg.fetch_max_wait_ms,
                     "session.timeout.ms": cfg.session_timeout_ms,
                     "heartbeat.interval.ms": max(100, cfg.session_timeout_ms // 5),
+                    # crash counting (sdk.crashes): a record that kills the runner is a
+                    # failed attempt of the function
+                    "retry.enable": cfg.retry,
                     **self._consumer_config,
                 },
             )
@@ -270,6 +276,12 @@ class EventSourceRunner:
             while not stop.is_set():
                 if len(tasks) >= cfg.concurrency:
                     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED, timeout=0.5)
+                    tasks = {t for t in tasks if not t.done()}
+                    continue
+                if tasks and consumer.crash_suspects:
+                    # records a crashed runner had in flight are invoked one at a time, with
+                    # nothing else running, so that a crash there names its record
+                    await asyncio.wait(tasks, timeout=cfg.invocation_timeout)
                     tasks = {t for t in tasks if not t.done()}
                     continue
                 batch = self._resume_due(consumer) or await self._gather(consumer, stop)
@@ -362,18 +374,23 @@ class EventSourceRunner:
         got = await consumer.getmany(timeout_ms=wait_ms, max_records=cfg.batch_size)
         if not got:
             return {}
+        held = self._retrier is not None
+        if held:  # in hand from now on: the polls below do not say it is done (sdk.crashes)
+            consumer.pause(*got)
         batch: dict[TopicPartition, list[ConsumerRecord]] = {
             tp: list(recs) for tp, recs in got.items()
         }
         count = sum(map(len, batch.values()))
         deadline = time.monotonic() + cfg.window_ms / 1000
-        while count < cfg.batch_size and not stop.is_set():
+        while count < cfg.batch_size and not stop.is_set() and not consumer.crash_suspects:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             more = await consumer.getmany(
                 timeout_ms=int(left * 1000), max_records=cfg.batch_size - count
             )
+            if held:
+                consumer.pause(*more)
             for tp, recs in more.items():
                 batch.setdefault(tp, []).extend(recs)
                 count += len(recs)

@@ -1144,8 +1144,8 @@ class Consumer:
                 return got
             remaining = deadline - self._clock()
             if remaining <= 0:
-                if crashes is not None:
-                    await crashes.note({}, self._state_position)  # what it had is done
+                if crashes is not None:  # what it had is done (but in paused partitions)
+                    await crashes.note({}, self._state_position, self._held)
                 return {}
             await self._wait_changed(remaining)
             self._check_running()
@@ -1171,12 +1171,28 @@ class Consumer:
             st = self._states[tp]
             assert st.position is not None
             ranges[tp] = (first, st.position)
-        await crashes.note(ranges, self._state_position)
+        await crashes.note(ranges, self._state_position, self._held)
         return got
 
     def _state_position(self, tp: TopicPartition) -> int | None:
         st = self._states.get(tp)
         return None if st is None or st.paused or st.error is not None else st.position
+
+    def _held(self, tp: TopicPartition) -> bool:
+        st = self._states.get(tp)
+        return st is not None and st.paused
+
+    @property
+    def crash_suspects(self) -> frozenset[TopicPartition]:
+        """Assigned partitions whose next records are handed out one per poll, because a
+        member of the group died while they were in flight (``retry.enable``; ``docs/
+        retries.md``, "Poison messages and crashes"). An application that processes records
+        concurrently, as the event-source runner does, finishes what it has in flight before
+        polling while this is not empty, so that a crash there names one record."""
+        crashes = self._crashes
+        if crashes is None or not crashes.enabled:
+            return frozenset()
+        return frozenset(tp for tp in crashes.suspects if tp in self._states)
 
     def _take(
         self, tps: list[TopicPartition], limit: int

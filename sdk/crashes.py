@@ -111,6 +111,7 @@ class CrashWatch:
         self,
         ranges: Mapping[TopicPartition, tuple[int, int]],
         position_of: Callable[[TopicPartition], int | None],
+        held: Callable[[TopicPartition], bool] = lambda tp: False,
     ) -> None:
         """Say what is in flight now (awaited): ``ranges`` holds the records [first, end)
         handed out per partition. Nothing is sent if the last note covers them and none is
@@ -123,13 +124,18 @@ class CrashWatch:
         next hand-out starts; everything before it is done) and ``NOTE_SPAN`` ahead again.
         So polls that take turns among partitions are covered, and a note is needed about
         once per ``NOTE_SPAN`` offsets of a partition. A note of a suspect's record names
-        that record alone."""
+        that record alone.
+
+        A partition ``held`` (paused: the application may still be processing what it was
+        handed, as the event-source runner does while a function runs) keeps what the last
+        note said of it, also through an empty poll."""
         if not self.enabled:
             return
         if not ranges:
-            if self._noted:
-                self._noted = {}
-                self._spawn(self._send_off({}), "strata-consumer-progress")
+            kept = {tp: r for tp, r in self._noted.items() if held(tp)}
+            if kept != self._noted:
+                self._noted = kept
+                self._spawn(self._send_off(kept), "strata-consumer-progress")
             return
         noted = self._noted
         careful = any(tp in self.suspects for tp in ranges)
@@ -144,7 +150,11 @@ class CrashWatch:
         else:
             for tp, (first, end) in noted.items():
                 position = position_of(tp)
-                if tp not in ranges and position is not None:
+                if tp in ranges:
+                    continue
+                if held(tp):
+                    merged[tp] = (first, end)
+                elif position is not None:
                     merged[tp] = (max(first, position), max(end, position + NOTE_SPAN))
             for tp, (first, end) in ranges.items():
                 merged[tp] = (first, max(end, first + NOTE_SPAN))

@@ -355,15 +355,18 @@ def test_consumer_and_router_killed_at_random_moments_lose_nothing_and_dead_lett
     assert twice <= oks()
 
 
+@pytest.mark.parametrize("member", ["consumer", "runner"])
 def test_a_record_that_kills_its_consumer_counts_each_crash_as_an_attempt(
-    cluster: Cluster, tmp_path: Path
+    cluster: Cluster, tmp_path: Path, member: str
 ) -> None:
     """Poison that is not an exception: the consumer process dies (SIGKILL) whenever it is
     handed one of two records. Each death is seen when its session expires; the group's next
     member hands the suspect offsets out one at a time, and a record that crashed consumers
     goes to retry with its crashes counted as attempts, so after ``max_attempts`` it is in
     the dead-letter topic, once, and the partition goes on. Nothing else is lost, and the
-    deaths are bounded (at most ``max_attempts + 1`` per poison record)."""
+    deaths are bounded (at most ``max_attempts + 1`` per poison record). The same holds for
+    a ``handler(event, context)`` run by the event-source runner (``--retry``) that kills
+    the runner."""
     n = 400
     poison = {57, 288}
     set_policy(cluster, GROUP, TOPIC, POLICY)
@@ -371,24 +374,35 @@ def test_a_record_that_kills_its_consumer_counts_each_crash_as_an_attempt(
     start_router(cluster)
     asyncio.run(produce(cluster.bootstrap, n, 100))
     log = tmp_path / "consumer.log"
-    argv = [sys.executable, "-m", "tests.retry_consumer", "--bootstrap", cluster.bootstrap]
-    argv += ["--group", GROUP, "--topic", TOPIC, "--log", str(log)]
-    argv += ["--poison", ",".join(map(str, sorted(poison)))]
+    env: dict[str, str] = {}
+    if member == "consumer":
+        argv = [sys.executable, "-m", "tests.retry_consumer", "--bootstrap", cluster.bootstrap]
+        argv += ["--group", GROUP, "--topic", TOPIC, "--log", str(log)]
+        argv += ["--poison", ",".join(map(str, sorted(poison)))]
+    else:
+        argv = [sys.executable, "-m", "infra.event_source", "--bootstrap", cluster.bootstrap]
+        argv += ["--function", "tests.retry_function:handler", "--topics", TOPIC]
+        argv += ["--group", GROUP, "--retry", "--session-timeout-ms", "3000"]
+        env = {
+            "STRATA_ZOOKEEPER_CONNECT": cluster.zk.connect_string,
+            "STRATA_TEST_POISON": ",".join(map(str, sorted(poison))),
+            "STRATA_TEST_LOG": str(log),
+        }
 
     def oks() -> set[int]:
         text = log.read_text() if log.exists() else ""
         return {int(line.split()[1]) for line in text.splitlines() if line.startswith("ok ")}
 
     deaths = 0
-    member = cluster.processes.start(argv, name="consumer-0", cwd=ROOT, env={})
+    proc = cluster.processes.start(argv, name=f"{member}-0", cwd=ROOT, env=env)
     dlq: list[ConsumerRecord] = []
     deadline = time.monotonic() + 240
     bound = len(poison) * (POLICY["max_attempts"] + 1)
     while time.monotonic() < deadline and deaths <= bound:
-        if not member.alive:
-            assert member.returncode == -signal.SIGKILL, member.log_text()[-2000:]
+        if not proc.alive:
+            assert proc.returncode == -signal.SIGKILL, proc.log_text()[-2000:]
             deaths += 1
-            member = cluster.processes.start(argv, name=f"consumer-{deaths}", cwd=ROOT, env={})
+            proc = cluster.processes.start(argv, name=f"{member}-{deaths}", cwd=ROOT, env=env)
         if oks() >= set(range(n)) - poison:
             dlq = asyncio.run(read_all(cluster.bootstrap, DLQ, PARTITIONS, len(poison), 1, 0))
             if len(dlq) >= len(poison):
@@ -406,7 +420,7 @@ def test_a_record_that_kills_its_consumer_counts_each_crash_as_an_attempt(
         assert info.topic == TOPIC
         assert POLICY["max_attempts"] <= info.attempt - 1 <= POLICY["max_attempts"] + 1
         assert "died while processing it" in (info.last_error or "")
-    assert member.alive  # the partition goes on without it
+    assert proc.alive  # the partition goes on without it
 
 
 def test_the_demo_step_retries_dead_letters_and_redrives(cluster: Cluster, tmp_path: Path) -> None:
