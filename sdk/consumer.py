@@ -1206,6 +1206,10 @@ class Consumer:
             self._rotation += 1
             tps = tps[start:] + tps[:start]
         if crashes is not None:
+            for tp in list(crashes.suspects):
+                st = self._states.get(tp)
+                if st is not None:
+                    crashes.caught_up(tp, self._state_position(tp), st.high_watermark)
             careful = [tp for tp in tps if crashes.careful(tp, self._state_position(tp))]
             ready = [tp for tp in careful if self._states[tp].buffered is not None]
             if ready:  # one record in all, so that a crash names it (sdk.crashes)

@@ -93,6 +93,16 @@ class CrashWatch:
             return None
         return first - position if position < first else 1
 
+    def caught_up(self, tp: TopicPartition, position: int | None, high_watermark: int) -> None:
+        """Forget ``tp``'s suspect once the position, inside its range, has reached a high
+        watermark this owner saw (``high_watermark``, -1: none yet): everything the dead
+        member was handed lay below the high watermark of its time, which is no later than
+        any this owner sees, so the rest of the range (notes reach ahead) was never in
+        flight."""
+        s = self.suspects.get(tp)
+        if s is not None and position is not None and 0 <= high_watermark <= position >= s[0]:
+            del self.suspects[tp]
+
     def careful(self, tp: TopicPartition, position: int | None) -> bool:
         """Whether ``tp``'s next record lies in its suspect range (handed out alone)."""
         s = self.suspects.get(tp)

@@ -153,6 +153,14 @@ def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinne
         watch.assigned()
         await watch.learn({a})
         assert group.asked[-1] == {a} and set(watch.suspects) == {a}
+        # the range reaches ahead of what existed: once the position inside it reaches a high
+        # watermark seen, the rest was never in flight
+        watch.caught_up(a, 9, 9)  # before the range
+        watch.caught_up(a, 12, -1)  # no high watermark seen yet
+        watch.caught_up(a, 12, 15)  # records of the range still to come
+        assert set(watch.suspects) == {a}
+        watch.caught_up(a, 12, 12)
+        assert watch.suspects == {}
         assert all(not asked for asked in group.asked[1:-1])  # only a learning note asks
 
     asyncio.run(run())
