@@ -14,10 +14,13 @@ one's event loop delays the other's clock readings:
   records, for each record, the time from that send to the moment it holds the record.
 
 Both record into HDR histograms (``hdrhistogram``, 1 µs to 60 s, 3 significant digits) and
-hand them back encoded. Rows: acks=1 on a topic with replication factor 1, acks=all on one
-with replication factor 3 (``min.insync.replicas=2``), at 1,000 and 10,000 msgs/s. Each row
-runs ``--runs`` times (3), alternated with the others, and a figure is the median of its runs
-with the min-max beside it.
+hand them back encoded. Rows: acks=1 on a topic with replication factor 1 (on the one-agent
+cluster), acks=all on one with replication factor 3 (``min.insync.replicas=2``), at 1,000 and
+10,000 msgs/s, each under ``fsync.policy=always`` (the default: an ack waits for the fsync of
+every in-sync replica) and ``interval`` (Kafka's acks=all: in the memory of every in-sync
+replica, fsynced within ``wal.fsync.interval.ms``), a topic each (``--fsync-policies``). Each
+row runs ``--runs`` times (3), alternated with the others, and a figure is the median of its
+runs with the min-max beside it.
 
 **Produce→ack alone** (#27): the producer process with nothing else running, 1 KiB at
 1,000 msgs/s, ``linger.ms=0``: acks=1 on replication factor 1 and acks=all on 3, each under
@@ -72,6 +75,10 @@ GAP_NS = 100_000_000
 SOAK_RATE = 2_000
 BUCKET = "strata-latency"
 ROWS = (("1", 1, 1_000), ("1", 1, 10_000), ("all", 3, 1_000), ("all", 3, 10_000))
+#: the e2e rows run under each of these ``fsync.policy`` values (a topic each): ``always``, the
+#: default (every in-sync replica's fsync before an ack), and ``interval`` (Kafka's model:
+#: acks=all = in the memory of every in-sync replica; on disk within ``wal.fsync.interval.ms``)
+E2E_POLICIES = ("always", "interval")
 #: produce->ack with the producer alone (#27): (acks, replication factor, fsync.policy)
 ACK_ROWS = (("1", 1, "always"), ("1", 1, "interval"), ("all", 3, "always"), ("all", 3, "interval"))
 ACK_RATE = 1_000
@@ -396,6 +403,25 @@ def _plot(curves: dict[str, HdrHistogram], path: Path) -> None:
     plt.close(fig)
 
 
+#: #31's end-to-end targets at 1,000 msgs/s: acks -> (p99 ms, max ms)
+E2E_TARGET_MS = {"1": (5.0, 50.0), "all": (10.0, 100.0)}
+
+
+def _e2e_verdicts(r: dict[str, Any]) -> list[str]:
+    out = []
+    for row in r["rows"]:
+        if row["rate"] != 1_000:
+            continue
+        p99, top = row["e2e"]["p99_ms"]["median"], row["e2e"]["max_ms"]["median"]
+        t99, tmax = E2E_TARGET_MS[row["acks"]]
+        met = p99 <= t99 and top <= tmax
+        out.append(
+            f"acks={row['acks']} `{row['policy']}` p99 {p99:.2f} ms (≤ {t99:g}), max {top:.2f} ms"
+            f" (≤ {tmax:g}): {'met' if met else '**missed**'}"
+        )
+    return out
+
+
 def _fmt(cell: dict[str, float]) -> str:
     return f"{cell['median']:.2f} ({cell['min']:.2f}-{cell['max']:.2f})"
 
@@ -406,7 +432,7 @@ def render(r: dict[str, Any]) -> str:
         for kind in ("e2e", "ack"):
             c = row[kind]
             rows.append(
-                f"| acks={row['acks']}, RF {row['rf']} | {row['rate']:,} | {kind} |"
+                f"| acks={row['acks']}, RF {row['rf']} | `{row['policy']}` | {row['rate']:,} | {kind} |"
                 f" {_fmt(c['p50_ms'])} | {_fmt(c['p99_ms'])} | {_fmt(c['p999_ms'])} | {_fmt(c['max_ms'])} |"
             )
     lines = [
@@ -415,15 +441,15 @@ def render(r: dict[str, Any]) -> str:
         " one agent, acks=all on one of three (both running throughout, one idle while the other"
         f" works), {PARTITIONS} partitions, 1 KiB values, `linger.ms=0`, producer and consumer in separate"
         f" processes (the consumer long-polls all partitions, `fetch.max.wait.ms=500`),"
-        f" {r['seconds']:g} s per run, `fsync.policy` "
-        + (f"`{r['fsync_policy']}`" if r.get("fsync_policy") else "default (`always`)")
-        + ". Each cell: median of"
-        f" {r['runs']} alternated runs (min-max), milliseconds. *e2e*: send → the consumer holds"
+        f" {r['seconds']:g} s per run, a topic per `fsync.policy` (`always` is the default)."
+        f" Each cell: median of {r['runs']} alternated runs (min-max), milliseconds. *e2e*: send → the consumer holds"
         " the record; *ack*: send → acknowledgement.",
         "",
-        "| setup | msgs/s | path | p50 | p99 | p99.9 | max |",
-        "|---|---:|---|---:|---:|---:|---:|",
+        "| setup | `fsync.policy` | msgs/s | path | p50 | p99 | p99.9 | max |",
+        "|---|---|---:|---|---:|---:|---:|---:|",
         *rows,
+        "",
+        "#31's targets (e2e at 1,000 msgs/s, medians): " + "; ".join(_e2e_verdicts(r)) + ".",
         "",
         "![End-to-end latency by percentile](img/latency-cdf.png)",
     ]
@@ -521,7 +547,9 @@ def main(argv: list[str] | None = None) -> int:
         "--skip-e2e", action="store_true", help="only produce->ack alone and the floors"
     )
     parser.add_argument(
-        "--fsync-policy", help="the e2e rows' topics' fsync.policy (default: the agents')"
+        "--fsync-policies",
+        default=",".join(E2E_POLICIES),
+        help="the e2e rows' topics' fsync.policy values, comma-separated",
     )
     parser.add_argument("--skip-alone", action="store_true", help="no produce->ack alone rows")
     args = parser.parse_args(argv)
@@ -551,21 +579,21 @@ def main(argv: list[str] | None = None) -> int:
         solo_connect = f"{zk.connect_string}/latency-solo"
         solo = start_agent(4, solo_connect, work / "agent-solo")
         agents.append(solo)
-        topics = {1: "latency-rf1", 3: "latency-rf3"}
+        policies = [p for p in args.fsync_policies.split(",") if p]
         e2e_at = {1: (solo_connect, solo.address), 3: (connect, bootstrap)}
-        for rf, name in topics.items():
-            where, servers = e2e_at[rf]
-            e2e_configs: dict[str, Any] = {"min.insync.replicas": min(rf, 2)}
-            if args.fsync_policy:
-                e2e_configs["fsync.policy"] = args.fsync_policy
-            asyncio.run(_create(where, name, rf, e2e_configs))
-            asyncio.run(_warm(servers, name))
+        for rf, (where, servers) in e2e_at.items():
+            for policy in policies:
+                e2e_configs = {"min.insync.replicas": min(rf, 2), "fsync.policy": policy}
+                asyncio.run(_create(where, f"latency-rf{rf}-{policy}", rf, e2e_configs))
+                asyncio.run(_warm(servers, f"latency-rf{rf}-{policy}"))
         for _, rf, policy in ACK_ROWS:
             name = _ack_topic(rf, policy)
             topic_configs = {"min.insync.replicas": min(rf, 2), "fsync.policy": policy}
             asyncio.run(_create(connect, name, rf, topic_configs))
             asyncio.run(_warm(bootstrap, name))
-        results: dict[tuple[str, int, int], list[dict[str, Any]]] = {row: [] for row in ROWS}
+        results: dict[tuple[str, int, int, str], list[dict[str, Any]]] = {
+            (*row, policy): [] for policy in policies for row in ROWS
+        }
         acked: dict[tuple[str, int, str], list[dict[str, Any]]] = {row: [] for row in ACK_ROWS}
         floors: list[dict[str, Any]] = []
         for _ in range(args.runs):
@@ -573,12 +601,13 @@ def main(argv: list[str] | None = None) -> int:
             floor = {"disk": disk_floor(args.dir)}
             floor.update(asyncio.run(_floors_via_leader(connect, agents[:3], agents[0].address)))
             floors.append(floor)
-            for acks, rf, rate in () if args.skip_e2e else ROWS:
+            for acks, rf, rate, policy in () if args.skip_e2e else list(results):
                 settle_writeback(args.dir)
-                results[(acks, rf, rate)].append(
-                    run_row(e2e_at[rf][1], topics[rf], acks, rate, args.seconds)
+                topic = f"latency-rf{rf}-{policy}"
+                results[(acks, rf, rate, policy)].append(
+                    run_row(e2e_at[rf][1], topic, acks, rate, args.seconds)
                 )
-                print(f"acks={acks} RF {rf} {rate}/s done", file=sys.stderr)
+                print(f"acks={acks} RF {rf} {rate}/s {policy} done", file=sys.stderr)
             for acks, rf, policy in () if args.skip_alone else ACK_ROWS:
                 settle_writeback(args.dir)
                 acked[(acks, rf, policy)].append(
@@ -596,10 +625,11 @@ def main(argv: list[str] | None = None) -> int:
                     "acks": acks,
                     "rf": rf,
                     "rate": rate,
+                    "policy": policy,
                     "e2e": _median_row(runs, "e2e"),
                     "ack": _median_row(runs, "ack"),
                 }
-                for (acks, rf, rate), runs in results.items()
+                for (acks, rf, rate, policy), runs in results.items()
                 if runs
             ],
             "ack_rows": [
@@ -607,18 +637,17 @@ def main(argv: list[str] | None = None) -> int:
                 for (acks, rf, policy), runs in acked.items()
                 if runs
             ],
-            "fsync_policy": args.fsync_policy,
             "floors": {
                 what: {q: _spread([f[what][q] for f in floors]) for q in ("p50_ms", "p99_ms")}
                 for what in ("disk", "empty", "produce", "produce_all")
             },
         }
         curves = {}
-        for (acks, rf, rate), runs in results.items() if not args.skip_e2e else ():
+        for (acks, rf, rate, policy), runs in results.items() if not args.skip_e2e else ():
             merged = _histogram()
             for r in runs:
                 merged.add(_decode(r["consumer"]["e2e"]))
-            curves[f"acks={acks}, RF {rf}, {rate:,}/s"] = merged
+            curves[f"acks={acks}, RF {rf}, {rate:,}/s, {policy}"] = merged
         if curves:
             _plot(curves, DOCS_IMG / "latency-cdf.png" if args.write_docs else work / "cdf.png")
         if args.soak_minutes:
