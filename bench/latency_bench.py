@@ -560,7 +560,8 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(dir=args.dir))
     zk = start_zookeeper(work / "zookeeper")
     moto = start_moto(work / "moto") if args.soak_minutes else None
-    agents: list[AgentProcess] = []
+    agents: list[AgentProcess] = []  # the three-agent cluster
+    solo: AgentProcess | None = None  # the one-agent cluster of the acks=1 rows
     try:
         connect = f"{zk.connect_string}/latency"
         env: dict[str, str] | None = None
@@ -578,7 +579,6 @@ def main(argv: list[str] | None = None) -> int:
         # producer and the consumer talk to one agent, as a single-node deployment does
         solo_connect = f"{zk.connect_string}/latency-solo"
         solo = start_agent(4, solo_connect, work / "agent-solo")
-        agents.append(solo)
         policies = [p for p in args.fsync_policies.split(",") if p]
         e2e_at = {1: (solo_connect, solo.address), 3: (connect, bootstrap)}
         for rf, (where, servers) in e2e_at.items():
@@ -599,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.runs):
             settle_writeback(args.dir)
             floor = {"disk": disk_floor(args.dir)}
-            floor.update(asyncio.run(_floors_via_leader(connect, agents[:3], agents[0].address)))
+            floor.update(asyncio.run(_floors_via_leader(connect, agents, agents[0].address)))
             floors.append(floor)
             for acks, rf, rate, policy in () if args.skip_e2e else list(results):
                 settle_writeback(args.dir)
@@ -651,9 +651,9 @@ def main(argv: list[str] | None = None) -> int:
         if curves:
             _plot(curves, DOCS_IMG / "latency-cdf.png" if args.write_docs else work / "cdf.png")
         if args.soak_minutes:
-            report["soak"] = soak(connect, bootstrap, agents[:3], args.soak_minutes)
+            report["soak"] = soak(connect, bootstrap, agents, args.soak_minutes)
     finally:
-        for a in agents:
+        for a in [*agents, *([solo] if solo is not None else [])]:
             a.stop()
         if moto is not None:
             moto.stop()

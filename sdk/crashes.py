@@ -100,7 +100,9 @@ class CrashWatch:
         any this owner sees, so the rest of the range (notes reach ahead) was never in
         flight."""
         s = self.suspects.get(tp)
-        if s is not None and position is not None and 0 <= high_watermark <= position >= s[0]:
+        if s is None or position is None or position < s[0]:
+            return
+        if 0 <= high_watermark <= position:
             del self.suspects[tp]
 
     def careful(self, tp: TopicPartition, position: int | None) -> bool:
