@@ -1167,6 +1167,13 @@ class Consumer:
                 why = f"its consumer died while processing it ({n} time(s): kill -9, OOM, ...)"
                 await retrier.submit(record, why, crashes=n)
                 del got[tp]
+                # committed at once (the failure record stored first): the crashes it
+                # caused are counted once, and a crash of this member before its next commit
+                # does not hand the record out again with its count started over
+                try:
+                    await self.commit({tp: first + 1})
+                except StrataError as exc:  # a rebalance: the next owner sees it suspect
+                    log.warning("commit past %s@%d (sent to retry) failed: %r", tp, first, exc)
                 continue
             st = self._states[tp]
             assert st.position is not None
