@@ -203,49 +203,55 @@ def _p99(xs: list[float]) -> float:
 def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     cluster: Cluster, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
-    """Alice (a process of her own) sends as fast as she may for 26 s under a 1 MB/s quota;
-    her rate is taken over a 10 s window. Then Bob's produce latency is sampled in blocks,
-    with Alice stopped (SIGSTOP: Bob alone, his unthrottled latency) and running by turns, so
-    that the machine's own noise falls on both alike."""
+    """Alice (a process of her own) sends as fast as she may for 42 s under a 1 MB/s quota;
+    her rate is taken over a 10 s window. Then Bob's produce latency is sampled in short
+    blocks, with Alice stopped (SIGSTOP: Bob alone, his unthrottled latency) and running by
+    turns, so that the machine's own noise falls on both alike. That is done three times and
+    the median of the three ratios is held to 2x (the way every figure here is taken: one
+    round's p99 is its 10th-largest sample, and one CI run saw 2.3x where rounds here see
+    1.0-1.6x, the alone p99 itself moving 1.3-3.1 ms from round to round)."""
     _set_quota(zk_chroot, "User:alice", QuotaConfig(producer_byte_rate=RATE))
     out = tmp_path / "alice.json"
     argv = [sys.executable, "-m", "tests.greedy_producer", "--bootstrap", cluster.bootstrap]
     argv += ["--user", "alice", "--password", PASSWORDS["alice"], "--topic", "greedy"]
-    argv += ["--seconds", "26", "--out", str(out)]
+    argv += ["--seconds", "42", "--out", str(out)]
     started = time.monotonic()
     alice = cluster.processes.start(argv, name="alice", cwd=ROOT)
-    alone: list[float] = []
-    beside: list[float] = []
+    rounds: list[tuple[list[float], list[float]]] = []  # (alone, beside)
 
     async def bob() -> None:
         conf = _conf(cluster, "bob", acks=1, **{"linger.ms": 0})
         async with Producer(conf) as producer:
             await _latencies(producer, 10)  # connection, login, metadata
             await asyncio.sleep(max(0.0, started + 12 - time.monotonic()))  # the window is over
-            # 960 samples a side: a p99 of 300 swung with the machine, and one of 640 (the
-            # 7th-largest sample) put a quiet CI run at 2.1x (2.7 ms alone, 5.8 ms beside)
-            for _ in range(12):
-                os.kill(alice.pid, signal.SIGSTOP)
-                try:
-                    alone.extend(await _latencies(producer, 80))
-                finally:
-                    os.kill(alice.pid, signal.SIGCONT)
-                beside.extend(await _latencies(producer, 80))
+            # 960 samples a side a round (a p99 of 300 swung with the machine), in blocks of
+            # 20 (about 70 ms) so that a burst of the disk's own writeback falls on both
+            for _ in range(3):
+                alone: list[float] = []
+                beside: list[float] = []
+                for _ in range(48):
+                    os.kill(alice.pid, signal.SIGSTOP)
+                    try:
+                        alone.extend(await _latencies(producer, 20))
+                    finally:
+                        os.kill(alice.pid, signal.SIGCONT)
+                    beside.extend(await _latencies(producer, 20))
+                rounds.append((alone, beside))
 
     asyncio.run(bob())
-    assert time.monotonic() < started + 25, "the latency blocks outlasted alice"
+    assert time.monotonic() < started + 41, "the latency blocks outlasted alice"
     assert alice.wait(30) == 0
     result = json.loads(out.read_text())
     rate = _rate([(t, n) for t, n in result["acks"]], started + 1, started + 11)
     assert 0.9 * RATE <= rate <= 1.1 * RATE, f"{rate:,.0f} B/s against a quota of {RATE:,}"
     assert result["throttle_ms"] > 0, "the answers said they were held"
-    print(
-        f"bob's p99: {_p99(alone) * 1000:.2f} ms alone, {_p99(beside) * 1000:.2f} ms beside alice"
+    seen = "; ".join(
+        f"{_p99(alone) * 1000:.2f} ms alone, {_p99(beside) * 1000:.2f} ms beside alice"
+        for alone, beside in rounds
     )
-    assert _p99(beside) <= 2 * _p99(alone), (
-        f"bob's p99 {_p99(beside) * 1000:.1f} ms beside a throttled alice, "
-        f"{_p99(alone) * 1000:.1f} ms alone"
-    )
+    print(f"bob's p99 by round: {seen}")
+    ratio = statistics.median(_p99(beside) / _p99(alone) for alone, beside in rounds)
+    assert ratio <= 2, f"bob's p99 beside a throttled alice: {ratio:.2f}x alone ({seen})"
 
 
 @pytest.mark.slow
