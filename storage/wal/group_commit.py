@@ -1,9 +1,9 @@
 """Group commit: the asyncio front of a ``PartitionLog`` that applies its fsync policy.
 
 With ``fsync.policy=always`` every ``append`` returns only once an fsync covers it, but appends
-do not each pay for an fsync. While one fsync runs (in a worker thread, so the event loop keeps
-accepting appends), the appends that arrive meanwhile queue behind it; when it completes, one
-new fsync covers all of them. Under load the number of fsyncs per second stays near
+do not each pay for an fsync. While one fsync runs (in the fsync thread, ``storage.wal.flusher``,
+so the event loop keeps accepting appends), the appends that arrive meanwhile queue behind it;
+when it completes, one new fsync covers all of them. Under load the number of fsyncs per second stays near
 ``1 / fsync latency`` while the bytes per fsync grow: that is the whole trick.
 
 With ``interval`` a named background task flushes every ``fsync.interval.ms``; with ``never``
@@ -26,6 +26,7 @@ from typing import Any
 
 from storage.config import FsyncPolicy
 from storage.errors import StorageError
+from storage.wal.flusher import flusher
 from storage.wal.log import AppendInfo, PartitionLog
 
 _fsync_observer: Callable[[float], None] | None = None
@@ -102,7 +103,7 @@ class GroupCommitLog:
             error: BaseException | None = None
             started = time.perf_counter()
             try:
-                await asyncio.to_thread(job.run)
+                await flusher.run(job.run)
             except BaseException as exc:
                 error = exc
             if _fsync_observer is not None:

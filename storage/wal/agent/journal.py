@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -57,6 +58,7 @@ from storage.wal.agent.format import (
     parse_name,
 )
 from storage.wal.fileio import fsync_dir, storage_errors, write_file_atomically
+from storage.wal.flusher import flusher
 from storage.wal.group_commit import observe_fsync
 from storage.wal.log import AppendInfo, PartitionLog
 
@@ -367,7 +369,7 @@ class AgentWal:
             retired = len(self._retired_fds)
             started = time.perf_counter()
             try:
-                await asyncio.to_thread(_fsync_all, fds)
+                await flusher.run(functools.partial(_fsync_all, fds))
             except OSError as exc:
                 raise self._fail(
                     fileio.storage_error("fsync of the agent WAL failed", exc)
