@@ -276,7 +276,7 @@ class Apis:
             if first < 0:
                 first = info.base_offset
             end = info.last_offset + 1
-        p.notify()
+        p.appended()
         p.advance_hw()
         return first, end
 
@@ -303,7 +303,7 @@ class Apis:
                                 leader_id=p.state.leader,
                                 leader_epoch=p.state.leader_epoch,
                             )
-                        await asyncio.shield(p.data_arrived)
+                        await asyncio.shield(p.hw_moved)
                     if len(p.state.isr) < p.config.min_insync_replicas:
                         raise NotEnoughReplicasAfterAppendError(
                             f"{p.topic}-{p.index}: the ISR shrank below min.insync.replicas"
@@ -526,7 +526,7 @@ class Apis:
                                 r.records = chunk
                                 total += len(chunk)
                                 budget -= len(chunk)
-                    waits.append(p.data_arrived)
+                    waits.append(p.data_arrived if replica else p.hw_moved)
                 except StrataError as exc:
                     r.error_code = by_id(exc, topic.topic_id).code
                     answer_now = True

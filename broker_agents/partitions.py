@@ -10,8 +10,13 @@ partition here. Writes are refused (``NotLeaderError`` with the leader it knows)
 * the agent's ZooKeeper session is SUSPENDED or LOST — it may already have been replaced, so
   it stops acting as a leader until the session is confirmed again (STYLE point 7).
 
-Every partition has a ``data_arrived`` future that completes at the next append: long-polling
-fetches wait on it instead of sleeping.
+Long-polling fetches wait on futures instead of sleeping, each on the one that can bring it
+something: a follower's on ``data_arrived`` (completed at the next append), a consumer's and an
+acks=all producer's on ``hw_moved`` (completed when the high watermark moves: a consumer sees
+nothing above it). An append then wakes only the followers, and a high watermark move only the
+consumers and producers; before, both woke every fetch of the partition, and each woken fetch
+looked again and went back to waiting (three such looks per record at RF 3 with one
+long-polling consumer). A change of state or role, and a close, wake both (``notify``).
 
 Topic incarnations: a hosted partition remembers the topic id it was opened for, and its
 directory says it too (``storage.wal.partition_meta``). A state of another incarnation of the
@@ -127,6 +132,9 @@ class Partition:
     data_arrived: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
+    hw_moved: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
     @property
     def high_watermark(self) -> int:
@@ -139,10 +147,22 @@ class Partition:
         return self.log.last_stable_offset(self.high_watermark)
 
     def notify(self) -> None:
-        """Wake every fetch (and acks=all producer) waiting for news on this partition."""
+        """Wake every fetch (and acks=all producer) waiting for news on this partition: its
+        state, role or log changed."""
+        self.appended()
+        self._hw_moved()
+
+    def appended(self) -> None:
+        """Wake the followers' fetches: records were appended (consumers see them only once
+        the high watermark passes them, which ``advance_hw`` tells)."""
         if not self.data_arrived.done():
             self.data_arrived.set_result(None)
         self.data_arrived = asyncio.get_running_loop().create_future()
+
+    def _hw_moved(self) -> None:
+        if not self.hw_moved.done():
+            self.hw_moved.set_result(None)
+        self.hw_moved = asyncio.get_running_loop().create_future()
 
     def become_leader(self, now: float) -> None:
         self.leader_since = now
@@ -176,7 +196,7 @@ class Partition:
                 hw = min(hw, self.follower_leo.get(r, -1))
         if hw > self.hw:
             self.hw = hw
-            self.notify()
+            self._hw_moved()
 
     def rejoins(self, replica: int, now: float, lag_max_s: float) -> bool:
         """Whether ``replica``, a follower outside the ISR, has reached the high watermark (and

@@ -328,7 +328,7 @@ class MarkerWriter:
                 marker=ControlMarker(commit, marker.coordinator_epoch),
             )
             self.markers_written += 1
-            p.notify()
+            p.appended()
             p.advance_hw()
             await self._replicated(p, info.last_offset + 1)
             return 0
@@ -349,7 +349,7 @@ class MarkerWriter:
                         leader_id=p.state.leader,
                         leader_epoch=p.state.leader_epoch,
                     )
-                await asyncio.shield(p.data_arrived)
+                await asyncio.shield(p.hw_moved)
 
 
 class ClusterRoutes:
