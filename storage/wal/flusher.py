@@ -16,6 +16,11 @@ while others run waits for the next round, as a group commit's appends wait for 
 fsync. Only the hot path goes through it (``GroupCommitLog`` and the agent WAL's round
 fsyncs); bulk work (checkpoints, truncations, directory removals) stays in the default
 executor, so that it never holds up an acknowledgement.
+
+The queue needs no bound of its own: a group commit has at most one fsync in flight, and so
+does the agent WAL, so it never holds more than one job per open log. One fsync that hangs
+(a failing disk) holds up the others behind it; they are on the same data directory, whose
+disk would hold them up as well.
 """
 
 from __future__ import annotations
