@@ -10,7 +10,9 @@ then expires, the coordinator counts one crash against those ranges and keeps th
 group, as *suspects*. Whoever owns the partition next learns them: the first note after each
 assignment asks for the suspects of the partitions assigned, and is awaited for that.
 
-The owner of a partition with a suspect [first, end):
+The owner of a partition with a suspect [first, end) (a partition can have several, disjoint:
+a member that dies on the records before one leaves that one as it was; they are taken in
+offset order):
 
 * hands out the records before ``first`` as usual, never in one poll with the suspect range;
 * inside the range, hands out **one record per poll, and nothing else in that poll**, each
@@ -48,7 +50,8 @@ from storage.errors import StrataError, UnsupportedVersionError
 
 log = logging.getLogger(__name__)
 
-Suspects = dict[TopicPartition, tuple[int, int, int, bool]]
+#: per partition, (first, end, crashes, pinned) ranges: disjoint, in offset order
+Suspects = dict[TopicPartition, list[tuple[int, int, int, bool]]]
 #: how far past its first offset one note may name a partition's offsets as in flight
 NOTE_SPAN = 2_000
 
@@ -79,18 +82,36 @@ class CrashWatch:
         seen, asked = self._assignments, set(owned)
         got = await self._note({}, asked=asked)
         if got is not None and seen == self._assignments:
-            self.suspects = {tp: s for tp, s in got.items() if tp in asked}
+            self.suspects = {tp: list(s) for tp, s in got.items() if tp in asked and s}
             self._stale = False
+
+    def _current(
+        self, tp: TopicPartition, position: int | None
+    ) -> tuple[int, int, int, bool] | None:
+        """``tp``'s next suspect from ``position`` on; those it is past (their ranges were
+        processed) are forgotten."""
+        ranges = self.suspects.get(tp)
+        if ranges is None or position is None:
+            return None
+        while ranges and position >= ranges[0][1]:
+            ranges.pop(0)
+        if not ranges:
+            del self.suspects[tp]
+            return None
+        return ranges[0]
+
+    def _settle(self, tp: TopicPartition) -> None:
+        ranges = self.suspects[tp]
+        ranges.pop(0)
+        if not ranges:
+            del self.suspects[tp]
 
     def cap(self, tp: TopicPartition, position: int | None) -> int | None:
         """Most records of ``tp`` one poll may hand out from ``position`` (None: no limit)."""
-        s = self.suspects.get(tp)
+        s = self._current(tp, position)
         if s is None or position is None:
             return None
-        first, end = s[0], s[1]
-        if position >= end:  # past it (its range was processed)
-            del self.suspects[tp]
-            return None
+        first = s[0]
         return first - position if position < first else 1
 
     def caught_up(self, tp: TopicPartition, position: int | None, high_watermark: int) -> None:
@@ -99,24 +120,24 @@ class CrashWatch:
         member was handed lay below the high watermark of its time, which is no later than
         any this owner sees, so the rest of the range (notes reach ahead) was never in
         flight."""
-        s = self.suspects.get(tp)
+        s = self._current(tp, position)
         if s is None or position is None or position < s[0]:
             return
         if 0 <= high_watermark <= position:
-            del self.suspects[tp]
+            self._settle(tp)
 
     def careful(self, tp: TopicPartition, position: int | None) -> bool:
         """Whether ``tp``'s next record lies in its suspect range (handed out alone)."""
-        s = self.suspects.get(tp)
+        s = self._current(tp, position)
         return s is not None and position is not None and s[0] <= position < s[1]
 
     def crashes_of(self, tp: TopicPartition, offset: int, rows: int) -> int:
         """The crashes the record at ``offset`` caused, if it is about to be handed out
         alone and a crash pinned it (0 otherwise); it is then settled here."""
-        s = self.suspects.get(tp)
+        s = self._current(tp, offset)
         if s is None or rows != 1 or s[:2] != (offset, offset + 1) or not s[3]:
             return 0
-        del self.suspects[tp]
+        self._settle(tp)
         return s[2]
 
     async def note(

@@ -289,13 +289,14 @@ class GroupClient:
         ranges: Mapping[TopicPartition, tuple[int, int]],
         on_sent: Callable[[], None] | None = None,
         asked: Collection[TopicPartition] = (),
-    ) -> dict[TopicPartition, tuple[int, int, int, bool]] | None:
+    ) -> dict[TopicPartition, list[tuple[int, int, int, bool]]] | None:
         """Tell the coordinator which offsets this member is about to process (``ranges``:
         [first, end) per partition; every earlier note is done); returns the group's
         suspects among the ``asked`` partitions (offsets in flight when members crashed, and
         how often), or None when the note was not taken (no generation yet, a rebalance, the
         coordinator moving). A suspect is (first, end, crashes, pinned): pinned when its last
-        crash had that one record in flight and nothing else.
+        crash had that one record in flight and nothing else; a partition's suspects are
+        disjoint and in offset order.
         ``docs/retries.md``, "Poison messages and crashes"."""
         if not self.member_id or self.generation == m.NO_GENERATION:
             return None
@@ -323,15 +324,14 @@ class GroupClient:
             if isinstance(err, UnsupportedVersionError):
                 raise err
             return None
-        return {
-            TopicPartition(s.topic, s.partition): (
-                s.first_offset,
-                s.end_offset,
-                s.crashes,
-                bool(s.pinned),
+        found: dict[TopicPartition, list[tuple[int, int, int, bool]]] = {}
+        for s in resp.suspects:
+            found.setdefault(TopicPartition(s.topic, s.partition), []).append(
+                (s.first_offset, s.end_offset, s.crashes, bool(s.pinned))
             )
-            for s in resp.suspects
-        }
+        for spans in found.values():
+            spans.sort()
+        return found
 
     async def committed(
         self, partitions: Iterable[TopicPartition]

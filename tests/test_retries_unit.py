@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from broker_agents.groups.coordinator import add_crash
 from handlers import redrive
 from sdk.crashes import NOTE_SPAN, CrashWatch
 from sdk.records import ConsumerRecord, TopicPartition
@@ -88,7 +89,7 @@ def test_key_order_a_dead_letter_notice_releases_the_key_and_a_full_memory_parks
 class _Group:
     """A GroupClient stand-in that answers notes with fixed suspects and records them."""
 
-    def __init__(self, suspects: dict[TopicPartition, tuple[int, int, int, bool]]) -> None:
+    def __init__(self, suspects: dict[TopicPartition, list[tuple[int, int, int, bool]]]) -> None:
         self.suspects = suspects
         self.notes: list[dict[TopicPartition, tuple[int, int]]] = []
         self.asked: list[set[TopicPartition]] = []
@@ -101,12 +102,12 @@ class _Group:
         if on_sent is not None:
             on_sent()
         await asyncio.sleep(0)  # the answer comes later
-        return {tp: s for tp, s in self.suspects.items() if tp in self.asked[-1]}
+        return {tp: list(s) for tp, s in self.suspects.items() if tp in self.asked[-1]}
 
 
 def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinned_records() -> None:
     a, b, c = TopicPartition("t", 0), TopicPartition("t", 1), TopicPartition("t", 2)
-    group = _Group({a: (10, 20, 1, False), b: (7, 8, 2, True), c: (3, 4, 1, False)})
+    group = _Group({a: [(10, 20, 1, False)], b: [(7, 8, 2, True)], c: [(3, 4, 1, False)]})
     spawned: list[asyncio.Task[None]] = []
 
     def spawn(coro: Any, name: str) -> asyncio.Task[None]:
@@ -162,5 +163,38 @@ def test_crash_watch_hands_a_suspect_range_out_one_by_one_and_diverts_only_pinne
         watch.caught_up(a, 12, 12)
         assert watch.suspects == {}
         assert all(not asked for asked in group.asked[1:-1])  # only a learning note asks
+
+    asyncio.run(run())
+
+
+def test_a_crash_short_of_a_pinned_record_leaves_it_pinned() -> None:
+    """A member dies on records before a suspect (handed out as usual): the pinned record
+    keeps its crashes (one run lost them, and the record then killed two members more)."""
+    pinned = [(36, 37, 2, True)]
+    after = add_crash(pinned, 33, 36, False)
+    assert after == [(33, 36, 1, False), (36, 37, 2, True)]
+    # narrowed down inside one of them: one crash more there, the other unchanged
+    assert add_crash(after, 34, 35, True) == [
+        (34, 35, 2, True),
+        (36, 37, 2, True),
+    ]
+    # a range over a suspect (its owner did not know it) starts again and replaces it
+    assert add_crash(after, 30, 40, False) == [(30, 40, 1, False)]
+    assert add_crash([], 5, 6, True) == [(5, 6, 1, True)]
+
+
+def test_crash_watch_takes_a_partitions_suspects_in_offset_order() -> None:
+    tp = TopicPartition("t", 0)
+    group = _Group({tp: [(33, 36, 1, False), (36, 37, 2, True)]})
+    watch = CrashWatch(group, lambda coro, name: asyncio.ensure_future(coro))  # type: ignore[arg-type]
+
+    async def run() -> None:
+        await watch.learn({tp})
+        for position in (33, 34, 35):  # the first range, one record at a time
+            assert watch.careful(tp, position) and watch.cap(tp, position) == 1
+            assert watch.crashes_of(tp, position, 1) == 0
+        assert watch.careful(tp, 36) and watch.cap(tp, 36) == 1  # the pinned one, alone
+        assert watch.crashes_of(tp, 36, 1) == 2 and tp not in watch.suspects
+        assert watch.cap(tp, 37) is None
 
     asyncio.run(run())

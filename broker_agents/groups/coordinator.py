@@ -54,10 +54,11 @@ Theory of operation (``docs/groups.md`` has the full text):
   names, before handing records out, the offsets it is about to process; they are kept in
   memory with the member, each note replacing the last. When the member's *session expires*
   (a kill -9, an OOM: not a leave, not a rebalance) the ranges it had in flight become
-  *suspects* of the group, persisted with its state: a range that lies inside the partition's
-  suspect already counts one crash more, any other starts at one. Every note is answered
-  with the group's suspects, so the partition's next owner learns them; a note past a
-  suspect's end clears it.
+  *suspects* of the group, persisted with its state: a range that lies inside one of the
+  partition's suspects already counts one crash more, any other starts at one; the
+  partition's suspects it does not overlap stay (a member dying short of a pinned record
+  leaves that record pinned). Every note is answered with the group's suspects, so the
+  partition's next owner learns them; a note past a suspect's end clears it.
 """
 
 from __future__ import annotations
@@ -114,6 +115,9 @@ if TYPE_CHECKING:
     from storage.metadata import AsyncZooKeeper, TopicSpec
 
 log = logging.getLogger(__name__)
+
+#: (first, end, crashes, pinned) of one suspect range
+SuspectRange = tuple[int, int, int, bool]
 
 
 #: a producer's last marker token is kept this long after it was applied
@@ -190,9 +194,10 @@ class Group:
     #: transactional offsets not yet settled, marker tokens (``/groups/<g>/txn``) and version
     txn: GroupTxnState = field(default_factory=lambda: GroupTxnState({}, {}))
     txn_version: int = -1
-    #: (topic, partition) -> (first, end, crashes, pinned): offsets in flight when members
-    #: crashed; pinned: the last crash had that one record in flight and nothing else
-    suspects: dict[tuple[str, int], tuple[int, int, int, bool]] = field(default_factory=dict)
+    #: (topic, partition) -> [(first, end, crashes, pinned), ...]: offsets in flight when
+    #: members crashed, disjoint ranges in offset order; pinned: the last crash had that one
+    #: record in flight and nothing else
+    suspects: dict[tuple[str, int], list[SuspectRange]] = field(default_factory=dict)
 
     def unstable(self) -> set[tuple[str, int]]:
         """Partitions with transactional offsets waiting for their transaction's marker."""
@@ -220,9 +225,26 @@ class Group:
                 SuspectRecord(
                     topic=t, partition=p, first_offset=a, end_offset=b, crashes=n, pinned=pin
                 )
-                for (t, p), (a, b, n, pin) in self.suspects.items()
+                for (t, p), ranges in self.suspects.items()
+                for a, b, n, pin in ranges
             ],
         )
+
+
+def add_crash(
+    suspects: list[SuspectRange], first: int, end: int, alone: bool
+) -> list[SuspectRange]:
+    """A partition's suspects after a member died with [first, end) of it in flight
+    (``alone``: and nothing else). A range inside a suspect narrows it down and counts one
+    crash more; any other starts at one and replaces the suspects it overlaps. Those it
+    misses stay as they were: a member hands out the records before a suspect as usual, so it
+    can die there, short of a record a crash pinned."""
+    crashes = 1
+    for a, b, n, _ in suspects:
+        if a <= first and end <= b:
+            crashes = n + 1  # narrowed down (or the same range again)
+    kept = [s for s in suspects if s[1] <= first or end <= s[0]]
+    return sorted([*kept, (first, end, crashes, alone and end - first == 1)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,10 +340,13 @@ class GroupCoordinator:
             group.protocol_type = record.protocol_type
             group.protocol = record.protocol
             group.leader = record.leader
-            group.suspects = {
-                (r.topic, r.partition): (r.first_offset, r.end_offset, r.crashes, r.pinned)
-                for r in record.suspects
-            }
+            group.suspects = {}
+            for r in record.suspects:
+                group.suspects.setdefault((r.topic, r.partition), []).append(
+                    (r.first_offset, r.end_offset, r.crashes, r.pinned)
+                )
+            for ranges in group.suspects.values():
+                ranges.sort()
             for mr in record.members:
                 group.members[mr.member_id] = Member(
                     mr.member_id,
@@ -729,15 +754,18 @@ class GroupCoordinator:
                         )
                     inflight[(t.name, p.partition)] = (p.first_offset, p.end_offset)
             for tp, (first, _) in inflight.items():
-                suspect = group.suspects.get(tp)
-                if suspect is not None and first >= suspect[1]:
-                    del group.suspects[tp]  # past it (persisted with the next write)
+                if tp in group.suspects:  # those it is past (persisted with the next write)
+                    left = [s for s in group.suspects[tp] if s[1] > first]
+                    if left:
+                        group.suspects[tp] = left
+                    else:
+                        del group.suspects[tp]
             member.inflight = inflight
             suspects = [
                 m.Suspect(t.name, p, *found[:3], int(found[3]))
                 for t in req.asked
                 for p in t.partitions
-                if (found := group.suspects.get((t.name, p))) is not None
+                for found in group.suspects.get((t.name, p), ())
             ]
             return m.ConsumerProgressResponse(0, suspects)
         except StrataError as exc:
@@ -747,11 +775,9 @@ class GroupCoordinator:
         """``member``'s session expired: what it had in flight counts one crash."""
         alone = len(member.inflight) == 1
         for tp, (first, end) in member.inflight.items():
-            old = group.suspects.pop(tp, None)
-            crashes = 1
-            if old is not None and old[0] <= first and end <= old[1]:
-                crashes = old[2] + 1  # narrowed down (or the same range again)
-            group.suspects[tp] = (first, end, crashes, alone and end - first == 1)
+            old = group.suspects.pop(tp, [])  # (re-inserted last: the newest)
+            group.suspects[tp] = ranges = add_crash(old, first, end, alone)
+            crashes = next(n for a, b, n, _ in ranges if (a, b) == (first, end))
             log.warning(
                 "group %s: member %s died processing %s-%d offsets [%d, %d) (crash %d there)",
                 group.group_id,
@@ -763,7 +789,7 @@ class GroupCoordinator:
                 crashes,
             )
         member.inflight = {}
-        while len(group.suspects) > MAX_SUSPECTS:  # the oldest go first
+        while sum(map(len, group.suspects.values())) > MAX_SUSPECTS:  # the oldest go first
             del group.suspects[next(iter(group.suspects))]
 
     async def leave_group(self, req: m.LeaveGroupRequest) -> m.LeaveGroupResponse:
