@@ -3,7 +3,7 @@
     python -m tests.greedy_producer --bootstrap H:P --user U --password P --topic T
         --seconds S --out FILE [--batch-size B] [--buffer-memory M]
 
-Sends 1,000-byte values for ``--seconds`` seconds, then writes ``{"acks": [[t, n], ...],
+Sends 1,000-byte values for ``--seconds`` seconds (or until SIGTERM), then writes ``{"acks": [[t, n], ...],
 "throttle_ms": ...}`` to FILE (``t``: ``time.monotonic()`` when an acknowledgement of ``n``
 bytes of values arrived; the clock is the machine's, shared with the test) and stops without
 waiting for what is still unacknowledged.
@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -45,13 +46,26 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         }
     )
     await producer.start()
+    loop = asyncio.get_running_loop()
     end = time.monotonic() + args.seconds
-    while time.monotonic() < end:
+    stopped = False
+    waiting: asyncio.Timeout | None = None
+
+    def stop() -> None:
+        nonlocal stopped
+        stopped = True
+        if waiting is not None:
+            waiting.reschedule(loop.time())
+
+    loop.add_signal_handler(signal.SIGTERM, stop)
+    while time.monotonic() < end and not stopped:
         try:
-            async with asyncio.timeout(max(end - time.monotonic(), 0.001)):
+            async with asyncio.timeout(max(end - time.monotonic(), 0.001)) as waiting:
                 fut = await producer.send(args.topic, VALUE)  # waits while the buffer is full
         except TimeoutError:
             break
+        finally:
+            waiting = None
         fut.add_done_callback(acked)
     result = {"acks": list(acks), "throttle_ms": producer.metrics()["produce_throttle_time_ms"]}
     with contextlib.suppress(StrataError):

@@ -203,18 +203,24 @@ def _p99(xs: list[float]) -> float:
 def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     cluster: Cluster, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
-    """Alice (a process of her own) sends as fast as she may for 42 s under a 1 MB/s quota;
-    her rate is taken over a 10 s window. Then Bob's produce latency is sampled in short
+    """Alice (a process of her own) sends as fast as she may under a 1 MB/s quota until the
+    test is done with her (SIGTERM); her rate is taken over a 10 s window. Then Bob's produce latency is sampled in short
     blocks, with Alice stopped (SIGSTOP: Bob alone, his unthrottled latency) and running by
-    turns, so that the machine's own noise falls on both alike. That is done three times and
-    the median of the three ratios is held to 2x (the way every figure here is taken: one
-    round's p99 is its 10th-largest sample, and one CI run saw 2.3x where rounds here see
-    1.0-1.6x, the alone p99 itself moving 1.3-3.1 ms from round to round)."""
+    turns, so that the machine's own noise falls on both alike. That is done five times and
+    the median of the five ratios is held to 2x (the way every figure here is taken: one
+    round's p99 is its 10th-largest sample; rounds here see 1.0-1.8x, the alone p99 itself
+    moving 1.0-2.4 ms from round to round, and a CI run's three rounds once gave 1.01x,
+    2.37x and 2.02x).
+
+    What Bob's tail meets beside Alice was traced (agent-side times of each request against
+    Alice's): his slow requests fall within a few ms of Alice's requests and answers (she
+    sends about 320 KB at a time, her throttled batches drained together), on the agent's
+    side of the socket; with her requests held to 64 KB the rounds gave 1.0-1.3x."""
     _set_quota(zk_chroot, "User:alice", QuotaConfig(producer_byte_rate=RATE))
     out = tmp_path / "alice.json"
     argv = [sys.executable, "-m", "tests.greedy_producer", "--bootstrap", cluster.bootstrap]
     argv += ["--user", "alice", "--password", PASSWORDS["alice"], "--topic", "greedy"]
-    argv += ["--seconds", "42", "--out", str(out)]
+    argv += ["--seconds", "300", "--out", str(out)]
     started = time.monotonic()
     alice = cluster.processes.start(argv, name="alice", cwd=ROOT)
     rounds: list[tuple[list[float], list[float]]] = []  # (alone, beside)
@@ -226,7 +232,7 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
             await asyncio.sleep(max(0.0, started + 12 - time.monotonic()))  # the window is over
             # 960 samples a side a round (a p99 of 300 swung with the machine), in blocks of
             # 20 (about 70 ms) so that a burst of the disk's own writeback falls on both
-            for _ in range(3):
+            for _ in range(5):
                 alone: list[float] = []
                 beside: list[float] = []
                 for _ in range(48):
@@ -239,7 +245,7 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
                 rounds.append((alone, beside))
 
     asyncio.run(bob())
-    assert time.monotonic() < started + 41, "the latency blocks outlasted alice"
+    os.kill(alice.pid, signal.SIGTERM)  # done with her: she writes what she saw
     assert alice.wait(30) == 0
     result = json.loads(out.read_text())
     rate = _rate([(t, n) for t, n in result["acks"]], started + 1, started + 11)
