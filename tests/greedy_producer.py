@@ -3,10 +3,10 @@
     python -m tests.greedy_producer --bootstrap H:P --user U --password P --topic T
         --seconds S --out FILE [--batch-size B] [--buffer-memory M]
 
-Sends 1,000-byte values for ``--seconds`` seconds (or until SIGTERM), then writes ``{"acks": [[t, n], ...],
-"throttle_ms": ...}`` to FILE (``t``: ``time.monotonic()`` when an acknowledgement of ``n``
-bytes of values arrived; the clock is the machine's, shared with the test) and stops without
-waiting for what is still unacknowledged.
+Sends 1,000-byte values for ``--seconds`` seconds (or until SIGTERM), then writes
+``{"acks": [[t, n], ...], "throttle_ms": ...}`` to FILE (``t``: ``time.monotonic()`` when an
+acknowledgement of ``n`` bytes of values arrived; the clock is the machine's, shared with the
+test) and stops without waiting for what is still unacknowledged.
 """
 
 from __future__ import annotations
