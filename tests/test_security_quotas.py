@@ -204,9 +204,10 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     cluster: Cluster, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
     """Alice (a process of her own) sends as fast as she may under a 1 MB/s quota until the
-    test is done with her (SIGTERM); her rate is taken over a 10 s window. Then Bob's produce latency is sampled in short
-    blocks, with Alice stopped (SIGSTOP: Bob alone, his unthrottled latency) and running by
-    turns, so that the machine's own noise falls on both alike. That is done five times and
+    test is done with her (SIGTERM); her rate is taken over a 10 s window. Then Bob's
+    produce latency is sampled in short blocks, with Alice stopped (SIGSTOP: Bob alone, his
+    unthrottled latency) and running by turns, so that the machine's own noise falls on both
+    alike. That is done five times and
     the median of the five ratios is held to 2x (the way every figure here is taken: one
     round's p99 is its 10th-largest sample; rounds here see 1.0-1.8x, the alone p99 itself
     moving 1.0-2.4 ms from round to round, and a CI run's three rounds once gave 1.01x,
@@ -245,6 +246,7 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
                 rounds.append((alone, beside))
 
     asyncio.run(bob())
+    assert alice.alive, "alice stopped before the latency blocks were done"
     os.kill(alice.pid, signal.SIGTERM)  # done with her: she writes what she saw
     assert alice.wait(30) == 0
     result = json.loads(out.read_text())

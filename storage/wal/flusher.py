@@ -4,10 +4,11 @@ An fsync must not run on the event loop (it blocks for as long as the disk takes
 connection with it), so it runs in a thread. ``asyncio.to_thread`` did that through the
 default executor: a ``concurrent.futures`` future, its condition variable, a pool of up to
 ``min(32, cores + 4)`` threads (six here) running fsyncs at once (one per partition that
-happened to need one) and a wake-up of the loop for each. Measured with a no-op fsync under acks=all at RF 3 (three agents on two
-cores, 1,000 msgs/s), that machinery alone cost each agent about 110 µs of CPU and 0.5 ms of
-latency per fsync, more than the disk's own time, and the thread switches it takes grow
-worse the busier the cores are (docs/benchmarks.md, "End-to-end latency").
+happened to need one) and a wake-up of the loop for each. Measured with a no-op fsync under
+acks=all at RF 3 (three agents on two cores, 1,000 msgs/s), that machinery alone cost each
+agent about 110 µs of CPU and 0.5 ms of latency per fsync, more than the disk's own time,
+and the thread switches it takes grow worse the busier the cores are (docs/benchmarks.md,
+"End-to-end latency").
 
 This thread does less per fsync and shares what it does: it sleeps on a ``SimpleQueue``;
 woken, it takes every job queued by then, runs them one after another (the disk's journal
