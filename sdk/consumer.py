@@ -202,6 +202,15 @@ def _list_total(col: Any) -> int:
     return int(offsets[len(offsets) - 1].as_py() - offsets[0].as_py())
 
 
+def _header_tuples(hcol: pa.ListArray, n: int) -> list[tuple[tuple[str, bytes], ...]]:
+    """Each record's headers as a tuple of (key, value) pairs: the key and value columns
+    converted whole and cut by the list offsets (not a dict per header, as ``to_pylist``)."""
+    offsets = hcol.offsets.to_pylist()  # into ``values``, which ignores the column's slice
+    pairs = hcol.values
+    flat = list(zip(pairs.field(0).to_pylist(), pairs.field(1).to_pylist(), strict=True))
+    return [tuple(flat[offsets[i] : offsets[i + 1]]) for i in range(n)]
+
+
 def to_records(tp: TopicPartition, batches: Iterable[pa.RecordBatch]) -> list[ConsumerRecord]:
     """Arrow record batches (``storage.codec.SCHEMA``) as ConsumerRecords, column by column."""
     out: list[ConsumerRecord] = []
@@ -212,11 +221,7 @@ def to_records(tp: TopicPartition, batches: Iterable[pa.RecordBatch]) -> list[Co
         keys = rb.column(2).to_pylist()
         values = rb.column(3).to_pylist()
         hcol, tcol = rb.column(4), rb.column(5)
-        headers: Iterable[Any] = (
-            [tuple((h["key"], h["value"]) for h in hs) for hs in hcol.to_pylist()]
-            if _list_total(hcol)
-            else repeat((), n)
-        )
+        headers: Iterable[Any] = _header_tuples(hcol, n) if _list_total(hcol) else repeat((), n)
         tags: Iterable[Any] = (
             [tuple(ts) for ts in tcol.to_pylist()] if _list_total(tcol) else repeat((), n)
         )

@@ -111,6 +111,14 @@ def test_the_honest_summary_is_what_the_encoder_wrote() -> None:
     assert sm.encode(HONEST) == TAGGED[read_header(TAGGED).summary_position :]
 
 
+@pytest.fixture(params=["one by one", "columnar"])
+def counting(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The deep check counts few tags and headers one by one and many column by column (as
+    ``build`` does): each test that takes this runs with both."""
+    monkeypatch.setattr(sm, "SMALL", 1 << 30 if request.param == "one by one" else -1)
+    return str(request.param)
+
+
 @pytest.mark.parametrize(
     "lie",
     [
@@ -123,7 +131,7 @@ def test_the_honest_summary_is_what_the_encoder_wrote() -> None:
         sm.Summary(3, 1, HONEST.tags, {b"region": sm.KeySummary(3, None)}),
     ],
 )
-def test_the_deep_check_refuses_a_summary_that_lies(lie: sm.Summary) -> None:
+def test_the_deep_check_refuses_a_summary_that_lies(lie: sm.Summary, counting: str) -> None:
     forged = _replace_summary(TAGGED, sm.encode(lie))
     check_batch(forged)  # the O(1) check does not read the summary
     with pytest.raises(CorruptBatchError, match="summary"):
@@ -138,7 +146,9 @@ def test_the_deep_check_refuses_a_summary_that_lies(lie: sm.Summary) -> None:
         sm.Summary(3, 1, HONEST.tags, {b"region": sm.KeySummary(2, None)}),
     ],
 )
-def test_the_deep_check_accepts_a_summary_that_leaves_things_out(partial: sm.Summary) -> None:
+def test_the_deep_check_accepts_a_summary_that_leaves_things_out(
+    partial: sm.Summary, counting: str
+) -> None:
     check_batch(_replace_summary(TAGGED, sm.encode(partial)), deep=True)
 
 

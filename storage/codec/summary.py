@@ -408,13 +408,21 @@ def verify(s: Summary, rb: pa.RecordBatch) -> None:
     pairs = hdrs.values.slice(hdr_offsets[0], hdr_offsets[n] - hdr_offsets[0])
     tag_offsets = tag_offsets - tag_offsets[0]
     hdr_offsets = hdr_offsets - hdr_offsets[0]
-    untagged, got_tags = _tag_stats(tag_offsets, tag_values, n, len(s.tags or ()))
+    small = len(tag_values) + len(pairs) <= SMALL  # as ``build`` counts: see there
+    got: dict[bytes, KeySummary] | None
+    if small:
+        untagged, got_tags, got = _small_stats(n, tag_offsets, tag_values, hdr_offsets, pairs)
+    else:
+        untagged, got_tags = _tag_stats(tag_offsets, tag_values, n, len(s.tags or ()))
     if untagged != s.untagged or (s.tags is not None and got_tags != s.tags):
         raise CorruptBatchError("the batch summary does not match its tags")
     if s.headers is None:
         return
-    most = max((len(ks.values) for ks in s.headers.values() if ks.values is not None), default=0)
-    got = _header_stats(hdr_offsets, pairs, n, len(s.headers), most)
+    if not small:
+        most = max(
+            (len(ks.values) for ks in s.headers.values() if ks.values is not None), default=0
+        )
+        got = _header_stats(hdr_offsets, pairs, n, len(s.headers), most)
     if got is None or got.keys() != s.headers.keys():
         raise CorruptBatchError("the batch summary does not match its header keys")
     for key, ks in s.headers.items():
