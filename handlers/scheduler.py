@@ -297,6 +297,19 @@ class Scheduler:
         level = d.level_of(tp.topic)
         if level is None:
             raise UnknownTopicOrPartitionError(f"{tp.topic} is not a delay level topic")
+        exit_after = d.level_delay_ms(level)
+        last_mile = level == d.MIN_LEVEL
+
+        def leaves(r: Rec) -> int:
+            return r.sid.due_ms if last_mile and r.sid is not None else r.timestamp + exit_after
+
+        head = leaves(recs[0]) - self.clock_ms()
+        if head > 0:
+            # nothing ready, so nothing to forward, and no forward to redo either: a record
+            # a forward took was ready then, so it is now (or, under another process's faster
+            # clock, soon: the redo waits that long). No ZooKeeper read for records that
+            # have just entered their level.
+            return Outcome(recs[0].offset, head)
         intent, version = await ds.read_lane(tp.topic, tp.partition)
         if intent is not None and recs[0].offset <= intent.a:
             # the runner did not commit past the last forward: it may be incomplete, redo it
@@ -311,15 +324,12 @@ class Scheduler:
             if not recs:
                 return Outcome()
         now = self.clock_ms()
-        exit_after = d.level_delay_ms(level)
-        last_mile = level == d.MIN_LEVEL
         ready: list[Rec] = []
         size = 0
         come_back = 0
         for r in recs:
-            leaves = r.sid.due_ms if last_mile and r.sid is not None else r.timestamp + exit_after
-            if leaves > now:
-                come_back = leaves - now
+            if (left := leaves(r) - now) > 0:
+                come_back = left
                 break
             if ready and size + r.size > self.chunk_bytes:
                 break
