@@ -26,6 +26,7 @@ from storage.codec.body import (
     SCHEMA,
     SMALL_BATCH,
     check_flat_body,
+    check_small_body,
     decode_body,
     encode_body,
     raw_body_length,
@@ -239,12 +240,22 @@ def check_batch(
                     position=pos,
                 )
         else:
-            rb = decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=True)
-            if said is not None:
-                try:
-                    summary.verify(said, rb)
-                except CorruptBatchError as exc:
-                    raise CorruptBatchError(exc.reason, position=pos) from None
+            small = None
+            if h.compression == Compression.NONE:
+                small = check_small_body(buf, pos + HEADER_SIZE, lengths, h.record_count)
+            try:
+                if small is not None:
+                    if said is not None:
+                        counts = summary.count_small(h.record_count, *small)
+                        summary.verify_counts(said, *counts)
+                else:
+                    rb = decode_body(
+                        _body(buf, pos, h), h.record_count, h.base_offset, validate=True
+                    )
+                    if said is not None:
+                        summary.verify(said, rb)
+            except CorruptBatchError as exc:
+                raise CorruptBatchError(exc.reason, position=pos) from None
     return h
 
 

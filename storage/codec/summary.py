@@ -408,24 +408,34 @@ def verify(s: Summary, rb: pa.RecordBatch) -> None:
     pairs = hdrs.values.slice(hdr_offsets[0], hdr_offsets[n] - hdr_offsets[0])
     tag_offsets = tag_offsets - tag_offsets[0]
     hdr_offsets = hdr_offsets - hdr_offsets[0]
-    small = len(tag_values) + len(pairs) <= SMALL  # as ``build`` counts: see there
-    got: dict[bytes, KeySummary] | None
-    if small:
-        untagged, got_tags, got = _small_stats(n, tag_offsets, tag_values, hdr_offsets, pairs)
-    else:
-        untagged, got_tags = _tag_stats(tag_offsets, tag_values, n, len(s.tags or ()))
-    if untagged != s.untagged or (s.tags is not None and got_tags != s.tags):
-        raise CorruptBatchError("the batch summary does not match its tags")
-    if s.headers is None:
+    if len(tag_values) + len(pairs) <= SMALL:  # counted as ``build`` counts them
+        verify_counts(s, *_small_stats(n, tag_offsets, tag_values, hdr_offsets, pairs))
         return
-    if not small:
+    untagged, got_tags = _tag_stats(tag_offsets, tag_values, n, len(s.tags or ()))
+    got = None
+    if s.headers is not None:
         most = max(
             (len(ks.values) for ks in s.headers.values() if ks.values is not None), default=0
         )
         got = _header_stats(hdr_offsets, pairs, n, len(s.headers), most)
-    if got is None or got.keys() != s.headers.keys():
+    verify_counts(s, untagged, got_tags, got)
+
+
+def verify_counts(
+    s: Summary,
+    untagged: int,
+    tags: dict[bytes, int] | None,
+    headers: dict[bytes, KeySummary] | None,
+) -> None:
+    """Raise ``CorruptBatchError`` unless ``s`` agrees with the counts of the records
+    (``count_small``'s; ``tags`` and ``headers`` need only hold what ``s`` lists)."""
+    if untagged != s.untagged or (s.tags is not None and tags != s.tags):
+        raise CorruptBatchError("the batch summary does not match its tags")
+    if s.headers is None:
+        return
+    if headers is None or headers.keys() != s.headers.keys():
         raise CorruptBatchError("the batch summary does not match its header keys")
     for key, ks in s.headers.items():
-        mine = got[key]
+        mine = headers[key]
         if mine.records != ks.records or (ks.values is not None and mine.values != ks.values):
             raise CorruptBatchError(f"the batch summary does not match header {key!r}")
