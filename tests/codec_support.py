@@ -12,6 +12,7 @@ from typing import Any
 
 import google_crc32c
 import pyarrow as pa
+from hypothesis import strategies as st
 
 HEADER_SIZE = 72
 CRC_START = 24
@@ -124,3 +125,17 @@ def summary_as_dict(s: Any) -> dict[str, Any]:
             for k, ks in s.headers.items()
         },
     }
+
+
+def maybe_tags(max_records: int) -> st.SearchStrategy[list[list[str] | None]]:
+    """Per record: no tags (None), or a few (names with non-ASCII and empty ones)."""
+    tags = st.lists(st.sampled_from(["a", "b", "ü", ""]), max_size=3)
+    return st.lists(st.one_of(st.none(), tags), min_size=1, max_size=max_records)
+
+
+def maybe_headers(max_records: int) -> st.SearchStrategy[list[list[tuple[str, bytes]] | None]]:
+    """Per record: no headers (None), or a few (keys repeat, values are any short bytes)."""
+    pairs = st.tuples(st.sampled_from(["k", "région", ""]), st.binary(max_size=4))
+    return st.lists(
+        st.one_of(st.none(), st.lists(pairs, max_size=4)), min_size=1, max_size=max_records
+    )

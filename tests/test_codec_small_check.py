@@ -18,23 +18,10 @@ from storage.codec.batch import check_batch
 from storage.codec.body import check_small_body
 from storage.codec.header import read_header
 from storage.errors import CorruptBatchError
-from tests.codec_support import HEADER_SIZE, body_buffers, with_crc
+from tests.codec_support import HEADER_SIZE, body_buffers, maybe_headers, maybe_tags, with_crc
 
-_tags = st.lists(
-    st.one_of(st.none(), st.lists(st.sampled_from(["a", "b", "é", ""]), max_size=3)),
-    min_size=1,
-    max_size=6,
-)
-_headers = st.lists(
-    st.one_of(
-        st.none(),
-        st.lists(
-            st.tuples(st.sampled_from(["k", "région", ""]), st.binary(max_size=4)), max_size=4
-        ),
-    ),
-    min_size=1,
-    max_size=6,
-)
+_tags = maybe_tags(6)
+_headers = maybe_headers(6)
 
 
 def _verdict(data: bytes, *, arrow: bool) -> str:

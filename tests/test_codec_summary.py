@@ -14,7 +14,13 @@ from storage.codec import Compression, check_batch, encode_batch, read_header
 from storage.codec import summary as sm
 from storage.codec.body import HEADERS_TYPE, TAGS_TYPE
 from storage.errors import CorruptBatchError
-from tests.codec_support import reference_summary, summary_as_dict, with_crc
+from tests.codec_support import (
+    maybe_headers,
+    maybe_tags,
+    reference_summary,
+    summary_as_dict,
+    with_crc,
+)
 
 
 def _summary(batch: bytes) -> sm.Summary:
@@ -240,21 +246,8 @@ def test_few_tags_and_headers_counted_one_by_one_give_the_columnar_summary(
     assert summary_as_dict(small) == reference_summary(n, tags, headers)
 
 
-_maybe_tags = st.lists(
-    st.one_of(st.none(), st.lists(st.sampled_from(["a", "b", "ü", ""]), max_size=3)),
-    min_size=1,
-    max_size=16,
-)
-_maybe_headers = st.lists(
-    st.one_of(
-        st.none(),
-        st.lists(
-            st.tuples(st.sampled_from(["k", "région", ""]), st.binary(max_size=4)), max_size=4
-        ),
-    ),
-    min_size=1,
-    max_size=16,
-)
+_maybe_tags = maybe_tags(16)
+_maybe_headers = maybe_headers(16)
 
 
 @settings(max_examples=300, deadline=None)
