@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from handlers.runtime import Invocation, shared_runtime
+from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from sdk import Producer
 from sdk import delays as d
 from sdk import retry as r
@@ -167,8 +167,14 @@ class Router:
         rs = RetryStore(store.zk)
         counts = PartitionCounts(producer)
         failures = []
-        for records in (event.get("records") or {}).values():
-            recs = sorted((record_of(doc) for doc in records), key=lambda x: x.offset)
+        native = event.get(NATIVE_RECORDS)  # the runner in this process: no base64 to undo
+        batches = (
+            [list(recs) for recs in native.values() if recs]
+            if native is not None
+            else [list(map(record_of, docs)) for docs in (event.get("records") or {}).values()]
+        )
+        for recs in batches:
+            recs.sort(key=lambda x: x.offset)
             try:
                 await self._route_partition(rs, producer, counts, recs)
             except StrataError as exc:
@@ -267,6 +273,7 @@ def close(router: Router, timeout: float = 5.0) -> None:
 def make_handler(router: Router) -> Callable[[Mapping[str, Any], Any], dict[str, Any]]:
     """A ``handler(event, context)`` running ``router`` on the handlers' shared runtime."""
 
+    @takes_native_records
     def handle(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
         return Invocation(context).run(lambda store: router.process(event, store))
 

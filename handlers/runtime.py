@@ -38,8 +38,28 @@ from storage.metadata import AsyncZooKeeper, MetadataStore
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
 
 ZOOKEEPER_ENV = "STRATA_ZOOKEEPER_CONNECT"
+NATIVE_RECORDS = "strataRecords"
+"""The event key under which the event-source runner (``infra.event_source``) hands a batch,
+as the SDK read it (``ConsumerRecord`` lists by ``TopicPartition``), to a function marked
+:func:`takes_native_records`, instead of Lambda's ``records`` (base64 keys and values, each
+header value a list of ints): in the same process there is nothing to serialise. Such a
+function still reads Lambda's event when it runs on Lambda."""
+
+
+def takes_native_records(function: F) -> F:
+    """Mark ``function`` (a ``handler(event, context)``) as reading :data:`NATIVE_RECORDS`
+    when the event has it."""
+    function.strata_native_records = True  # type: ignore[attr-defined]
+    return function
+
+
+def wants_native_records(function: Callable[..., Any]) -> bool:
+    return bool(getattr(function, "strata_native_records", False))
+
+
 ANSWER_MARGIN = 0.25
 """Seconds kept back from the Lambda deadline to build and send the answer."""
 

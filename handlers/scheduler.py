@@ -38,7 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from handlers.runtime import Invocation, shared_runtime
+from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from sdk import Consumer, Producer
 from sdk import delays as d
 from sdk.config import client_config
@@ -134,6 +134,13 @@ class Rec:
 
 def lanes_of(event: Mapping[str, Any]) -> dict[TopicPartition, list[Rec]]:
     """The event's records by lane, in offset order."""
+    native = event.get(NATIVE_RECORDS)
+    if native is not None:  # the runner in this process: no base64 to undo
+        return {
+            tp: sorted(map(Rec.from_consumer, recs), key=lambda r: r.offset)
+            for tp, recs in native.items()
+            if recs
+        }
     out: dict[TopicPartition, list[Rec]] = {}
     for records in (event.get("records") or {}).values():
         for r in records:
@@ -470,6 +477,7 @@ def close(scheduler: Scheduler, timeout: float = 5.0) -> None:
 def make_handler(scheduler: Scheduler) -> Callable[[Mapping[str, Any], Any], dict[str, Any]]:
     """A ``handler(event, context)`` running ``scheduler`` on the handlers' shared runtime."""
 
+    @takes_native_records
     def handle(event: Mapping[str, Any], context: Any) -> dict[str, Any]:
         return Invocation(context).run(lambda store: scheduler.process(event, store))
 

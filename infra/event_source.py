@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from handlers.runtime import NATIVE_RECORDS, wants_native_records
 from infra.local_runtime import LambdaContext
 from infra.processes import ChildProcess, spawn, terminate, wait_until_ready
 from sdk import Consumer
@@ -162,9 +163,19 @@ def parse_item_id(text: str) -> tuple[TopicPartition, int]:
 
 
 def build_event(
-    batch: Mapping[TopicPartition, Sequence[ConsumerRecord]], bootstrap: str
+    batch: Mapping[TopicPartition, Sequence[ConsumerRecord]],
+    bootstrap: str,
+    *,
+    native: bool = False,
 ) -> dict[str, Any]:
-    """Lambda's Kafka event for ``batch``."""
+    """Lambda's Kafka event for ``batch``; with ``native``, the batch itself under
+    ``NATIVE_RECORDS`` in place of Lambda's ``records`` (``handlers.runtime``)."""
+    if native:
+        return {
+            "eventSource": "SelfManagedKafka",
+            "bootstrapServers": bootstrap,
+            NATIVE_RECORDS: {tp: list(recs) for tp, recs in batch.items()},
+        }
     b64 = base64.b64encode
     records: dict[str, list[dict[str, Any]]] = {}
     for tp, recs in batch.items():
@@ -226,6 +237,7 @@ class EventSourceRunner:
         self.config = config
         self._clock = clock
         self.handler = handler or load_handler(config.function)
+        self._native = wants_native_records(self.handler)
         self.policy = policy or BackoffPolicy(
             config.retry_initial_ms, config.retry_max_ms, config.max_attempts
         )
@@ -399,7 +411,7 @@ class EventSourceRunner:
     async def _call(self, batch: Mapping[TopicPartition, Sequence[ConsumerRecord]]) -> Any:
         """Invoke the function once with ``batch`` (within the invocation timeout)."""
         cfg = self.config
-        event = build_event(batch, cfg.bootstrap_servers)
+        event = build_event(batch, cfg.bootstrap_servers, native=self._native)
         context = LambdaContext(
             function_name=cfg.function.rpartition(":")[0].rpartition(".")[2],
             aws_request_id=str(uuid.uuid4()),

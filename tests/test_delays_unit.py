@@ -10,6 +10,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from handlers.retry import handler as router_handler
+from handlers.retry import record_of as retry_record_of
+from handlers.runtime import wants_native_records
+from handlers.scheduler import handler as scheduler_handler
+from handlers.scheduler import lanes_of
 from infra.event_source import build_event, failures_of, item_id, parse_item_id
 from sdk import delays as d
 from sdk.records import ConsumerRecord, TopicPartition
@@ -122,6 +127,28 @@ def test_the_event_is_lambdas_kafka_event() -> None:
     assert r["headers"] == [{"h": [1, 2]}] and r["tags"] == ["t"]
     assert (r["topic"], r["partition"], r["offset"], r["timestamp"]) == ("my-topic-2", 3, 7, 1000)
     assert r["timestampType"] == "CREATE_TIME"
+
+
+def test_the_scheduler_and_router_read_the_same_records_from_either_event() -> None:
+    """The runner hands the delay scheduler and the retry router the records it read (no
+    base64); on Lambda they get Lambda's event. Both give them the same records."""
+    tp = TopicPartition(d.level_topic(9), 1)
+    sid = d.ScheduleId.new(5000, "target", 0, b"k", "n1").encode()
+    recs = [
+        ConsumerRecord(tp.topic, 1, 8, 1000, None, b"b", [], ()),
+        ConsumerRecord(tp.topic, 1, 7, 999, b"k", b"\x00v", [(d.HEADER_ID, sid.encode())], ("t",)),
+    ]
+    lambda_event = build_event({tp: recs}, "a:1")
+    native_event = build_event({tp: recs}, "a:1", native=True)
+    assert "records" not in native_event and native_event["bootstrapServers"] == "a:1"
+    assert lanes_of(native_event) == lanes_of(lambda_event)
+    (lane,) = lanes_of(native_event).values()
+    assert [r.offset for r in lane] == [7, 8] and lane[0].sid is not None
+    from_lambda = [retry_record_of(doc) for doc in lambda_event["records"][f"{tp.topic}-1"]]
+    assert [tuple(r) for r in sorted(from_lambda, key=lambda r: r.offset)] == [
+        (*r[:6], list(r.headers), r.tags) for r in sorted(recs, key=lambda r: r.offset)
+    ]
+    assert wants_native_records(scheduler_handler) and wants_native_records(router_handler)
 
 
 def test_item_ids_and_partial_failures() -> None:
