@@ -206,9 +206,10 @@ def _header_tuples(hcol: pa.ListArray, n: int) -> list[tuple[tuple[str, bytes], 
     """Each record's headers as a tuple of (key, value) pairs: the key and value columns
     converted whole and cut by the list offsets (not a dict per header, as ``to_pylist``)."""
     offsets = hcol.offsets.to_pylist()  # into ``values``, which ignores the column's slice
-    pairs = hcol.values
+    lo = offsets[0]
+    pairs = hcol.values.slice(lo, offsets[n] - lo)  # only this slice's headers, not the batch's
     flat = list(zip(pairs.field(0).to_pylist(), pairs.field(1).to_pylist(), strict=True))
-    return [tuple(flat[offsets[i] : offsets[i + 1]]) for i in range(n)]
+    return [tuple(flat[offsets[i] - lo : offsets[i + 1] - lo]) for i in range(n)]
 
 
 def to_records(tp: TopicPartition, batches: Iterable[pa.RecordBatch]) -> list[ConsumerRecord]:

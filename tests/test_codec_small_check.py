@@ -6,7 +6,7 @@ would), both accept or both refuse, and the summary is checked the same way."""
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -44,19 +44,18 @@ def _batch(tags: list[list[str] | None], headers: list[list[tuple[str, bytes]] |
 
 
 @pytest.fixture
-def used() -> Iterator[list[int]]:
-    """How often the plain-Python check answered (it must, for these small batches)."""
-    calls: list[int] = []
-    saved = batch_module.check_small_body
+def used(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether the plain-Python check answered, call by call."""
+    calls: list[bool] = []
+    real = batch_module.check_small_body
 
-    def counting(*args: object) -> object:
-        got = saved(*args)  # type: ignore[arg-type]
+    def counting(*args: Any) -> Any:
+        got = real(*args)
         calls.append(got is not None)
         return got
 
-    batch_module.check_small_body = counting  # type: ignore[assignment]
-    yield calls
-    batch_module.check_small_body = saved
+    monkeypatch.setattr(batch_module, "check_small_body", counting)
+    return calls
 
 
 @settings(max_examples=150, deadline=None)
@@ -86,7 +85,7 @@ def test_a_forged_body_gets_the_same_verdict_from_both_checks(
     assert _verdict(forged_bytes, arrow=False) == _verdict(forged_bytes, arrow=True)
 
 
-def test_the_plain_check_is_the_one_used_for_small_batches_with_headers(used: list[int]) -> None:
+def test_the_plain_check_is_the_one_used_for_small_batches_with_headers(used: list[bool]) -> None:
     one = encode_batch([b"v"], headers=[[("strata.retry.attempt", b"1"), ("k", b"v")]])
     check_batch(one, deep=True)
     many = encode_batch([b"v"] * 40, headers=[[("k", b"v"), ("j", b"w")]] * 40)  # 80 pairs

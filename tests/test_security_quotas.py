@@ -207,11 +207,10 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     test is done with her (SIGTERM); her rate is taken over a 10 s window. Then Bob's
     produce latency is sampled in short blocks, with Alice stopped (SIGSTOP: Bob alone, his
     unthrottled latency) and running by turns, so that the machine's own noise falls on both
-    alike. That is done five times and
-    the median of the five ratios is held to 2x (the way every figure here is taken: one
-    round's p99 is its 10th-largest sample; rounds here see 1.0-1.8x, the alone p99 itself
-    moving 1.0-2.4 ms from round to round, and a CI run's three rounds once gave 1.01x,
-    2.37x and 2.02x).
+    alike. That is done five times and the median of the five ratios is held to 2x (the way
+    every figure here is taken: one round's p99 is its 10th-largest sample; rounds here see
+    1.0-1.8x, the alone p99 itself moving 1.0-2.4 ms from round to round, and a CI run's
+    three rounds once gave 1.01x, 2.37x and 2.02x).
 
     What Bob's tail meets beside Alice was traced (agent-side times of each request against
     Alice's): his slow requests fall within a few ms of Alice's requests and answers (she

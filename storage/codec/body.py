@@ -456,7 +456,7 @@ class SmallLists(NamedTuple):
 
 def check_small_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> SmallLists | None:
     """``check_flat_body`` for an uncompressed body with tags or headers, when it has at most
-    ``summary.SMALL`` of them in all and at most 64 records: what ``decode_body(...,
+    63 of them in all (``summary.SMALL`` at most) and at most 63 records: what ``decode_body(...,
     validate=True)`` proves (list and string offsets within bounds and never decreasing,
     header keys and tags UTF-8), in plain Python, and the lists the summary is checked
     against. Arrow's arrays cost ~40 us a batch before any record is looked at: what a
