@@ -126,6 +126,8 @@ async def _main(config: AgentConfig) -> None:
     agent = Agent(config)
     metrics = AgentMetrics(agent)
     agent.server.observer = metrics
+    if agent.kafka_server is not None:
+        agent.kafka_server.observer = metrics.kafka_observer()
     agent.server.give_back_memory = give_back_freed_memory
     agent.tiering.on_upload = metrics.observe_upload
     agent.apis.on_filter_scan = metrics.observe_filter_scan

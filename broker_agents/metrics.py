@@ -40,6 +40,7 @@ from prometheus_client.registry import Collector
 
 from storage.codec.header import HEADER_SIZE, read_header
 from storage.errors import StrataError
+from storage.kafka.messages import ApiKey as KafkaApiKey
 from storage.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -88,6 +89,36 @@ def _api_name(api_key: int) -> str:
         return m.ApiKey(api_key).name.lower()
     except ValueError:
         return str(api_key)
+
+
+def _kafka_api_name(api_key: int) -> str:
+    """A Kafka listener's API as a label value: ``kafka_produce``, ``kafka_fetch``..."""
+    try:
+        return f"kafka_{KafkaApiKey(api_key).name.lower()}"
+    except ValueError:
+        return f"kafka_{api_key}"
+
+
+class KafkaListenerObserver:
+    """``ServerObserver`` of the Kafka listener: requests under ``kafka_<api>`` labels, bytes
+    in the agent's network counters."""
+
+    def __init__(self, metrics: AgentMetrics) -> None:
+        self._metrics = metrics
+        self._per_api: dict[int, tuple[Any, Any]] = {}
+
+    def bytes_in(self, n: int) -> None:
+        self._metrics.bytes_in(n)
+
+    def bytes_out(self, n: int) -> None:
+        self._metrics.bytes_out(n)
+
+    def request_done(self, api_key: int, seconds: float, failed: bool) -> None:
+        children = self._per_api.get(api_key)
+        if children is None:
+            children = self._per_api[api_key] = self._metrics._children(_kafka_api_name(api_key))
+        children[0].inc()
+        children[1].observe(seconds)
 
 
 class AgentMetrics:
@@ -174,13 +205,17 @@ class AgentMetrics:
     def request_done(self, api_key: int, seconds: float, failed: bool) -> None:
         children = self._per_api.get(api_key)
         if children is None:  # (as many as the label values the registry keeps anyway)
-            api = _api_name(api_key)
-            children = self._per_api[api_key] = (
-                self.requests.labels(api),
-                self.request_seconds.labels(api),
-            )
+            children = self._per_api[api_key] = self._children(_api_name(api_key))
         children[0].inc()
         children[1].observe(seconds)
+
+    def _children(self, api: str) -> tuple[Any, Any]:
+        return (self.requests.labels(api), self.request_seconds.labels(api))
+
+    def kafka_observer(self) -> KafkaListenerObserver:
+        """The hooks for the Kafka listener's server: the same metrics, its APIs labelled
+        ``kafka_<name>`` (Kafka's API keys are not the native ones)."""
+        return KafkaListenerObserver(self)
 
     def bytes_in(self, n: int) -> None:
         self.bytes_in_total.inc(n)

@@ -222,6 +222,11 @@ def test_every_agent_has_a_kafka_listener_that_kafka_clients_use(
         state_dir, "-o", "json", "consume", "via-kafka", "--from-beginning", "-n", "10"
     )
     assert "k9" in consumed.stdout
+    # the Kafka listener's requests are in the agents' metrics, under their Kafka names
+    merged = "\n".join(scrape_metrics(a["metrics_url"]) for a in up["agents"])
+    assert metric_value(merged, 'strata_requests_total{api="kafka_produce"}') >= 1
+    assert 'strata_requests_total{api="kafka_metadata"}' in merged
+    assert 'strata_request_duration_seconds_count{api="kafka_produce"}' in merged
 
 
 def test_down_leaves_no_process_behind(stack: tuple[Path, dict[str, Any]]) -> None:
