@@ -161,8 +161,12 @@ IDEMPOTENT = {
 
 
 # ---- readers ---------------------------------------------------------------------------------
-def read_kafka_python(bootstrap: str, topic: str, count: int) -> list[Record]:
-    consumer = kp.KafkaConsumer(bootstrap_servers=bootstrap.split(","), enable_auto_commit=False)
+def read_kafka_python(
+    bootstrap: str, topic: str, count: int, isolation: str = "read_uncommitted"
+) -> list[Record]:
+    consumer = kp.KafkaConsumer(
+        bootstrap_servers=bootstrap.split(","), enable_auto_commit=False, isolation_level=isolation
+    )
     out: list[Record] = []
     try:
         tps = [kp.TopicPartition(topic, p) for p in range(PARTITIONS)]
@@ -180,9 +184,13 @@ def read_kafka_python(bootstrap: str, topic: str, count: int) -> list[Record]:
     return out
 
 
-def read_aiokafka(bootstrap: str, topic: str, count: int) -> list[Record]:
+def read_aiokafka(
+    bootstrap: str, topic: str, count: int, isolation: str = "read_uncommitted"
+) -> list[Record]:
     async def run() -> list[Record]:
-        consumer = aiokafka.AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        consumer = aiokafka.AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, isolation_level=isolation
+        )
         await consumer.start()
         out: list[Record] = []
         try:
@@ -203,9 +211,16 @@ def read_aiokafka(bootstrap: str, topic: str, count: int) -> list[Record]:
     return asyncio.run(run())
 
 
-def read_confluent(bootstrap: str, topic: str, count: int) -> list[Record]:
+def read_confluent(
+    bootstrap: str, topic: str, count: int, isolation: str = "read_uncommitted"
+) -> list[Record]:
     consumer = ck.Consumer(
-        {"bootstrap.servers": bootstrap, "group.id": "reader", "enable.auto.commit": False}
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": "reader",
+            "enable.auto.commit": False,
+            "isolation.level": isolation,
+        }
     )
     out: list[Record] = []
     try:
@@ -261,7 +276,7 @@ def read_sdk(bootstrap: str, topic: str, count: int) -> list[Record]:
     return asyncio.run(run())
 
 
-READERS: dict[str, Callable[[str, str, int], list[Record]]] = {
+READERS: dict[str, Callable[..., list[Record]]] = {
     "kafka-python": read_kafka_python,
     "aiokafka": read_aiokafka,
     "confluent-kafka": read_confluent,
@@ -332,6 +347,82 @@ def test_records_produced_by_the_sdk_are_read_by_every_kafka_client(cluster: Clu
         assert sorted(READERS[reader](cluster.kafka_bootstrap, topic, len(sent))) == reference, (
             reader
         )
+
+
+def test_kafka_clients_read_sdk_transactions_committed_or_not_and_never_their_markers(
+    cluster: Cluster,
+) -> None:
+    """An SDK transactional producer commits, aborts and commits again across partitions:
+    with read_committed every Kafka client reads the committed records only, with
+    read_uncommitted the aborted ones too; the transaction markers are control batches to
+    them (skipped), never records."""
+    topic = _topic(cluster, "sdk-transactions")
+
+    async def produce() -> None:
+        config = {"bootstrap.servers": cluster.bootstrap, "transactional.id": "kafka-readers"}
+        async with Producer(config) as producer:
+            await producer.init_transactions()
+            for name in ("first", "aborted", "last"):
+                producer.begin_transaction()
+                sent = [
+                    await producer.send(topic, f"{name}-{i}".encode(), partition=i % PARTITIONS)
+                    for i in range(12)
+                ]
+                if name == "aborted":
+                    await producer.flush()  # stored, then aborted: in the log, marked aborted
+                    await producer.abort_transaction()
+                    await asyncio.gather(*sent, return_exceptions=True)
+                else:
+                    await producer.commit_transaction()
+                    await asyncio.gather(*sent)
+
+    async def latest_while_open() -> tuple[int, int]:
+        """Partition 0's latest offset for read_committed and read_uncommitted Kafka clients
+        (ListOffsets v2) while a transaction with stored records is open there."""
+        config = {"bootstrap.servers": cluster.bootstrap, "transactional.id": "kafka-open"}
+        async with Producer(config) as producer:
+            await producer.init_transactions()
+            producer.begin_transaction()
+            sent = [await producer.send(topic, b"open", partition=0) for _ in range(3)]
+            await producer.flush()
+            latest = []
+            for isolation in (1, 0):
+                request = kf.encode_request(
+                    ApiKey.LIST_OFFSETS, 2, 90 + isolation, "t",
+                    {"replica_id": -1, "isolation_level": isolation,
+                     "topics": [{"name": topic, "partitions": [
+                         {"partition_index": 0, "timestamp": -1}]}]},
+                )  # fmt: skip
+                for address in cluster.kafka_bootstrap.split(","):  # the leader answers
+                    _, body = kf.parse_response(
+                        await asyncio.to_thread(_exchange, address, request), ApiKey.LIST_OFFSETS, 2
+                    )
+                    part = body["topics"][0]["partitions"][0]
+                    if part["error_code"] == 0:
+                        latest.append(part["offset"])
+                        break
+            await producer.abort_transaction()
+            await asyncio.gather(*sent, return_exceptions=True)
+        return latest[0], latest[1]
+
+    asyncio.run(produce())
+    committed = {f"{n}-{i}".encode() for n in ("first", "last") for i in range(12)}
+    aborted = {f"aborted-{i}".encode() for i in range(12)}
+    for reader in CLIENTS:
+        for isolation, want in (
+            ("read_committed", committed),
+            ("read_uncommitted", committed | aborted),
+        ):
+            got = READERS[reader](cluster.kafka_bootstrap, topic, len(want), isolation)
+            values = [v for _, _, _, v, _, _ in got]
+            assert sorted(values) == sorted(want), (reader, isolation)  # type: ignore[type-var]
+            # in each partition's order: the last transaction after the first
+            for p in range(PARTITIONS):
+                mine = [v for part, _, _, v, _, _ in sorted(got) if part == p]
+                assert mine == sorted(mine, key=lambda v: not v.startswith(b"first")), mine
+    stable, end = asyncio.run(latest_while_open())
+    # partition 0: 3 + 3 committed records, 3 aborted, 3 markers; the open transaction's 3
+    assert (stable, end) == (12, 15)
 
 
 # ---- groups ----------------------------------------------------------------------------------

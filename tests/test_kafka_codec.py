@@ -275,3 +275,29 @@ def test_small_and_large_batches_convert_to_the_same_kafka_records(records: list
     assert batch.validate_crc()
     got = [(r.key, r.value, r.timestamp) for r in batch]
     assert got == [(k, v, 1_000 + ts) for k, v, _, _, ts in records]
+
+
+@pytest.mark.parametrize("commit", [True, False])
+def test_a_transaction_marker_reaches_kafka_clients_as_their_control_batch(commit: bool) -> None:
+    """A Strata marker becomes Kafka's control batch (control and transactional bits, the
+    producer's id and epoch, one control record: big-endian version and type 1 commit or 0
+    abort, then the coordinator epoch), and a transactional data batch keeps its bit: what a
+    read_committed Kafka client skips and drops by."""
+    from storage.codec.control import encode_marker
+
+    marker = encode_marker(77, 4, commit=commit, coordinator_epoch=9, timestamp_ms=1_000)
+    batch = DefaultRecordBatch(b"".join(bytes(p) for p in strata_batches_to_kafka(marker)))
+    assert batch.validate_crc()
+    assert batch.is_control_batch and batch.is_transactional
+    assert (batch.producer_id, batch.producer_epoch) == (77, 4)
+    (record,) = list(batch)
+    assert struct.unpack(">hh", record.key) == (0, 1 if commit else 0)
+    assert struct.unpack(">hi", record.value) == (0, 9)
+    data = encode_batch([b"v"], producer_id=77, producer_epoch=4, transactional=True)
+    converted = DefaultRecordBatch(b"".join(bytes(p) for p in strata_batches_to_kafka(data)))
+    assert converted.is_transactional and not converted.is_control_batch
+    assert [r.value for r in converted] == [b"v"]
+    plain = DefaultRecordBatch(
+        b"".join(bytes(p) for p in strata_batches_to_kafka(encode_batch([b"v"])))
+    )
+    assert not plain.is_transactional and not plain.is_control_batch

@@ -223,7 +223,7 @@ class KafkaApis:
             req["max_wait_ms"],
             req["min_bytes"],
             req["max_bytes"],
-            req["isolation_level"],  # read_committed is read_uncommitted until transactions
+            req["isolation_level"],  # read_committed: up to the last stable offset
             [
                 m.FetchTopic(
                     t["topic"],
@@ -257,9 +257,18 @@ class KafkaApis:
                         "partition_index": p.partition,
                         "error_code": code,
                         "high_watermark": p.high_watermark,
-                        "last_stable_offset": p.high_watermark,
+                        "last_stable_offset": (
+                            p.last_stable_offset if p.last_stable_offset >= 0 else p.high_watermark
+                        ),
                         "log_start_offset": p.log_start_offset,
-                        "aborted_transactions": None,
+                        # read_committed: the client drops these producers' transactional
+                        # batches from first_offset on, up to their abort markers
+                        "aborted_transactions": None
+                        if p.aborted_transactions is None
+                        else [
+                            {"producer_id": a.producer_id, "first_offset": a.first_offset}
+                            for a in p.aborted_transactions
+                        ],
                         "records": records,
                     }
                 )
@@ -278,7 +287,9 @@ class KafkaApis:
                     ],
                 )
                 for t in req["topics"]
-            ]
+            ],
+            # (v2+) read_committed: "latest" is the last stable offset
+            req.get("isolation_level", m.READ_UNCOMMITTED),
         )
         resp = await self.core.list_offsets(core_req)
         return {

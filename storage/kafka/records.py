@@ -61,6 +61,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage.codec import Compression, check_batch, decode_batch, encode_batch
+from storage.codec.control import ControlMarker, read_marker
 from storage.crc import crc32c
 from storage.errors import CorruptBatchError, StrataError, UnsupportedVersionError
 from storage.kafka.compression import Codec, compress, decompress
@@ -466,14 +467,18 @@ def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
     records), and a consumer of a topic written at a low rate reads mostly one-record
     batches."""
     h = check_batch(buf, pos, exact=False)
-    rb = decode_batch(buf, pos, verify=False)
     n = h.record_count
-    if n <= SMALL_BATCH:
-        records: Any = _records_one_by_one(rb, h.first_timestamp)
+    if h.is_control:  # a transaction marker: Kafka's control record, which clients skip
+        records: Any = _control_record(read_marker(buf, pos, h))
+    elif n <= SMALL_BATCH:
+        records = _records_one_by_one(decode_batch(buf, pos, verify=False), h.first_timestamp)
     else:
-        records = _records_columnar(rb, n, h.first_timestamp)
+        records = _records_columnar(decode_batch(buf, pos, verify=False), n, h.first_timestamp)
     size = len(records)
-    attributes = 0
+    # read_committed clients drop a transactional batch of an aborted transaction by these bits
+    attributes = (ATTR_TRANSACTIONAL if h.is_transactional else 0) | (
+        ATTR_CONTROL if h.is_control else 0
+    )
     header = bytearray(
         HEADER.pack(
             h.base_offset,
@@ -495,6 +500,26 @@ def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
     crc = crc32c(memoryview(records), crc)
     _CRC_FIELD.pack_into(header, _CRC_OFFSET, crc)
     return [bytes(header), records], h.size
+
+
+#: Kafka's control record key (version, type) and value (version, coordinator epoch), big-endian
+_CONTROL_KEY = struct.Struct(">hh")
+_CONTROL_VALUE = struct.Struct(">hi")
+
+
+def _control_record(marker: ControlMarker) -> bytes:
+    """The one record of a Kafka control batch for ``marker`` (type 0 abort, 1 commit)."""
+    key = _CONTROL_KEY.pack(0, 1 if marker.commit else 0)
+    value = _CONTROL_VALUE.pack(0, marker.coordinator_epoch)
+    body = (
+        b"\x00\x00\x00"  # attributes, timestamp delta 0, offset delta 0
+        + write_varint(len(key))
+        + key
+        + write_varint(len(value))
+        + value
+        + b"\x00"  # no headers
+    )
+    return write_varint(len(body)) + body
 
 
 def _records_columnar(rb: pa.RecordBatch, n: int, first_timestamp: int) -> pa.Buffer:
