@@ -107,6 +107,10 @@ class MappingConfig:
     retry_max_ms: int = 30_000
     max_attempts: int = 0
     """Failed attempts of one batch before ``on_give_up``; 0 = never give up."""
+    isolation_level: str = "read_uncommitted"
+    """The consumer's ``isolation.level``. The delay scheduler and the retry router read
+    ``read_committed``: a record a transaction stored in the delay levels, or a failure
+    record, acts only if its transaction commits."""
     retry: bool = False
     """Apply the group's retry policy (``docs/retries.md``): each record the function reports
     in ``batchItemFailures`` (or raises on, found by invoking the batch's records one by one)
@@ -123,6 +127,11 @@ class MappingConfig:
             raise InvalidConfigError("window_ms, retry_initial_ms and max_attempts must be >= 0")
         if self.invocation_timeout <= 0:
             raise InvalidConfigError("invocation_timeout must be positive")
+        if self.isolation_level not in ("read_committed", "read_uncommitted"):
+            raise InvalidConfigError(
+                f"isolation_level must be read_committed or read_uncommitted,"
+                f" not {self.isolation_level!r}"
+            )
         if ":" not in self.function:
             raise InvalidConfigError(f"function {self.function!r} is not module:attribute")
 
@@ -264,6 +273,7 @@ class EventSourceRunner:
                     "enable.auto.commit": False,
                     "auto.offset.reset": "earliest",
                     "max.poll.records": cfg.batch_size,
+                    "isolation.level": cfg.isolation_level,
                     "fetch.max.wait.ms": cfg.fetch_max_wait_ms,
                     "session.timeout.ms": cfg.session_timeout_ms,
                     "heartbeat.interval.ms": max(100, cfg.session_timeout_ms // 5),
@@ -567,6 +577,7 @@ def scheduler_mapping(bootstrap: str, **options: Any) -> MappingConfig:
             "fetch_max_wait_ms": 100,
             "concurrency": 16,
             "partition_per_invocation": True,
+            "isolation_level": "read_committed",  # an aborted transaction's delays never fire
             **options,
         }
     )
@@ -587,6 +598,7 @@ def router_mapping(bootstrap: str, **options: Any) -> MappingConfig:
             "window_ms": 5,
             "concurrency": 8,
             "partition_per_invocation": True,
+            "isolation_level": "read_committed",
             **options,
         }
     )
@@ -652,6 +664,12 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
     p.add_argument("--invocation-timeout", type=float, default=30.0)
     p.add_argument("--session-timeout-ms", type=int, default=10_000)
     p.add_argument(
+        "--isolation-level",
+        choices=("read_committed", "read_uncommitted"),
+        default=None,
+        help="the consumer's isolation.level (the scheduler and the router: read_committed)",
+    )
+    p.add_argument(
         "--retry",
         action="store_true",
         help="apply the group's retry policy to the records the function fails on",
@@ -669,6 +687,8 @@ def parse_args(argv: list[str] | None = None) -> MappingConfig:
         options["window_ms"] = a.window_ms
     if a.fetch_max_wait_ms is not None:
         options["fetch_max_wait_ms"] = a.fetch_max_wait_ms
+    if a.isolation_level is not None:
+        options["isolation_level"] = a.isolation_level
     topics = tuple(t for t in a.topics.split(",") if t)
     if a.function == SCHEDULER_FUNCTION and not topics:
         return scheduler_mapping(a.bootstrap, group_id=a.group, **options)

@@ -932,6 +932,14 @@ class Producer:
         limit = self._cluster.delay_max_ms(topic)
         return delays.DEFAULT_DELAY_MAX_MS if limit < 0 else limit
 
+    def _joined(self, tp: TopicPartition) -> TopicPartition:
+        """``tp``, a delay level's partition, added to the open transaction if there is one:
+        a transaction's delayed records are stored in the levels as part of it (and the
+        scheduler, reading ``read_committed``, never delivers an aborted one)."""
+        if self._txn is not None:
+            self._txn.maybe_add(tp)
+        return tp
+
     async def _send_delayed(
         self,
         topic: str,
@@ -972,7 +980,7 @@ class Producer:
             hdrs.append((delays.HEADER_TIMESTAMP, str(original_ts).encode()))
         level_topic = delays.level_topic(delays.level_for(due - now))
         lanes = await self._lanes(level_topic, max_block - (self._clock() - started))
-        tp = TopicPartition(level_topic, schedule.lane_in(lanes))
+        tp = self._joined(TopicPartition(level_topic, schedule.lane_in(lanes)))
         stored = acc.append_nowait(tp, value, key, hdrs, tag_list, now)
         if stored is None:
             remaining = max_block - (self._clock() - started)
@@ -1080,7 +1088,7 @@ class Producer:
                 ]
             stored = [
                 await acc.append_many(
-                    TopicPartition(level_topic, lane),
+                    self._joined(TopicPartition(level_topic, lane)),
                     vals,
                     ks,
                     hdrs,
@@ -1193,7 +1201,7 @@ class Producer:
                 sizes = [estimate_size(*rec) for rec in zip(vals, ks, hdrs, tgs, strict=True)]
                 stored.append(
                     await acc.append_many(
-                        TopicPartition(level_topic, lane),
+                        self._joined(TopicPartition(level_topic, lane)),
                         vals,
                         ks,
                         hdrs,

@@ -425,3 +425,51 @@ def test_a_one_year_delay_survives_tiering_and_an_agent_restart(
     assert g.timestamp >= g.due_ms == meta.timestamp + YEAR_MS
     assert (g.key, g.value, g.original_ts) == (b"k", b"a year later", meta.timestamp)
     assert scheduler.stats.delivered == 1
+
+
+def test_delayed_records_of_an_aborted_transaction_are_never_delivered(cluster: Cluster) -> None:
+    """A transactional producer's delayed records (``send`` and ``send_batch``) belong to its
+    transaction: the scheduler delivers those of a committed transaction (no earlier than
+    due) and never those of an aborted one, though they were stored in the delay levels
+    before the abort."""
+    start_scheduler(cluster)
+    asyncio.run(warm_up(cluster.bootstrap))
+
+    async def produce() -> None:
+        config = {"bootstrap.servers": cluster.bootstrap, "transactional.id": "delayed-txn"}
+        async with Producer(config) as producer:
+            await producer.init_transactions()
+            for name in ("committed", "aborted", "also-committed"):
+                producer.begin_transaction()
+                sent = [
+                    await producer.send(
+                        TARGET, f"{name}-{i}".encode(), key=f"k{i}".encode(), delay_ms=300
+                    )
+                    for i in range(8)
+                ]
+                sent.append(
+                    await producer.send_batch(
+                        TARGET,
+                        [f"{name}-{i}".encode() for i in range(8, 16)],
+                        keys=[f"k{i}".encode() for i in range(8, 16)],
+                        delay_ms=300,
+                    )
+                )
+                await producer.flush()  # in the delay levels before the transaction ends
+                if name == "aborted":
+                    await producer.abort_transaction()
+                    await asyncio.gather(*sent, return_exceptions=True)
+                else:
+                    await producer.commit_transaction()
+                    await asyncio.gather(*sent)
+
+    asyncio.run(produce())
+    want = {f"{n}-{i}".encode() for n in ("committed", "also-committed") for i in range(16)}
+    got = asyncio.run(
+        read_delivered(cluster.bootstrap, TARGET, PARTITIONS, len(want) + 1, 60, settle_s=3)
+    )
+    delivered = [g for g in got if g.value != b"warm-up"]
+    values = [g.value for g in delivered]
+    assert not [v for v in values if v and v.startswith(b"aborted")], "an aborted record delivered"
+    assert sorted(values) == sorted(want)  # type: ignore[type-var]
+    assert all(g.timestamp >= g.due_ms for g in delivered)
