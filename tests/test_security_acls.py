@@ -479,3 +479,115 @@ def test_client_certificate_is_the_principal(
     assert asyncio.run(produce_as("alice")) == 0
     assert asyncio.run(produce_as("bob")) == TopicAuthorizationFailedError.code
     assert "refused: User:bob may not write topic 'acl-t'" in agent.process.log_text()
+
+
+@pytest.mark.slow
+def test_internal_topics_do_not_carry_writes_past_the_acls(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """Write on a delay level is not Write on every topic the scheduler delivers to, and
+    Write on the failures topic is not a way into every group's retries: a producer that is
+    not a super user needs Write on each delayed record's target topic and Read on each
+    failure record's group, read from the batch's headers; one record past its rights refuses
+    the partition's whole request (nothing of it stored)."""
+    from sdk.delays import HEADER_ID, level_topic
+    from sdk.retry import FAILURES_TOPIC, H_GROUP
+
+    level = level_topic(0)
+
+    async def setup() -> None:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        try:
+            for name in ("admin", "tenant"):
+                cred = await asyncio.to_thread(
+                    ScramCredential.make, "SCRAM-SHA-256", PASSWORD, 4096
+                )
+                await UserStore(zk).set(name, "SCRAM-SHA-256", cred)
+
+            def allow(rtype: ResourceType, name: str, op: Operation, pattern: PatternType) -> Any:
+                return AclBinding(
+                    principal="User:tenant",
+                    resource_type=rtype,
+                    name=name,
+                    operation=op,
+                    permission=Permission.ALLOW,
+                    pattern_type=pattern,
+                )
+
+            await AclStore(zk).add(
+                [
+                    allow(
+                        ResourceType.TOPIC, "__strata_delay_", Operation.WRITE, PatternType.PREFIXED
+                    ),
+                    allow(ResourceType.TOPIC, FAILURES_TOPIC, Operation.WRITE, PatternType.LITERAL),
+                    allow(ResourceType.TOPIC, "mine", Operation.WRITE, PatternType.LITERAL),
+                    allow(ResourceType.GROUP, "g-mine", Operation.READ, PatternType.LITERAL),
+                ]
+            )
+        finally:
+            await zk.stop()
+
+    asyncio.run(setup())
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    cluster.client_login = ScramLogin("SCRAM-SHA-256", "admin", PASSWORD)
+    agent = cluster.start_agent(
+        1,
+        "listener.security.protocol=SASL_PLAINTEXT",
+        "authorizer.enable=true",
+        "super.users=User:admin",
+    )
+    for topic in (level, FAILURES_TOPIC, "mine", "theirs"):
+        cluster.create_topic(topic, 1)
+        cluster.wait_for_leaders(topic)
+
+    def delayed(*targets: str) -> bytes:
+        return encode_batch(
+            [b"v"] * len(targets),
+            headers=[
+                [(HEADER_ID, f"1~0~0000000a~n{i}~{t}".encode())] for i, t in enumerate(targets)
+            ],
+        )
+
+    def failures(*groups: str) -> bytes:
+        return encode_batch([b"v"] * len(groups), headers=[[(H_GROUP, g.encode())] for g in groups])
+
+    async def produce(user: str, topic: str, batch: bytes) -> int:
+        client = await WireClient.connect(agent.host, agent.port)
+        try:
+            await client.login(ScramLogin("SCRAM-SHA-256", user, PASSWORD))
+            r = await client.call(m.ApiKey.PRODUCE, produce_request(topic, 0, batch))
+            return int(r.topics[0].partitions[0].error_code)
+        finally:
+            await client.close()
+
+    async def end_offset(topic: str) -> int:
+        client = await WireClient.connect(agent.host, agent.port)
+        try:
+            await client.login(ScramLogin("SCRAM-SHA-256", "admin", PASSWORD))
+            req = m.ListOffsetsRequest(
+                [m.ListOffsetsTopic(topic, [m.ListOffsetsPartition(0, m.LATEST_TIMESTAMP)])]
+            )
+            r = await client.call(m.ApiKey.LIST_OFFSETS, req)
+            return int(r.topics[0].partitions[0].offset)
+        finally:
+            await client.close()
+
+    async def run() -> None:
+        assert await produce("tenant", level, delayed("mine", "mine")) == 0
+        assert await produce("tenant", level, delayed("mine", "theirs")) == TOPIC_REFUSED
+        assert await produce("tenant", level, delayed("theirs")) == TOPIC_REFUSED
+        bad_id = encode_batch([b"v"], headers=[[(HEADER_ID, b"not-a-schedule-id")]])
+        assert await produce("tenant", level, bad_id) not in (0, TOPIC_REFUSED)
+        assert await produce("tenant", FAILURES_TOPIC, failures("g-mine")) == 0
+        assert await produce("tenant", FAILURES_TOPIC, failures("g-mine", "g-theirs")) == (
+            TOPIC_REFUSED
+        )
+        assert await produce("tenant", "mine", encode_batch([b"plain"])) == 0
+        # a super user (the scheduler's, the router's) is not asked
+        assert await produce("admin", level, delayed("theirs")) == 0
+        assert await end_offset(level) == 3  # two of the tenant's, one of the admin's
+        assert await end_offset(FAILURES_TOPIC) == 1
+
+    asyncio.run(run())
+    assert "refused: User:tenant may not write topic 'theirs'" in agent.process.log_text()

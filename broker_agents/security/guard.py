@@ -12,7 +12,10 @@ request                     needs
 ==========================  =====================================================================
 Metadata                    Describe on each topic; all-topics requests leave out the topics the
                             principal may not describe, named ones answer TOPIC_AUTHORIZATION_FAILED
-Produce                     Write on the topic (per partition: TOPIC_AUTHORIZATION_FAILED)
+Produce                     Write on the topic (per partition: TOPIC_AUTHORIZATION_FAILED); to
+                            a delay level or the failures topic, by a user who is not a super
+                            user, also Write on each record's target topic / Read on its group
+                            (``targets``: where the scheduler and the router write them next)
 Fetch (consumer)            Read on the topic (per partition)
 Fetch / OffsetForLeaderEpoch  from a replica: a super user (agents are listed in ``super.users``)
 ListOffsets                 Describe on the topic (per partition)
@@ -37,13 +40,16 @@ Every refusal is logged with the principal, the operation and the resource.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from broker_agents.security.targets import indirect_targets
 from storage.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
+    StrataError,
     TopicAuthorizationFailedError,
     TransactionalIdAuthorizationFailedError,
 )
@@ -115,6 +121,10 @@ class Authorizer:
             )
 
 
+def _refusal(partition: int, message: str = "", code: int = _TOPIC) -> m.ProducePartitionResult:
+    return m.ProducePartitionResult(partition, code, message, -1, -1, -1, -1)
+
+
 class GuardedApis:
     """``Apis``'s entry points with ACL checks (everything else passes through)."""
 
@@ -144,22 +154,33 @@ class GuardedApis:
         return resp
 
     async def produce(self, req: m.ProduceRequest) -> m.ProduceResponse:
-        allowed, refused = [], []
+        az = self._authz
+        allowed: list[m.ProduceTopic] = []
+        refused: list[m.ProduceTopicResult] = []
         for t in req.topics:
-            if self._authz.allows(Operation.WRITE, ResourceType.TOPIC, t.name):
-                allowed.append(t)
-            else:
+            if not az.allows(Operation.WRITE, ResourceType.TOPIC, t.name):
                 refused.append(
                     m.ProduceTopicResult(
                         t.name,
-                        [
-                            m.ProducePartitionResult(
-                                p.partition, _TOPIC, "not authorized to write", -1, -1, -1, -1
-                            )
-                            for p in t.partitions
-                        ],
+                        [_refusal(p.partition, "not authorized to write") for p in t.partitions],
                     )
                 )
+                continue
+            if az.is_super:
+                allowed.append(t)
+                continue
+            # a delay level or the failures topic: where its records go next, too
+            ok, bad = [], []
+            for p in t.partitions:
+                why = self._indirect_refusal(t.name, p.records)
+                if why is None:
+                    ok.append(p)
+                else:
+                    bad.append(why(p.partition))
+            if ok:
+                allowed.append(m.ProduceTopic(t.name, ok, t.topic_id) if bad else t)
+            if bad:
+                refused.append(m.ProduceTopicResult(t.name, bad))
         if not refused:
             resp: m.ProduceResponse = await self._inner.produce(req)
             return resp
@@ -167,8 +188,35 @@ class GuardedApis:
         if allowed:
             req.topics = allowed
             resp = await self._inner.produce(req)
-        resp.topics.extend(refused)
+        for r in refused:  # a topic both stored and refused in part answers as one
+            mine = next((x for x in resp.topics if x.name == r.name), None)
+            if mine is None:
+                resp.topics.append(r)
+            else:
+                mine.partitions.extend(r.partitions)
         return resp
+
+    def _indirect_refusal(
+        self, topic: str, records: Any
+    ) -> Callable[[int], m.ProducePartitionResult] | None:
+        """None if the principal may write ``records`` to ``topic`` and everywhere they go
+        next (``targets``), else the refusal of the partition."""
+        try:
+            need = indirect_targets(topic, records)
+        except StrataError as exc:
+            return functools.partial(_refusal, code=exc.code, message=str(exc))
+        if need is None:
+            return None
+        op, rtype, names = need
+        for name in sorted(names):
+            if not self._authz.allows(op, rtype, name):
+                what = "write to topic" if rtype is ResourceType.TOPIC else "read as group"
+                return functools.partial(
+                    _refusal,
+                    code=_TOPIC,
+                    message=f"not authorized to {what} {name!r}, where {topic} delivers",
+                )
+        return None
 
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
         if req.replica_id >= 0:
