@@ -84,7 +84,7 @@ from sdk.partitioner import (
     partition_for_key,
     partitions_for_keys,
 )
-from sdk.records import RecordMetadata, StoredRuns, TopicPartition
+from sdk.records import ConsumerRecord, RecordMetadata, StoredRuns, TopicPartition
 from sdk.staging import STAGE_MIN_RUNS
 from sdk.transactions import ConsumerGroupMetadata, TransactionManager
 from storage.codec import encode_batch
@@ -544,6 +544,36 @@ class Producer:
             om = o if isinstance(o, OffsetAndMetadata) else OffsetAndMetadata(int(o))
             values[TopicPartition(topic, partition)] = (om.offset, om.metadata)
         await txn.send_offsets(values, group)
+
+    async def retry_later(
+        self,
+        record: ConsumerRecord,
+        group_metadata: ConsumerGroupMetadata | str,
+        reason: str = "",
+    ) -> asyncio.Future[RecordMetadata]:
+        """In a transaction: mark ``record`` (read by the consumer of ``group_metadata``)
+        failed as part of it. Its failure record (``docs/retries.md``) is written inside the
+        transaction, so the retry router, which reads ``read_committed``, acts on it only if
+        the transaction commits; commit the record's offset with
+        ``send_offsets_to_transaction`` as for any record it processed. A crash or an abort
+        then leaves the record to be read again, and nothing retried. (Unlike
+        ``Consumer.retry_later``, later records of its key are not held back:
+        ``retry.ordering=key`` is the consumer's.)"""
+        from sdk.retry import FAILURES_TOPIC, build_failure  # (sdk.retry imports this module)
+
+        self._transactions()
+        group = group_metadata if isinstance(group_metadata, str) else group_metadata.group_id
+        partitions = len(await self.partitions_for(FAILURES_TOPIC))
+        failure = build_failure(group, record, reason, self._wall_ms(), partitions)
+        return await self.send(
+            failure.tp.topic,
+            failure.value,
+            failure.key,
+            failure.headers,
+            failure.tags,
+            failure.tp.partition,
+            failure.timestamp,
+        )
 
     async def commit_transaction(self) -> None:
         """Flush the transaction's records and commit it: readers with

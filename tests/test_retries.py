@@ -24,7 +24,7 @@ import pytest
 from handlers.admin import handler as admin_handler
 from infra import demo_retries
 from infra.local_runtime import start_local_runtime
-from sdk import Consumer, ConsumerRecord, Producer
+from sdk import Consumer, ConsumerRecord, Producer, TopicPartition
 from sdk.admin import SyncAdmin
 from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
 from storage.errors import InvalidRetryPolicyError, StrataError
@@ -435,3 +435,101 @@ def test_the_demo_step_retries_dead_letters_and_redrives(cluster: Cluster, tmp_p
         )
     print(summary)
     assert "redriven at 200/s, each once" in summary
+
+
+def test_a_transactional_pipeline_retries_inside_its_transactions(cluster: Cluster) -> None:
+    """Consume-transform-produce with ``Producer.retry_later``: the failure record is part of
+    the transaction. The first transaction, which marks records failed, is aborted (and the
+    pipeline goes back to its committed offsets, as after any abort); read again, some of
+    them fail again and some succeed. The router, reading read_committed, never acts on the
+    aborted failure records: the records that failed in a committed transaction come back
+    once each, the others never, and the output holds each record exactly once."""
+    set_policy(cluster, GROUP, TOPIC, POLICY)
+    start_scheduler(cluster)
+    start_router(cluster)
+    cluster.create_topic("out", 1, 1)
+    cluster.wait_for_leaders("out")
+    n = 60
+    fail = {i for i in range(n) if i % 10 == 3}  # fail their first attempt, every time
+    transient = {i for i in range(n) if i % 10 == 7}  # fail the first time they are read only
+    asyncio.run(produce(cluster.bootstrap, n, keys=6))
+
+    async def pipeline() -> tuple[list[int], int]:
+        config = {
+            "bootstrap.servers": cluster.bootstrap,
+            "group.id": GROUP,
+            "auto.offset.reset": "earliest",
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "fetch.max.wait.ms": 50,
+            "retry.enable": True,
+        }
+        done: list[int] = []
+        failed_once: set[int] = set()
+        redelivered = 0
+        aborted = False
+        async with (
+            Consumer(config) as consumer,
+            Producer({"bootstrap.servers": cluster.bootstrap, "transactional.id": "pipe"}) as out,
+        ):
+            await out.init_transactions()
+            consumer.subscribe([TOPIC])
+            deadline = time.monotonic() + 90
+            while len(done) < n and time.monotonic() < deadline:
+                batch = await consumer.getmany(timeout_ms=200)
+                if not batch:
+                    continue
+                out.begin_transaction()
+                sent, retried = [], 0
+                for records in batch.values():
+                    for r in records:
+                        i = int(r.value or b"-1")
+                        if (i in fail and retry_info(r).attempt == 1) or (
+                            i in transient and i not in failed_once
+                        ):
+                            failed_once.add(i)
+                            await out.retry_later(r, consumer.group_metadata(), "failed")
+                            retried += 1
+                        else:
+                            await out.send("out", r.value, partition=0)
+                            sent.append((i, retry_info(r).attempt))
+                offsets = {tp: records[-1].offset + 1 for tp, records in batch.items()}
+                await out.send_offsets_to_transaction(offsets, consumer.group_metadata())
+                if retried and not aborted:
+                    aborted = True
+                    await out.abort_transaction()
+                    for tp in batch:  # back to the committed offsets, as after any abort
+                        committed = await consumer.committed(tp)
+                        if committed is None:
+                            consumer.seek_to_beginning(tp)
+                        else:
+                            consumer.seek(tp, committed.offset)
+                    continue
+                await out.commit_transaction()
+                done += [i for i, _ in sent]
+                redelivered += sum(1 for _, attempt in sent if attempt > 1)
+            # a few seconds more: a record retried though its failure was aborted shows here
+            late = await consumer.getmany(timeout_ms=3000)
+            done += [int(r.value or b"-1") for records in late.values() for r in records]
+        return done, redelivered
+
+    done, redelivered = asyncio.run(pipeline())
+    assert sorted(done) == list(range(n))  # each once, the failed ones through their retry
+    assert redelivered == len(fail)
+
+    async def committed_output() -> list[int]:
+        config = {"bootstrap.servers": cluster.bootstrap, "isolation.level": "read_committed"}
+        async with Consumer(config) as reader:
+            tp = TopicPartition("out", 0)
+            reader.assign([tp])
+            reader.seek_to_beginning(tp)
+            end = (await reader.end_offsets([tp]))[tp]  # the last stable offset
+            values: list[int] = []
+            async with asyncio.timeout(30):
+                while await reader.position(tp) < end:
+                    for records in (await reader.getmany(timeout_ms=500)).values():
+                        values += [int(r.value or b"-1") for r in records]
+            return values
+
+    # the aborted transaction's records are in the log too, but not for read_committed
+    assert sorted(asyncio.run(committed_output())) == list(range(n))
