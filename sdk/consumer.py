@@ -456,7 +456,9 @@ class Consumer:
         group after the policy's backoff, or goes to the dead-letter topic after its last
         attempt (``docs/retries.md``). Returns at once (the failure record is stored in the
         background); the record counts as processed, and its offset is committed with the
-        first commit after it is stored. Needs ``retry.enable``."""
+        first commit after it is stored. Needs ``retry.enable``. In a consume-transform-produce
+        transaction use the transactional producer's ``retry_later`` instead (its failure
+        record is part of the transaction)."""
         group = self.config.group_id
         if group is None or not self._retries_enabled:
             raise IllegalStateError("retry_later needs group.id and retry.enable=true")
