@@ -77,6 +77,12 @@ def zk_chroot(
     try:
         chroot = create_chroot(admin, zk_server.connect_string, request.node.name)
         yield chroot
+        # the test's processes stop before their chroot goes: fixtures are torn down in the
+        # reverse order of their setup, and a fixture that asks for ``processes`` before
+        # ``zk_chroot`` would leave live agents adding nodes under a chroot being deleted
+        group = request.node.funcargs.get("processes")
+        if isinstance(group, ProcessGroup):
+            group.close()
         delete_chroot(admin, chroot)
     finally:
         close_client(admin)

@@ -243,6 +243,23 @@ CASES = [
 ]
 
 
+def secured_agent(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path, *configs: str
+) -> tuple[Cluster, Any]:
+    """One agent checking ACLs on a SASL listener, ``User:admin`` its super user (the
+    cluster's own client logs in as admin)."""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    cluster.client_login = ScramLogin("SCRAM-SHA-256", "admin", PASSWORD)
+    agent = cluster.start_agent(
+        1,
+        "listener.security.protocol=SASL_PLAINTEXT",
+        "authorizer.enable=true",
+        "super.users=User:admin",
+        *configs,
+    )
+    return cluster, agent
+
+
 @pytest.mark.slow
 def test_acl_matrix(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path) -> None:
     principals = {case: f"c{i}" for i, case in enumerate(CASES)}
@@ -269,14 +286,7 @@ def test_acl_matrix(processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_pat
             await zk.stop()
 
     asyncio.run(setup())
-    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
-    cluster.client_login = ScramLogin("SCRAM-SHA-256", "admin", PASSWORD)
-    agent = cluster.start_agent(
-        1,
-        "listener.security.protocol=SASL_PLAINTEXT",
-        "authorizer.enable=true",
-        "super.users=User:admin",
-    )
+    cluster, agent = secured_agent(processes, zk_chroot, tmp_path)
     cluster.create_topic(TOPIC, 1)
     cluster.wait_for_leaders(TOPIC)
 
@@ -529,14 +539,7 @@ def test_internal_topics_do_not_carry_writes_past_the_acls(
             await zk.stop()
 
     asyncio.run(setup())
-    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
-    cluster.client_login = ScramLogin("SCRAM-SHA-256", "admin", PASSWORD)
-    agent = cluster.start_agent(
-        1,
-        "listener.security.protocol=SASL_PLAINTEXT",
-        "authorizer.enable=true",
-        "super.users=User:admin",
-    )
+    cluster, agent = secured_agent(processes, zk_chroot, tmp_path)
     for topic in (level, FAILURES_TOPIC, "mine", "theirs"):
         cluster.create_topic(topic, 1)
         cluster.wait_for_leaders(topic)
