@@ -76,6 +76,7 @@ from sdk.backoff import ExponentialBackoff
 from sdk.cluster import STALE_METADATA_ERRORS, Cluster
 from sdk.config import ProducerConfig
 from sdk.errors import DeliveryTimeoutError, IllegalStateError, ProducerClosedError
+from sdk.failures import FAILURES_TOPIC, build_failure
 from sdk.group import OffsetAndMetadata
 from sdk.idempotence import Sequencer
 from sdk.partitioner import (
@@ -559,8 +560,6 @@ class Producer:
         then leaves the record to be read again, and nothing retried. (Unlike
         ``Consumer.retry_later``, later records of its key are not held back:
         ``retry.ordering=key`` is the consumer's.)"""
-        from sdk.retry import FAILURES_TOPIC, build_failure  # (sdk.retry imports this module)
-
         self._transactions()
         group = group_metadata if isinstance(group_metadata, str) else group_metadata.group_id
         partitions = len(await self.partitions_for(FAILURES_TOPIC))

@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow.compute as pc
 
 from sdk.delays import HEADER_ID, LEVEL_PREFIX
-from sdk.retry import FAILURES_TOPIC, H_GROUP
+from sdk.failures import FAILURES_TOPIC, H_GROUP
 from storage.codec import decode_batch, iter_batches
 from storage.errors import CorruptBatchError
 from storage.metadata.acls import Operation, ResourceType
