@@ -22,7 +22,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from sdk.delays import HEADER_ID, LEVEL_PREFIX
+from sdk.delays import HEADER_ID, LEVEL_PREFIX, ScheduleId
 from sdk.failures import FAILURES_TOPIC, H_GROUP
 from storage.codec import decode_batch, iter_batches
 from storage.errors import CorruptBatchError
@@ -33,8 +33,8 @@ def indirect_targets(topic: str, records: Any) -> tuple[Operation, ResourceType,
     """For a produce of ``records`` to ``topic``: (operation, resource type, names) its
     producer also needs, or None when ``topic`` writes nowhere else.
 
-    Raises ``CorruptBatchError`` (or another typed error) for batches that do not decode: they
-    would be refused by the leader's check anyway."""
+    Raises ``CorruptBatchError`` (or another typed error) for batches that do not decode,
+    ``InvalidDelayError`` for a schedule id that does not parse."""
     if topic.startswith(LEVEL_PREFIX):
         ids = _header_values(records, HEADER_ID)
         return Operation.WRITE, ResourceType.TOPIC, {_target_topic(v) for v in ids}
@@ -69,8 +69,5 @@ def _text(value: bytes) -> str:
 
 
 def _target_topic(schedule_id: bytes) -> str:
-    text = _text(schedule_id)
-    parts = text.split("~", 4)
-    if len(parts) != 5 or not parts[4]:
-        raise CorruptBatchError(f"not a schedule id: {text[:200]!r}")
-    return parts[4]
+    """The topic a schedule id delivers to (``InvalidDelayError`` if it is not one)."""
+    return ScheduleId.parse(_text(schedule_id)).topic
