@@ -30,7 +30,7 @@ import contextlib
 import gc
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -114,11 +114,7 @@ class KafkaListenerObserver:
         self._metrics.bytes_out(n)
 
     def request_done(self, api_key: int, seconds: float, failed: bool) -> None:
-        children = self._per_api.get(api_key)
-        if children is None:
-            children = self._per_api[api_key] = self._metrics._children(_kafka_api_name(api_key))
-        children[0].inc()
-        children[1].observe(seconds)
+        self._metrics.observe_request(self._per_api, _kafka_api_name, api_key, seconds)
 
 
 class AgentMetrics:
@@ -203,14 +199,27 @@ class AgentMetrics:
 
     # ---- hooks (ServerObserver, fsync observer, Tiering.on_upload) --------------------------
     def request_done(self, api_key: int, seconds: float, failed: bool) -> None:
-        children = self._per_api.get(api_key)
-        if children is None:  # (as many as the label values the registry keeps anyway)
-            children = self._per_api[api_key] = self._children(_api_name(api_key))
+        self.observe_request(self._per_api, _api_name, api_key, seconds)
+
+    def observe_request(
+        self,
+        per_api: dict[int, tuple[Any, Any]],
+        name_of: Callable[[int], str],
+        api_key: int,
+        seconds: float,
+    ) -> None:
+        """Count a request and its duration under ``name_of(api_key)``; ``per_api`` keeps a
+        listener's label children by API key (no label lookup per request; as many as the
+        label values the registry keeps anyway)."""
+        children = per_api.get(api_key)
+        if children is None:
+            api = name_of(api_key)
+            children = per_api[api_key] = (
+                self.requests.labels(api),
+                self.request_seconds.labels(api),
+            )
         children[0].inc()
         children[1].observe(seconds)
-
-    def _children(self, api: str) -> tuple[Any, Any]:
-        return (self.requests.labels(api), self.request_seconds.labels(api))
 
     def kafka_observer(self) -> KafkaListenerObserver:
         """The hooks for the Kafka listener's server: the same metrics, its APIs labelled

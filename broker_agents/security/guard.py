@@ -40,7 +40,6 @@ Every refusal is logged with the principal, the operation and the resource.
 from __future__ import annotations
 
 import contextvars
-import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -176,7 +175,7 @@ class GuardedApis:
                 if why is None:
                     ok.append(p)
                 else:
-                    bad.append(why(p.partition))
+                    bad.append(_refusal(p.partition, why[1], why[0]))
             if ok:
                 allowed.append(m.ProduceTopic(t.name, ok, t.topic_id) if bad else t)
             if bad:
@@ -196,26 +195,20 @@ class GuardedApis:
                 mine.partitions.extend(r.partitions)
         return resp
 
-    def _indirect_refusal(
-        self, topic: str, records: Any
-    ) -> Callable[[int], m.ProducePartitionResult] | None:
+    def _indirect_refusal(self, topic: str, records: Any) -> tuple[int, str] | None:
         """None if the principal may write ``records`` to ``topic`` and everywhere they go
-        next (``targets``), else the refusal of the partition."""
+        next (``targets``), else the refusal's (error code, message)."""
         try:
             need = indirect_targets(topic, records)
         except StrataError as exc:
-            return functools.partial(_refusal, code=exc.code, message=str(exc))
+            return exc.code, str(exc)
         if need is None:
             return None
         op, rtype, names = need
         for name in sorted(names):
             if not self._authz.allows(op, rtype, name):
                 what = "write to topic" if rtype is ResourceType.TOPIC else "read as group"
-                return functools.partial(
-                    _refusal,
-                    code=_TOPIC,
-                    message=f"not authorized to {what} {name!r}, where {topic} delivers",
-                )
+                return _TOPIC, f"not authorized to {what} {name!r}, where {topic} delivers"
         return None
 
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse:
