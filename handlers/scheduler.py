@@ -44,7 +44,7 @@ from sdk import delays as d
 from sdk.config import client_config
 from sdk.records import ConsumerRecord, TopicPartition
 from storage.codec import encode_batch
-from storage.errors import StrataError, UnknownTopicOrPartitionError
+from storage.errors import InvalidTopicError, StrataError, UnknownTopicOrPartitionError
 from storage.metadata import MetadataStore
 from storage.metadata.delays import DelayStore, Intent, cancel_bucket
 
@@ -75,6 +75,8 @@ class Rec:
     headers: Headers
     tags: list[str] | None
     sid: d.ScheduleId | None
+    topic_id: str | None
+    """The target's incarnation when the record was sent (None: deliver by name)."""
 
     @classmethod
     def build(
@@ -87,13 +89,16 @@ class Rec:
         tags: list[str] | None,
     ) -> Rec:
         sid = None
+        topic_id = None
         for k, v in headers:
             if k == d.HEADER_ID:
                 try:
                     sid = d.ScheduleId.parse(v.decode())
                 except (StrataError, UnicodeDecodeError):
                     sid = None
-        return cls(offset, timestamp, key, value, headers, tags, sid)
+            elif k == d.HEADER_TOPIC_ID:
+                topic_id = v.decode(errors="replace") or None
+        return cls(offset, timestamp, key, value, headers, tags, sid, topic_id)
 
     @classmethod
     def from_event(cls, r: Mapping[str, Any]) -> Rec:
@@ -246,7 +251,7 @@ class Scheduler:
         ds = DelayStore(store.zk)
         lanes = lanes_of(event)
         results = await asyncio.gather(
-            *(self._lane(ds, producer, bootstrap, tp, recs) for tp, recs in lanes.items()),
+            *(self._lane(ds, store, producer, bootstrap, tp, recs) for tp, recs in lanes.items()),
             return_exceptions=True,
         )
         failures = []
@@ -296,6 +301,7 @@ class Scheduler:
     async def _lane(
         self,
         ds: DelayStore,
+        store: MetadataStore,
         producer: Producer,
         bootstrap: str,
         tp: TopicPartition,
@@ -325,7 +331,7 @@ class Scheduler:
                 chunk = await self._read(bootstrap, tp, intent.a, intent.b)
             log.info("redo %s[%d] [%d, %d)", tp.topic, tp.partition, intent.a, intent.b)
             self.stats.redone += 1
-            await self._forward(ds, producer, tp, intent, chunk)
+            await self._forward(ds, store, producer, tp, intent, chunk)
         if intent is not None and recs[0].offset < intent.b:
             recs = [r for r in recs if r.offset >= intent.b]  # forwarded already
             if not recs:
@@ -346,7 +352,7 @@ class Scheduler:
             intent = await ds.write_intent(
                 tp.topic, tp.partition, ready[0].offset, ready[-1].offset + 1, now, version
             )
-            await self._forward(ds, producer, tp, intent, ready)
+            await self._forward(ds, store, producer, tp, intent, ready)
         if len(ready) == len(recs):
             return Outcome()
         return Outcome(recs[len(ready)].offset, come_back)
@@ -366,6 +372,7 @@ class Scheduler:
     async def _forward(
         self,
         ds: DelayStore,
+        store: MetadataStore,
         producer: Producer,
         lane: TopicPartition,
         intent: Intent,
@@ -399,10 +406,51 @@ class Scheduler:
             self.stats.cancelled += len(recs) - len(keep)
             if keep:
                 deliveries[dest] = keep
+        pinned = await self._incarnations(store, producer, deliveries)
         await asyncio.gather(
-            self._send(producer, intent, lane, deliveries, now, deliver=True),
+            self._send(producer, intent, lane, deliveries, now, deliver=True, topic_ids=pinned),
             self._send(producer, intent, lane, hop, intent.now, deliver=False),
         )
+
+    async def _incarnations(
+        self,
+        store: MetadataStore,
+        producer: Producer,
+        deliveries: dict[TopicPartition, list[Rec]],
+    ) -> dict[str, str]:
+        """The incarnation each target topic of ``deliveries`` is written to (KIP-516); the
+        records sent to another one, deleted since, are dropped from ``deliveries``.
+
+        The producer's metadata answers when it names the records' own id; otherwise the
+        topic's spec in ZooKeeper does (the metadata may lag a delete or a create), read
+        once per topic and invocation. A topic being deleted has no live incarnation."""
+        sent_to: dict[str, set[str]] = defaultdict(set)
+        for dest, recs in deliveries.items():
+            sent_to[dest.topic].update(r.topic_id for r in recs if r.topic_id)
+        live: dict[str, str] = {}
+        for topic, ids in sent_to.items():
+            if not ids:
+                continue
+            current = producer.topic_id(topic)
+            if ids != {current}:
+                current = await _live_topic_id(store, topic)
+            if current is not None:
+                live[topic] = current
+        for dest in [tp for tp in deliveries if sent_to[tp.topic]]:
+            recs = deliveries[dest]
+            keep = [r for r in recs if r.topic_id in (None, live.get(dest.topic))]
+            if len(keep) < len(recs):
+                log.warning(
+                    "dropping %d record(s) for a deleted incarnation of topic %s",
+                    len(recs) - len(keep),
+                    dest.topic,
+                )
+                self.stats.dropped += len(recs) - len(keep)
+            if keep:
+                deliveries[dest] = keep
+            else:
+                del deliveries[dest]
+        return live
 
     async def _send(
         self,
@@ -413,6 +461,7 @@ class Scheduler:
         timestamp: int,
         *,
         deliver: bool,
+        topic_ids: Mapping[str, str] | None = None,
     ) -> None:
         """One batch per destination, all in one request per agent."""
         if not outputs:
@@ -432,7 +481,9 @@ class Scheduler:
         }
         channel = "deliver" if deliver else "hop"
         try:
-            await producer.send_exact(batches, self.produce_timeout, channel=channel)
+            await producer.send_exact(
+                batches, self.produce_timeout, channel=channel, topic_ids=topic_ids
+            )
         except UnknownTopicOrPartitionError:
             if not deliver:
                 raise
@@ -445,7 +496,9 @@ class Scheduler:
                 )
                 self.stats.dropped += len(outputs.pop(tp))
                 del batches[tp]
-            await producer.send_exact(batches, self.produce_timeout, channel=channel)
+            await producer.send_exact(
+                batches, self.produce_timeout, channel=channel, topic_ids=topic_ids
+            )
         if deliver:
             for recs in outputs.values():
                 self.stats.delivered += len(recs)
@@ -459,6 +512,16 @@ class Scheduler:
 def _log_failure(task: asyncio.Task[None]) -> None:
     if not task.cancelled() and task.exception() is not None:
         log.warning("writing the scheduler's stats failed: %r", task.exception())
+
+
+async def _live_topic_id(store: MetadataStore, topic: str) -> str | None:
+    """The id of ``topic``'s live incarnation as ZooKeeper says (None: no topic of that name,
+    or one being deleted)."""
+    try:
+        spec, _ = await store.get_topic(topic)
+    except (UnknownTopicOrPartitionError, InvalidTopicError):
+        return None
+    return spec.topic_id if spec.deletion is None else None
 
 
 async def _topic_exists(producer: Producer, topic: str) -> bool:

@@ -19,14 +19,17 @@ being a hash of its target partition and key (its own nonce when it has no key):
 of one key stay in one lane, so those due at the same time are delivered in the order they
 were sent, and the scheduler's work spreads over all lanes whatever the number of targets.
 
-A delayed record carries two headers besides the user's: :data:`HEADER_ID`, its *schedule
-id* ``"<due ms>~<target partition>~<lane hash>~<nonce>~<target topic>"`` (stable across
-hops, it tells the scheduler where and when to deliver and lets ``Admin.cancel_scheduled``
-find it), and :data:`HEADER_TIMESTAMP`, the record's original timestamp (decimal ms). The
-producer writes the latter only when the record's timestamp is not the time of the send
-(the timestamp of the record in its first level says it otherwise); the scheduler adds it on
-the first move. Both are on the delivered record. Key, value, the user's headers and tags
-travel unchanged.
+A delayed record carries up to three headers besides the user's: :data:`HEADER_ID`, its
+*schedule id* ``"<due ms>~<target partition>~<lane hash>~<nonce>~<target topic>"`` (stable
+across hops, it tells the scheduler where and when to deliver and lets
+``Admin.cancel_scheduled`` find it); :data:`HEADER_TOPIC_ID`, the id of the target topic's
+incarnation when it was sent (KIP-516: the scheduler delivers into that incarnation only, so
+a record sent before the topic was deleted and created again is dropped, not delivered into
+the new topic; a record without it is delivered by name); and :data:`HEADER_TIMESTAMP`, the
+record's original timestamp (decimal ms). The producer writes the last only when the
+record's timestamp is not the time of the send (the timestamp of the record in its first
+level says it otherwise); the scheduler adds it on the first move. All are on the delivered
+record. Key, value, the user's headers and tags travel unchanged.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ records leave when due (not after the level's delay): 256 ms."""
 LEVEL_PREFIX = "__strata_delay_"
 HEADER_ID = "strata.delay.id"
 HEADER_TIMESTAMP = "strata.delay.timestamp"
-DELAY_HEADERS = frozenset({HEADER_ID, HEADER_TIMESTAMP})
+HEADER_TOPIC_ID = "strata.delay.topic-id"
+DELAY_HEADERS = frozenset({HEADER_ID, HEADER_TIMESTAMP, HEADER_TOPIC_ID})
 DEFAULT_DELAY_MAX_MS = 365 * 24 * 3600 * 1000
 """``delay.max.ms``'s default, one year (the topic config's default in storage.metadata)."""
 

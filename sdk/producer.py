@@ -1005,6 +1005,8 @@ class Producer:
         schedule = delays.ScheduleId.new(due, topic, partition, key, self._next_schedule_nonce())
         sid = schedule.encode()
         hdrs.append((delays.HEADER_ID, sid.encode()))
+        if (topic_id := cluster.topic_id(topic)) is not None:
+            hdrs.append((delays.HEADER_TOPIC_ID, topic_id.encode()))
         if original_ts != now:  # else the level record's own timestamp says it
             hdrs.append((delays.HEADER_TIMESTAMP, str(original_ts).encode()))
         level_topic = delays.level_topic(delays.level_for(due - now))
@@ -1088,7 +1090,10 @@ class Producer:
                 ids.append(f"{due}~{p}~{h:08x}~{nonce}{first + i:x}~{topic}")
                 groups[(p, h % lanes)].append(i)
         hdr_id, hdr_ts = delays.HEADER_ID, delays.HEADER_TIMESTAMP
+        topic_id = cluster.topic_id(topic)
+        pin = () if topic_id is None else ((delays.HEADER_TOPIC_ID, topic_id.encode()),)
         extra = 16 + len(hdr_id) + len(hdr_ts) + len(stamp) + max(map(len, ids))
+        extra += sum(8 + len(k) + len(v) for k, v in pin)
         if stamp == str(now).encode():
             stamp = b""
         runs: list[tuple[int, tuple[str, ...], list[asyncio.Future[StoredRuns]]]] = []
@@ -1103,9 +1108,9 @@ class Producer:
             # tuples of str/bytes: the cyclic GC stops tracking them, so a full buffer of
             # delayed records does not make every later collection slower
             hdrs: list[Headers | None] = (
-                [((hdr_id, sid.encode()), (hdr_ts, stamp)) for sid in run_ids]
+                [((hdr_id, sid.encode()), *pin, (hdr_ts, stamp)) for sid in run_ids]
                 if stamp
-                else [((hdr_id, sid.encode()),) for sid in run_ids]
+                else [((hdr_id, sid.encode()), *pin) for sid in run_ids]
             )
             sizes = [RECORD_OVERHEAD + extra + (len(v) if v else 0) for v in vals]
             if ks is not None:
@@ -1182,6 +1187,8 @@ class Producer:
         max_block = self.config.max_block_ms / 1000
         n = cluster.partition_count(topic) or await cluster.wait_for_topic(topic, max_block)
         max_delay = self._delay_max_ms(topic)
+        topic_id = cluster.topic_id(topic)
+        pin = [] if topic_id is None else [(delays.HEADER_TOPIC_ID, topic_id.encode())]
         now = self._wall_ms()
         keyless = None
         groups: dict[tuple[int, int], list[tuple[int, delays.ScheduleId]]] = defaultdict(list)
@@ -1219,7 +1226,7 @@ class Producer:
                     sid = schedule.encode()
                     ids.append(sid)
                     ts = now if stamps[i] is None else int(stamps[i])
-                    extra = [(delays.HEADER_ID, sid.encode())]
+                    extra = [(delays.HEADER_ID, sid.encode()), *pin]
                     if ts != now:
                         extra.append((delays.HEADER_TIMESTAMP, str(ts).encode()))
                     hdrs.append([*header_list[i], *extra])
@@ -1250,6 +1257,7 @@ class Producer:
         deadline_s: float,
         *,
         channel: str = "",
+        topic_ids: Mapping[str, str] | None = None,
     ) -> dict[TopicPartition, int]:
         """Store encoded batches whose producer fields the caller chose (``encode_batch``'s
         ``producer_id``, epoch, ``base_sequence``), at most one per partition, with
@@ -1262,7 +1270,9 @@ class Producer:
         it was stored at the first time (``docs/protocol.md``). The delay scheduler uses it to
         make its forwards exactly-once across crashes (``docs/delays.md``). ``channel`` picks
         a connection of its own (an agent answers a connection's requests in order, so writes
-        that wait for a slow fsync hold up those behind them)."""
+        that wait for a slow fsync hold up those behind them). ``topic_ids`` pins topics to
+        one incarnation each (KIP-516), whatever the metadata says: the scheduler delivers a
+        delayed record into the incarnation it was sent to, never into one created since."""
         self._running_acc()
         cluster = self._cluster
         assert cluster is not None
@@ -1271,6 +1281,7 @@ class Producer:
         )
         deadline = self._clock() + deadline_s
         todo = dict(batches)
+        pinned = topic_ids or {}
         done: dict[TopicPartition, int] = {}
         for topic in {tp.topic for tp in todo if cluster.partition_count(tp.topic) is None}:
             await cluster.wait_for_topic(topic, max(deadline - self._clock(), 0))
@@ -1300,7 +1311,8 @@ class Producer:
                     acks=-1,
                     timeout_ms=self.config.request_timeout_ms,
                     topics=[
-                        ProduceTopic(t, parts, cluster.topic_id(t)) for t, parts in topics.items()
+                        ProduceTopic(t, parts, pinned.get(t) or cluster.topic_id(t))
+                        for t, parts in topics.items()
                     ],
                 )
                 try:
@@ -1331,6 +1343,13 @@ class Producer:
                 raise error
             await asyncio.sleep(wait)
         return done
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of the incarnation of ``topic`` the producer's metadata names (None: not
+        known yet)."""
+        self._running_acc()
+        assert self._cluster is not None
+        return self._cluster.topic_id(topic)
 
     async def partitions_for(self, topic: str) -> list[int]:
         self._running_acc()

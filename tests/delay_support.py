@@ -20,7 +20,7 @@ from tests.cluster import ROOT, Cluster
 from tests.harness import ManagedProcess
 
 
-async def _with_store(connect: str, fn: Any) -> Any:
+async def with_store(connect: str, fn: Any) -> Any:
     zk = AsyncZooKeeper(connect)
     await zk.start()
     try:
@@ -38,7 +38,7 @@ def create_levels(
     configs: dict[str, Any] | None = None,
 ) -> None:
     asyncio.run(
-        _with_store(
+        with_store(
             cluster.zk.connect_string,
             lambda store: DelayAdmin(store).ensure_topics(lanes, replication_factor, configs),
         )
@@ -49,14 +49,14 @@ def create_levels(
 
 def delay_status(cluster: Cluster) -> dict[str, Any]:
     result: dict[str, Any] = asyncio.run(
-        _with_store(cluster.zk.connect_string, lambda store: DelayAdmin(store).status())
+        with_store(cluster.zk.connect_string, lambda store: DelayAdmin(store).status())
     )
     return result
 
 
 def cancel(cluster: Cluster, schedule_id: str) -> dict[str, Any]:
     result: dict[str, Any] = asyncio.run(
-        _with_store(cluster.zk.connect_string, lambda store: DelayAdmin(store).cancel(schedule_id))
+        with_store(cluster.zk.connect_string, lambda store: DelayAdmin(store).cancel(schedule_id))
     )
     return result
 
@@ -223,7 +223,7 @@ def cancel_at(cluster: Cluster, plan: list[tuple[float, str]]) -> dict[str, dict
 
         return dict(await asyncio.gather(*(one(at, sid) for at, sid in plan)))
 
-    result: dict[str, dict[str, Any]] = asyncio.run(_with_store(cluster.zk.connect_string, run))
+    result: dict[str, dict[str, Any]] = asyncio.run(with_store(cluster.zk.connect_string, run))
     return result
 
 

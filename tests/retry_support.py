@@ -9,13 +9,13 @@ from typing import Any
 from handlers.retries import RetryAdmin
 from sdk import Consumer, ConsumerRecord, TopicPartition
 from tests.cluster import Cluster
-from tests.delay_support import _with_store, start_scheduler
+from tests.delay_support import start_scheduler, with_store
 from tests.harness import ManagedProcess
 
 
 def set_policy(cluster: Cluster, group: str, topic: str, policy: dict[str, Any]) -> dict[str, Any]:
     result: dict[str, Any] = asyncio.run(
-        _with_store(
+        with_store(
             cluster.zk.connect_string,
             lambda store: RetryAdmin(store).set_policy(group, topic, policy),
         )
@@ -27,7 +27,7 @@ def set_policy(cluster: Cluster, group: str, topic: str, policy: dict[str, Any])
 
 def retry_status(cluster: Cluster) -> dict[str, Any]:
     result: dict[str, Any] = asyncio.run(
-        _with_store(cluster.zk.connect_string, lambda store: RetryAdmin(store).status())
+        with_store(cluster.zk.connect_string, lambda store: RetryAdmin(store).status())
     )
     return result
 

@@ -29,7 +29,8 @@ from sdk.delays import (
     level_topic,
     level_topics,
 )
-from storage.errors import InvalidDelayError
+from storage.errors import InvalidDelayError, UnknownTopicOrPartitionError
+from storage.metadata import MetadataStore
 from storage.metadata.delays import lane_path
 from storage.tier import Manifest
 from tests.cluster import Cluster
@@ -44,6 +45,7 @@ from tests.delay_support import (
     read_delivered,
     start_scheduler,
     wait_until,
+    with_store,
 )
 from tests.harness import ManagedProcess, ProcessGroup, S3Target, ZooKeeperChroot
 
@@ -473,3 +475,67 @@ def test_delayed_records_of_an_aborted_transaction_are_never_delivered(cluster: 
     assert not [v for v in values if v and v.startswith(b"aborted")], "an aborted record delivered"
     assert sorted(values) == sorted(want)  # type: ignore[type-var]
     assert all(g.timestamp >= g.due_ms for g in delivered)
+
+
+def test_records_delayed_into_a_deleted_topic_never_reach_the_topic_created_again(
+    cluster: Cluster,
+) -> None:
+    """Records delayed into ``orders`` that is then deleted and created again under the same
+    name belong to the deleted incarnation (KIP-516): the scheduler drops them when due and
+    counts them as dropped, and the new topic gets only the records sent to it. Every delayed
+    send path is covered (``send``, ``send_batch`` with one delay, with one delay per record)."""
+    start_scheduler(cluster)
+    asyncio.run(warm_up(cluster.bootstrap))
+    due_old = int(time.time() * 1000) + 10_000
+
+    async def send(prefix: str, **delay: Any) -> list[str]:
+        async with Producer({"bootstrap.servers": cluster.bootstrap}) as producer:
+            one = [
+                await producer.send(TARGET, f"{prefix}-{i}".encode(), key=b"k%d" % i, **delay)
+                for i in range(10)
+            ]
+            runs = [
+                await producer.send_batch(
+                    TARGET, [f"{prefix}-{i}".encode() for i in range(10, 30)], **delay
+                ),
+                await producer.send_batch(
+                    TARGET,
+                    [f"{prefix}-{i}".encode() for i in range(30, 50)],
+                    keys=[b"k%d" % i for i in range(30, 50)],
+                    headers=[[("n", b"%d" % i)] for i in range(30, 50)],
+                    **delay,
+                ),
+            ]
+            ids = [m.schedule_id for m in await asyncio.gather(*one)]
+            for stored in await asyncio.gather(*runs):
+                ids += [sid for run in stored for sid in run.schedule_ids]
+            return ids
+
+    old = asyncio.run(send("old", deliver_at_ms=due_old))
+    assert len(old) == 50
+
+    async def delete(store: MetadataStore) -> None:
+        await store.mark_deleted(TARGET)
+        deadline = time.monotonic() + 30
+        while True:  # the controller removes the node at the delete's last step
+            try:
+                await store.get_topic(TARGET)
+            except UnknownTopicOrPartitionError:
+                return
+            assert time.monotonic() < deadline, "the delete did not finish"
+            await asyncio.sleep(0.1)
+
+    asyncio.run(with_store(cluster.zk.connect_string, delete))
+    cluster.create_topic(TARGET, PARTITIONS, 1, {"fsync.policy": "interval"})
+    cluster.wait_for_leaders(TARGET)
+    assert time.time() * 1000 < due_old - 2_000, "the old records fell due before the re-create"
+    new = asyncio.run(send("new", delay_ms=500))
+
+    def dropped() -> int:
+        return sum(s.get("dropped", 0) for s in delay_status(cluster)["schedulers"].values())
+
+    wait_until(lambda: dropped() >= len(old), 60, "the old incarnation's records dropped")
+    got = asyncio.run(read_delivered(cluster.bootstrap, TARGET, PARTITIONS, len(new), 30))
+    assert sorted(g.schedule_id for g in got) == sorted(new)
+    assert all(g.value and g.value.startswith(b"new-") for g in got)
+    assert dropped() == len(old)
