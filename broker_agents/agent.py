@@ -214,12 +214,13 @@ class Agent:
         )
         core: Any = self.apis
         groups: Any = self.groups
+        txns: Any = self.transactions
         self.authorizer: Authorizer | None = None
         if config.authorizer_enable:
             self.authorizer = Authorizer(config.super_user_set)
             guard = Guard(self.authorizer, self.apis, self.groups, self.transactions)
             self.apis.handlers.update(guard.handlers(self.apis.handlers))
-            core, groups = guard.core, guard.groups
+            core, groups, txns = guard.core, guard.groups, guard.txns
         self.quotas = Quotas(config.super_user_set, burst_s=config.quota_burst_ms / 1000)
         self.server = AgentServer(
             self.apis,
@@ -236,7 +237,9 @@ class Agent:
         )
         self.kafka_server: AgentServer | None = None
         if config.kafka_listener is not None:
-            kafka = KafkaApis(core, groups, self.view, KafkaTopicAdmin(self.store, self.authorizer))
+            kafka = KafkaApis(
+                core, groups, txns, self.view, KafkaTopicAdmin(self.store, self.authorizer)
+            )
             self.kafka_server = AgentServer(
                 self.apis,
                 max_frame_bytes=config.max_frame_bytes,

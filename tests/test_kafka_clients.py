@@ -12,6 +12,7 @@ native path, ``tests.cluster.check_acknowledged``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import struct
 import subprocess
@@ -423,6 +424,156 @@ def test_kafka_clients_read_sdk_transactions_committed_or_not_and_never_their_ma
     stable, end = asyncio.run(latest_while_open())
     # partition 0: 3 + 3 committed records, 3 aborted, 3 markers; the open transaction's 3
     assert (stable, end) == (12, 15)
+
+
+# ---- Kafka clients' own transactions -----------------------------------------------------------
+TXN_STEPS = (("a", True, 5), ("b", False, 9), ("c", True, 8))
+"""A pipeline's transactions: (name, commit?, input offset committed with it)."""
+
+
+class TxnDriver:
+    """One Kafka client's transactional producer, driven in steps: each transaction writes
+    12 records over the 4 partitions and commits an input offset of a group with it."""
+
+    def __init__(self, client: str, bootstrap: str, txn_id: str, group: str, source: str) -> None:
+        self.client, self.group, self.source = client, group, source
+        self.loop = asyncio.new_event_loop() if client == "aiokafka" else None
+        self.member: Any = None
+        if client == "confluent-kafka":
+            self.p: Any = ck.Producer({"bootstrap.servers": bootstrap, "transactional.id": txn_id})
+            self.p.init_transactions(30)
+            # a real member of the group: its metadata rides on TxnOffsetCommit v3 (KIP-447)
+            self.member = ck.Consumer(
+                {"bootstrap.servers": bootstrap, "group.id": group, "enable.auto.commit": False}
+            )
+            self.member.subscribe([source])
+            deadline = time.monotonic() + 30
+            while not self.member.assignment():
+                assert time.monotonic() < deadline, "the group member never got its partitions"
+                self.member.poll(0.2)
+            self.metadata = self.member.consumer_group_metadata()
+        elif client == "aiokafka":
+            assert self.loop is not None
+
+            async def start() -> Any:
+                producer = aiokafka.AIOKafkaProducer(
+                    bootstrap_servers=bootstrap, transactional_id=txn_id
+                )
+                await producer.start()
+                return producer
+
+            self.p = self.loop.run_until_complete(start())
+        else:
+            self.p = kp.KafkaProducer(
+                bootstrap_servers=bootstrap.split(","), transactional_id=txn_id
+            )
+            self.p.init_transactions()
+
+    def transaction(self, topic: str, name: str, commit: bool, offset: int) -> None:
+        values = [(f"{name}-{i}".encode(), i % PARTITIONS) for i in range(12)]
+        if self.client == "confluent-kafka":
+            self.p.begin_transaction()
+            for value, partition in values:
+                self.p.produce(topic, value, partition=partition)
+            self.p.send_offsets_to_transaction(
+                [ck.TopicPartition(self.source, 0, offset)], self.metadata, 30
+            )
+            self.p.flush(30)  # stored before the end: an abort leaves them in the log, aborted
+            (self.p.commit_transaction if commit else self.p.abort_transaction)(30)
+        elif self.client == "aiokafka":
+            assert self.loop is not None
+
+            async def run() -> None:
+                await self.p.begin_transaction()
+                sent = [
+                    await self.p.send(topic, value, partition=partition)
+                    for value, partition in values
+                ]
+                await asyncio.gather(*sent)
+                await self.p.send_offsets_to_transaction(
+                    {aiokafka.TopicPartition(self.source, 0): offset}, self.group
+                )
+                await (self.p.commit_transaction() if commit else self.p.abort_transaction())
+
+            self.loop.run_until_complete(run())
+        else:
+            self.p.begin_transaction()
+            for value, partition in values:
+                self.p.send(topic, value, partition=partition)
+            self.p.send_offsets_to_transaction(
+                {kp.TopicPartition(self.source, 0): kp.OffsetAndMetadata(offset, "", -1)},
+                self.group,
+            )
+            self.p.flush()
+            (self.p.commit_transaction if commit else self.p.abort_transaction)()
+
+    def leave_group(self) -> None:
+        """The group member leaves (its metadata stays with the producer): another driver's
+        member can then join without waiting for this one's rebalance timeout."""
+        if self.member is not None:
+            self.member.close()
+            self.member = None
+
+    def close(self) -> None:
+        self.leave_group()
+        if self.client == "confluent-kafka":
+            self.p.flush(5)
+        elif self.client == "aiokafka":
+            assert self.loop is not None
+            with contextlib.suppress(Exception):
+                self.loop.run_until_complete(self.p.stop())
+            self.loop.close()
+        else:
+            self.p.close(timeout=5)
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_a_kafka_clients_transactions_commit_abort_carry_offsets_and_fence_zombies(
+    cluster: Cluster, client: str
+) -> None:
+    """A Kafka client's own transactional producer (``init_transactions``, begin, produce
+    over 4 partitions, ``send_offsets_to_transaction``, commit or abort) through the Kafka
+    listener: read_committed readers get the committed transactions whole and nothing of the
+    aborted one; the group's offset is the last committed transaction's, not the aborted
+    one's; a second producer with the same ``transactional.id`` fences the first, whose next
+    transaction fails and leaves nothing in the log."""
+    topic = _topic(cluster, f"txn-out-{client}")
+    source = _topic(cluster, f"txn-in-{client}")
+    group, txn_id = f"txn-group-{client}", f"txn-{client}"
+    first = TxnDriver(client, cluster.kafka_bootstrap, txn_id, group, source)
+    try:
+        for name, commit, offset in TXN_STEPS:
+            first.transaction(topic, name, commit, offset)
+        first.leave_group()
+        second = TxnDriver(client, cluster.kafka_bootstrap, txn_id, group, source)
+        try:
+            with pytest.raises(Exception) as fenced:
+                first.transaction(topic, "zombie", True, 10)
+            print(f"{client}: the zombie's commit failed with {fenced.value!r}")
+            assert any(w in repr(fenced.value).lower() for w in ("fenced", "epoch")), fenced.value
+            second.transaction(topic, "d", True, 11)
+        finally:
+            second.close()
+    finally:
+        with contextlib.suppress(Exception):
+            first.close()
+
+    def values(names: str) -> list[bytes]:
+        return sorted(f"{n}-{i}".encode() for n in names for i in range(12))
+
+    for reader in CLIENTS:
+        got = READERS[reader](cluster.kafka_bootstrap, topic, 36, "read_committed")
+        assert sorted(v for *_, v, _, _ in got) == values("acd"), reader  # type: ignore[type-var]
+    everything = read_sdk(cluster.bootstrap, topic, 48)
+    assert sorted(v for *_, v, _, _ in everything) == values("abcd")  # type: ignore[type-var]
+    # 48 records and 4 transactions' markers on each partition: nothing of the zombie
+    assert len(_all_offsets(cluster, topic)) == 48 + 4 * PARTITIONS
+    reader_ = ck.Consumer({"bootstrap.servers": cluster.kafka_bootstrap, "group.id": group})
+    try:
+        (committed,) = reader_.committed([ck.TopicPartition(source, 0)], 30)
+        assert committed.offset == 11  # d's; b's 9 was aborted, the zombie's 10 refused
+    finally:
+        reader_.close()
 
 
 # ---- groups ----------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from storage.codec import check_batch, decode_batch, encode_batch
 from storage.errors import (
     CorruptBatchError,
+    InvalidRequestError,
     MalformedFrameError,
     StrataError,
     UnsupportedVersionError,
@@ -206,19 +207,30 @@ def test_bad_records_under_a_good_crc_are_refused() -> None:
                 continue  # refused with a typed error: fine; a changed value is fine too
 
 
-def test_magic_other_than_2_and_transactional_batches_are_refused() -> None:
+def test_magic_other_than_2_and_control_batches_are_refused_transactional_kept() -> None:
     kafka = bytearray(build_kafka_batch([(None, b"v", [])], base_timestamp=0))
     kafka[16] = 1
     with pytest.raises(UnsupportedVersionError):
         kafka_to_strata(bytes(kafka))
-    tx = _aiokafka_batch([(None, b"v", [], 0)], 0)
-    tx_bytes = bytearray(tx)
-    struct.pack_into(">h", tx_bytes, 21, 0x10)
     from storage.crc import crc32c
 
-    struct.pack_into(">I", tx_bytes, 17, crc32c(bytes(tx_bytes[21:])))
-    with pytest.raises(UnsupportedVersionError, match="transaction"):
-        kafka_to_strata(bytes(tx_bytes))
+    def with_attributes(attributes: int) -> bytes:
+        batch = bytearray(_aiokafka_batch([(b"k", b"v", [], 5)], 0))
+        struct.pack_into(">h", batch, 21, attributes)
+        struct.pack_into(">I", batch, 17, crc32c(bytes(batch[21:])))
+        return bytes(batch)
+
+    # a transactional producer's batch: stored as one, with its producer's id and epoch
+    stored = kafka_to_strata(with_attributes(0x10))
+    h = check_batch(stored)
+    assert h.is_transactional and not h.is_control
+    assert (h.producer_id, h.producer_epoch, h.base_sequence) == (42, 3, 7)
+    rows = decode_batch(stored).to_pylist()
+    assert [(r["key"], r["value"]) for r in rows] == [(b"k", b"v")]
+    # a control batch (a marker) comes only from the coordinator, never from a producer
+    for attributes in (0x20, 0x30):
+        with pytest.raises(InvalidRequestError, match="control"):
+            kafka_to_strata(with_attributes(attributes))
 
 
 _record = st.tuples(

@@ -326,7 +326,8 @@ def test_kafka_listener_is_checked_too(
     processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
     """The same guarded core behind the Kafka listener: an unmodified Kafka client with the
-    right writes, one without it is refused with Kafka's TOPIC_AUTHORIZATION_FAILED."""
+    right writes, one without it is refused with Kafka's TOPIC_AUTHORIZATION_FAILED; a
+    transactional one needs Write on its transactional id too."""
     kp = pytest.importorskip("kafka")
 
     async def setup() -> None:
@@ -346,7 +347,14 @@ def test_kafka_listener_is_checked_too(
                         name="acl-",
                         pattern_type=PatternType.PREFIXED,
                         operation=Operation.WRITE,
-                    )
+                    ),
+                    AclBinding(
+                        principal="User:writer",
+                        resource_type=ResourceType.TRANSACTIONAL_ID,
+                        name="writer-",
+                        pattern_type=PatternType.PREFIXED,
+                        operation=Operation.WRITE,
+                    ),
                 ]
             )
         finally:
@@ -365,16 +373,15 @@ def test_kafka_listener_is_checked_too(
     cluster.create_topic(TOPIC, 1)
     cluster.wait_for_leaders(TOPIC)
 
-    def producer(user: str) -> Any:
+    def producer(user: str, **conf: Any) -> Any:
+        settings = {"max_block_ms": 5000, "request_timeout_ms": 5000, "retries": 0, **conf}
         return kp.KafkaProducer(
             bootstrap_servers=cluster.kafka_bootstrap,
             security_protocol="SASL_PLAINTEXT",
             sasl_mechanism="SCRAM-SHA-256",
             sasl_plain_username=user,
             sasl_plain_password=PASSWORD,
-            max_block_ms=5000,
-            request_timeout_ms=5000,
-            retries=0,
+            **settings,
         )
 
     p = producer("writer")
@@ -388,6 +395,22 @@ def test_kafka_listener_is_checked_too(
             p.send(TOPIC, b"no", partition=0).get(timeout=20)
     finally:
         p.close()
+    # a Kafka client's transactions need Write on their transactional id (and, being
+    # idempotent, retries)
+    p = producer("writer", transactional_id="writer-1", retries=3)
+    try:
+        p.init_transactions()
+        p.begin_transaction()
+        p.send(TOPIC, b"in a transaction", partition=0)
+        p.commit_transaction()
+    finally:
+        p.close()
+    p = producer("writer", transactional_id="someone-else", retries=3)
+    try:
+        with pytest.raises(kp.errors.TransactionalIdAuthorizationFailedError):
+            p.init_transactions()
+    finally:
+        p.close(timeout=5)
 
     # the topic admin APIs too: writing a topic is not deleting it, creating one, growing it
     # or reading its configs (each answered per topic with TOPIC_AUTHORIZATION_FAILED)

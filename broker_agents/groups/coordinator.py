@@ -1033,17 +1033,25 @@ class GroupCoordinator:
         return out
 
     # ---- transactional offsets --------------------------------------------------------------
-    async def txn_offset_commit(self, req: m.TxnOffsetCommitRequest) -> m.TxnOffsetCommitResponse:
+    async def txn_offset_commit(
+        self, req: m.TxnOffsetCommitRequest, *, without_member: bool = False
+    ) -> m.TxnOffsetCommitResponse:
         """Park a transaction's offsets until its marker (checked like a commit: generation,
         member; a producer epoch older than the one parked is fenced). A topic being deleted,
         or named with another incarnation's id, is refused as in ``offset_commit``; the
         incarnation each topic's offsets are for is parked with them, and a commit marker that
-        finds the topic deleted (or created again) since drops them."""
+        finds the topic deleted (or created again) since drops them.
+
+        ``without_member``: a Kafka client's TxnOffsetCommit before v3 carries no group
+        metadata; it is fenced by its producer epoch alone, as Kafka's coordinator does for
+        those versions (before KIP-447)."""
         error = 0
         refused: dict[str, int] = {}
         try:
             group = await self._group(req.group_id)
-            if req.generation_id < 0 and not req.member_id:
+            if without_member:
+                pass  # the producer epoch below is the only fence
+            elif req.generation_id < 0 and not req.member_id:
                 if group.members:
                     raise IllegalGenerationError(
                         f"group {group.group_id!r} has members: commit with the consumer's"

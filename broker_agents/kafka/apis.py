@@ -15,6 +15,14 @@ produce converts each Kafka batch to a Strata batch before the core sees it (its
 first, its size against the topic's ``max.message.bytes``), fetch converts the Strata batches
 the core returns into Kafka batches (their CRCs checked first).
 
+Transactions: FindCoordinator (key type 1), InitProducerId with a ``transactional.id``,
+AddPartitionsToTxn, AddOffsetsToTxn, EndTxn and TxnOffsetCommit go to the same transaction
+and group coordinators as the SDK's, so a Kafka client's transaction is fenced, timed out,
+recovered and marked exactly as the SDK's is. Two differences follow from the versions
+served (those before KIP-890): an abort keeps the producer's epoch (the EndTxn answer
+cannot tell a client a new one), and a fenced producer is answered INVALID_PRODUCER_EPOCH
+(47), the code clients of those versions read as fencing.
+
 Error codes: the core's are Strata's, which are Kafka's where Kafka has the same error;
 ``storage.kafka.errors.kafka_code`` maps the rest.
 """
@@ -29,8 +37,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 from storage.errors import (
     BatchTooLargeError,
     CoordinatorNotAvailableError,
+    InvalidProducerEpochError,
     InvalidRequestError,
     InvalidRequiredAcksError,
+    ProducerFencedError,
     StrataError,
 )
 from storage.kafka import records as kr
@@ -42,6 +52,7 @@ from storage.protocol import messages as m
 if TYPE_CHECKING:
     from broker_agents.groups.coordinator import GroupCoordinator
     from broker_agents.kafka.admin import KafkaTopicAdmin
+    from broker_agents.transactions.coordinator import TransactionCoordinator
     from broker_agents.view import ClusterView
 
 log = logging.getLogger(__name__)
@@ -59,6 +70,13 @@ _KAFKA_STATE = {
 CLUSTER_ID = "strata"
 
 
+def txn_code(code: int) -> int:
+    """A Strata error code as a Kafka client of the versions served reads it: Kafka's, with
+    PRODUCER_FENCED (90, KIP-588) given as INVALID_PRODUCER_EPOCH (47)."""
+    code = kafka_code(code)
+    return InvalidProducerEpochError.code if code == ProducerFencedError.code else code
+
+
 class RequestCore(Protocol):
     """What the Kafka handlers need of the request core (``broker_agents.apis.Apis``)."""
 
@@ -73,11 +91,13 @@ class KafkaApis:
         self,
         core: RequestCore,
         groups: GroupCoordinator,
+        txns: TransactionCoordinator,
         view: ClusterView,
         admin: KafkaTopicAdmin,
     ) -> None:
         self.core = core
         self.groups = groups
+        self.txns = txns
         self.view = view
         self.admin = admin
         self.handlers: dict[int, Handler] = {
@@ -96,6 +116,10 @@ class KafkaApis:
             ApiKey.DESCRIBE_GROUPS: self.describe_groups,
             ApiKey.LIST_GROUPS: self.list_groups,
             ApiKey.INIT_PRODUCER_ID: self.init_producer_id,
+            ApiKey.ADD_PARTITIONS_TO_TXN: self.add_partitions_to_txn,
+            ApiKey.ADD_OFFSETS_TO_TXN: self.add_offsets_to_txn,
+            ApiKey.END_TXN: self.end_txn,
+            ApiKey.TXN_OFFSET_COMMIT: self.txn_offset_commit,
             ApiKey.CREATE_TOPICS: self.admin.create_topics,
             ApiKey.DELETE_TOPICS: self.admin.delete_topics,
             ApiKey.CREATE_PARTITIONS: self.admin.create_partitions,
@@ -154,8 +178,6 @@ class KafkaApis:
         acks = req["acks"]
         if acks not in (0, 1, -1):
             raise InvalidRequiredAcksError(f"acks must be 0, 1 or -1 (all), got {acks}")
-        if req["transactional_id"] is not None:
-            raise InvalidRequestError("transactional produce is not supported yet")
         failed: dict[tuple[str, int], StrataError] = {}
         topics = []
         for t in req["topic_data"]:
@@ -206,7 +228,7 @@ class KafkaApis:
                 out.append(
                     {
                         "index": r.partition,
-                        "error_code": kafka_code(r.error_code),
+                        "error_code": txn_code(r.error_code),
                         "base_offset": r.base_offset,
                         "log_start_offset": r.log_start_offset,
                         "error_message": r.error_message,
@@ -313,12 +335,18 @@ class KafkaApis:
 
     # ---- groups ---------------------------------------------------------------------------
     async def find_coordinator(self, req: dict[str, Any], version: int) -> dict[str, Any]:
-        if req["key_type"] != 0:
+        key_type = req["key_type"]
+        if key_type == m.COORDINATOR_GROUP:
+            found = await self.groups.find_coordinator(m.FindCoordinatorRequest(req["key"]))
+        elif key_type == m.COORDINATOR_TRANSACTION:
+            found = await self.txns.find_coordinator(
+                m.FindCoordinatorRequest(req["key"], m.COORDINATOR_TRANSACTION)
+            )
+        else:
             return {
                 "error_code": InvalidRequestError.code,
-                "error_message": "transaction coordinators: transactions are not supported yet",
+                "error_message": f"unknown coordinator key type {key_type}",
             }
-        found = await self.groups.find_coordinator(m.FindCoordinatorRequest(req["key"]))
         if found.error_code:
             return {"error_code": kafka_code(found.error_code)}
         addr = self._address(found.agent_id)
@@ -516,7 +544,106 @@ class KafkaApis:
     async def init_producer_id(self, req: dict[str, Any], version: int) -> dict[str, Any]:
         """An idempotent producer's id: random 63 bits with epoch 0, as the SDK draws its
         own (``sdk/idempotence.py``). Partition leaders keep per-id sequence state, so no
-        agent needs to remember ids it handed out."""
-        if req["transactional_id"] is not None:
-            return {"error_code": InvalidRequestError.code}
-        return {"error_code": 0, "producer_id": secrets.randbits(63), "producer_epoch": 0}
+        agent needs to remember ids it handed out. With a ``transactional.id``: the
+        transaction coordinator's (a new epoch, fencing the previous session)."""
+        txn_id = req["transactional_id"]
+        if txn_id is None:
+            return {"error_code": 0, "producer_id": secrets.randbits(63), "producer_epoch": 0}
+        resp = await self.txns.init_producer_id(
+            m.InitProducerIdRequest(txn_id, req["transaction_timeout_ms"])
+        )
+        return {
+            "error_code": txn_code(resp.error_code),
+            "producer_id": resp.producer_id,
+            "producer_epoch": resp.producer_epoch,
+        }
+
+    # ---- transactions ---------------------------------------------------------------------
+    async def add_partitions_to_txn(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        topics = [m.TxnTopic(t["name"], list(t["partitions"])) for t in req["topics"]]
+        try:
+            resp = await self.txns.add_partitions_to_txn(
+                m.AddPartitionsToTxnRequest(
+                    req["transactional_id"], req["producer_id"], req["producer_epoch"], topics
+                )
+            )
+            codes = {(t.name, p.partition): p.error_code for t in resp.topics for p in t.partitions}
+        except StrataError as exc:
+            codes = {(t.name, p): exc.code for t in topics for p in t.partitions}
+        return {
+            "results": [
+                {
+                    "name": t.name,
+                    "results": [
+                        {"partition_index": p, "error_code": txn_code(codes.get((t.name, p), 0))}
+                        for p in t.partitions
+                    ],
+                }
+                for t in topics
+            ]
+        }
+
+    async def add_offsets_to_txn(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        resp = await self.txns.add_offsets_to_txn(
+            m.AddOffsetsToTxnRequest(
+                req["transactional_id"], req["producer_id"], req["producer_epoch"], req["group_id"]
+            )
+        )
+        return {"error_code": txn_code(resp.error_code)}
+
+    async def end_txn(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        resp = await self.txns.end_txn(
+            m.EndTxnRequest(
+                req["transactional_id"],
+                req["producer_id"],
+                req["producer_epoch"],
+                1 if req["committed"] else 0,
+            ),
+            bump_on_abort=False,  # the answer has no epoch field before KIP-890
+        )
+        return {"error_code": txn_code(resp.error_code)}
+
+    async def txn_offset_commit(self, req: dict[str, Any], version: int) -> dict[str, Any]:
+        topics = [
+            m.OffsetCommitTopic(
+                t["name"],
+                [
+                    m.OffsetCommitPartition(
+                        p["partition_index"], p["committed_offset"], p["committed_metadata"]
+                    )
+                    for p in t["partitions"]
+                ],
+            )
+            for t in req["topics"]
+        ]
+        core_req = m.TxnOffsetCommitRequest(
+            req["transactional_id"],
+            req["group_id"],
+            req["producer_id"],
+            req["producer_epoch"],
+            req["generation_id"],
+            req["member_id"],
+            req["group_instance_id"],
+            topics,
+        )
+        try:
+            # v0-2 carry no group metadata: fenced by the producer epoch alone (pre KIP-447)
+            resp = await self.groups.txn_offset_commit(core_req, without_member=version < 3)
+            codes = {(t.name, p.partition): p.error_code for t in resp.topics for p in t.partitions}
+        except StrataError as exc:
+            codes = {(t.name, p.partition): exc.code for t in topics for p in t.partitions}
+        return {
+            "topics": [
+                {
+                    "name": t.name,
+                    "partitions": [
+                        {
+                            "partition_index": p.partition,
+                            "error_code": txn_code(codes.get((t.name, p.partition), 0)),
+                        }
+                        for p in t.partitions
+                    ],
+                }
+                for t in topics
+            ]
+        }

@@ -280,9 +280,9 @@ class GuardedGroups:
     def _group(self, fn: str) -> Callable[[Any], Awaitable[Any]]:
         inner = getattr(self._inner, fn)
 
-        async def guarded(req: Any, *args: Any) -> Any:
+        async def guarded(req: Any, *args: Any, **kwargs: Any) -> Any:
             self._authz.require_group(req.group_id)
-            return await inner(req, *args)
+            return await inner(req, *args, **kwargs)
 
         return guarded
 
@@ -307,9 +307,9 @@ class GuardedGroups:
     async def offset_fetch(self, req: Any, *a: Any) -> Any:
         return await self._group("offset_fetch")(req, *a)
 
-    async def txn_offset_commit(self, req: Any, *a: Any) -> Any:
+    async def txn_offset_commit(self, req: Any, *a: Any, **kw: Any) -> Any:
         self._authz.require_txn(req.transactional_id)
-        return await self._group("txn_offset_commit")(req, *a)
+        return await self._group("txn_offset_commit")(req, *a, **kw)
 
     async def describe_group(self, group_id: str) -> Any:
         if not self._authz.allows(Operation.DESCRIBE, ResourceType.GROUP, group_id):
@@ -329,6 +329,45 @@ class GuardedGroups:
         return await self._inner.find_coordinator(req)
 
 
+class GuardedTxns:
+    """The transaction coordinator's entry points with ACL checks."""
+
+    def __init__(self, inner: Any, authz: Authorizer) -> None:
+        self._inner = inner
+        self._authz = authz
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def find_coordinator(self, req: m.FindCoordinatorRequest) -> Any:
+        if not self._authz.allows(Operation.WRITE, ResourceType.TRANSACTIONAL_ID, req.key):
+            raise TransactionalIdAuthorizationFailedError(
+                f"not authorized to use transactional id {req.key!r}"
+            )
+        return await self._inner.find_coordinator(req)
+
+    async def init_producer_id(self, req: m.InitProducerIdRequest) -> Any:
+        if req.transactional_id is not None:
+            self._authz.require_txn(req.transactional_id)
+        return await self._inner.init_producer_id(req)
+
+    async def add_partitions_to_txn(self, req: m.AddPartitionsToTxnRequest) -> Any:
+        self._authz.require_txn(req.transactional_id)
+        for t in req.topics:
+            if not self._authz.allows(Operation.WRITE, ResourceType.TOPIC, t.name):
+                raise TopicAuthorizationFailedError(f"not authorized to write {t.name!r}")
+        return await self._inner.add_partitions_to_txn(req)
+
+    async def add_offsets_to_txn(self, req: m.AddOffsetsToTxnRequest) -> Any:
+        self._authz.require_txn(req.transactional_id)
+        self._authz.require_group(req.group_id)
+        return await self._inner.add_offsets_to_txn(req)
+
+    async def end_txn(self, req: m.EndTxnRequest, **kw: Any) -> Any:
+        self._authz.require_txn(req.transactional_id)
+        return await self._inner.end_txn(req, **kw)
+
+
 class Guard:
     """Wires the guarded entry points into the native handler table (``handlers``)."""
 
@@ -336,12 +375,12 @@ class Guard:
         self.authz = authz
         self.core = GuardedApis(apis, authz)
         self.groups = GuardedGroups(groups, authz)
-        self._txns = txns
+        self.txns = GuardedTxns(txns, authz)
 
     def handlers(self, existing: dict[int, Any]) -> dict[int, Any]:
         """``existing`` (the native table) with every entry point guarded."""
         az = self.authz
-        txns = self._txns
+        txns = self.txns
         out = dict(existing)
         out.update(
             {
@@ -372,27 +411,6 @@ class Guard:
                 az.require_group(req.key, Operation.DESCRIBE)
             return await route(req)
 
-        async def init_producer_id(req: m.InitProducerIdRequest) -> Any:
-            if req.transactional_id is not None:
-                az.require_txn(req.transactional_id)
-            return await txns.init_producer_id(req)
-
-        async def add_partitions(req: m.AddPartitionsToTxnRequest) -> Any:
-            az.require_txn(req.transactional_id)
-            for t in req.topics:
-                if not az.allows(Operation.WRITE, ResourceType.TOPIC, t.name):
-                    raise TopicAuthorizationFailedError(f"not authorized to write {t.name!r}")
-            return await txns.add_partitions_to_txn(req)
-
-        async def add_offsets(req: m.AddOffsetsToTxnRequest) -> Any:
-            az.require_txn(req.transactional_id)
-            az.require_group(req.group_id)
-            return await txns.add_offsets_to_txn(req)
-
-        async def end_txn(req: m.EndTxnRequest) -> Any:
-            az.require_txn(req.transactional_id)
-            return await txns.end_txn(req)
-
         markers = existing[m.ApiKey.WRITE_TXN_MARKERS]
 
         async def write_txn_markers(req: Any) -> Any:
@@ -402,10 +420,10 @@ class Guard:
         out.update(
             {
                 m.ApiKey.FIND_COORDINATOR: find_coordinator,
-                m.ApiKey.INIT_PRODUCER_ID: init_producer_id,
-                m.ApiKey.ADD_PARTITIONS_TO_TXN: add_partitions,
-                m.ApiKey.ADD_OFFSETS_TO_TXN: add_offsets,
-                m.ApiKey.END_TXN: end_txn,
+                m.ApiKey.INIT_PRODUCER_ID: txns.init_producer_id,
+                m.ApiKey.ADD_PARTITIONS_TO_TXN: txns.add_partitions_to_txn,
+                m.ApiKey.ADD_OFFSETS_TO_TXN: txns.add_offsets_to_txn,
+                m.ApiKey.END_TXN: txns.end_txn,
                 m.ApiKey.WRITE_TXN_MARKERS: write_txn_markers,
             }
         )

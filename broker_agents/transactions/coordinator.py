@@ -421,9 +421,10 @@ class TransactionCoordinator:
         if meta.epoch < MAX_EPOCH:
             meta.epoch += 1
 
-    async def _decide(self, meta: TxnMeta, *, commit: bool, reason: str) -> None:
-        """ONGOING -> PREPARE_*: write the decision, then deliver it in the background."""
-        if not commit:
+    async def _decide(self, meta: TxnMeta, *, commit: bool, reason: str, bump: bool = True) -> None:
+        """ONGOING -> PREPARE_*: write the decision, then deliver it in the background. An
+        abort bumps the epoch unless ``bump`` is False (a Kafka client's EndTxn, below)."""
+        if not commit and bump:
             self._bump(meta, reason)
         meta.phase = next_phase(meta.phase, Event.COMMIT if commit else Event.ABORT)
         meta.ended.clear()
@@ -609,16 +610,22 @@ class TransactionCoordinator:
         meta.groups |= new_groups
         await self._write(meta)
 
-    async def end_txn(self, req: m.EndTxnRequest) -> m.EndTxnResponse:
+    async def end_txn(
+        self, req: m.EndTxnRequest, *, bump_on_abort: bool = True
+    ) -> m.EndTxnResponse:
+        """Commit or abort. The SDK learns the epoch an abort moves to from the answer; a
+        Kafka client's EndTxn (v0-3) has no epoch in its answer and the client goes on with
+        the one it has, so the Kafka listener passes ``bump_on_abort=False``: its aborts keep
+        the epoch, as Kafka's coordinator did before KIP-890."""
         try:
             meta = await self._txn(req.transactional_id)
             async with meta.lock:
-                await self._end(meta, req)
+                await self._end(meta, req, bump_on_abort)
                 return m.EndTxnResponse(0, meta.producer_id, meta.epoch)
         except StrataError as exc:
             return m.EndTxnResponse(exc.code, -1, -1, str(exc))
 
-    async def _end(self, meta: TxnMeta, req: m.EndTxnRequest) -> None:
+    async def _end(self, meta: TxnMeta, req: m.EndTxnRequest, bump_on_abort: bool) -> None:
         commit = bool(req.committed)
         if req.producer_id != meta.producer_id:
             raise InvalidProducerIdMappingError(
@@ -644,7 +651,7 @@ class TransactionCoordinator:
             )
         if meta.phase in IDLE:
             return  # nothing was added: nothing to commit or abort (the epoch stays)
-        await self._decide(meta, commit=commit, reason="abort")
+        await self._decide(meta, commit=commit, reason="abort", bump=bump_on_abort)
 
     def handlers(self) -> dict[int, Any]:
         return {

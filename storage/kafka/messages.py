@@ -4,8 +4,8 @@ Field names, order, version ranges and nullability follow Apache Kafka's message
 (``clients/src/main/resources/common/message/*.json``), restricted to the versions in
 ``SERVED``. Those are the versions today's clients negotiate (librdkafka 2.x, kafka-python,
 aiokafka, kcat): each API's highest version before its first *flexible* one, plus
-ApiVersions v3 (flexible; librdkafka's first request). Transactional APIs are not served
-(transactions are not built yet), so they are not advertised.
+ApiVersions v3 (flexible; librdkafka's first request) and TxnOffsetCommit v3 (flexible: the
+first that carries the consumer's group metadata, KIP-447).
 
 ``docs/kafka.md`` lists the same table for people.
 """
@@ -49,6 +49,10 @@ class ApiKey(enum.IntEnum):
     CREATE_TOPICS = 19
     DELETE_TOPICS = 20
     INIT_PRODUCER_ID = 22
+    ADD_PARTITIONS_TO_TXN = 24
+    ADD_OFFSETS_TO_TXN = 25
+    END_TXN = 26
+    TXN_OFFSET_COMMIT = 28
     DESCRIBE_CONFIGS = 32
     SASL_AUTHENTICATE = 36
     CREATE_PARTITIONS = 37
@@ -601,6 +605,115 @@ INIT_PRODUCER_ID_RESPONSE = S(
     F("producer_epoch", INT16, default=-1),
 )
 
+# ---- AddPartitionsToTxn (24) / AddOffsetsToTxn (25) / EndTxn (26) / TxnOffsetCommit (28) ----
+ADD_PARTITIONS_TO_TXN_REQUEST = S(
+    "AddPartitionsToTxnRequest",
+    F("transactional_id", STRING),
+    F("producer_id", INT64),
+    F("producer_epoch", INT16),
+    F(
+        "topics",
+        Array(S("AddPartitionsToTxnTopic", F("name", STRING), F("partitions", Array(INT32)))),
+    ),
+)
+ADD_PARTITIONS_TO_TXN_RESPONSE = S(
+    "AddPartitionsToTxnResponse",
+    F("throttle_time_ms", INT32),
+    F(
+        "results",
+        Array(
+            S(
+                "AddPartitionsToTxnTopicResult",
+                F("name", STRING),
+                F(
+                    "results",
+                    Array(
+                        S(
+                            "AddPartitionsToTxnPartitionResult",
+                            F("partition_index", INT32),
+                            F("error_code", INT16),
+                        )
+                    ),
+                ),
+            )
+        ),
+    ),
+)
+ADD_OFFSETS_TO_TXN_REQUEST = S(
+    "AddOffsetsToTxnRequest",
+    F("transactional_id", STRING),
+    F("producer_id", INT64),
+    F("producer_epoch", INT16),
+    F("group_id", STRING),
+)
+ADD_OFFSETS_TO_TXN_RESPONSE = S(
+    "AddOffsetsToTxnResponse", F("throttle_time_ms", INT32), F("error_code", INT16)
+)
+END_TXN_REQUEST = S(
+    "EndTxnRequest",
+    F("transactional_id", STRING),
+    F("producer_id", INT64),
+    F("producer_epoch", INT16),
+    F("committed", BOOL),
+)
+END_TXN_RESPONSE = S("EndTxnResponse", F("throttle_time_ms", INT32), F("error_code", INT16))
+TXN_OFFSET_COMMIT_REQUEST = S(
+    "TxnOffsetCommitRequest",
+    F("transactional_id", STRING),
+    F("group_id", STRING),
+    F("producer_id", INT64),
+    F("producer_epoch", INT16),
+    F("generation_id", INT32, "3+", default=-1),
+    F("member_id", STRING, "3+", default=""),
+    F("group_instance_id", STRING, "3+", nullable="3+", default=None),
+    F(
+        "topics",
+        Array(
+            S(
+                "TxnOffsetCommitRequestTopic",
+                F("name", STRING),
+                F(
+                    "partitions",
+                    Array(
+                        S(
+                            "TxnOffsetCommitRequestPartition",
+                            F("partition_index", INT32),
+                            F("committed_offset", INT64),
+                            F("committed_leader_epoch", INT32, "2+", default=-1),
+                            F("committed_metadata", STRING, nullable="0+"),
+                        )
+                    ),
+                ),
+            )
+        ),
+    ),
+    flexible=3,
+)
+TXN_OFFSET_COMMIT_RESPONSE = S(
+    "TxnOffsetCommitResponse",
+    F("throttle_time_ms", INT32),
+    F(
+        "topics",
+        Array(
+            S(
+                "TxnOffsetCommitResponseTopic",
+                F("name", STRING),
+                F(
+                    "partitions",
+                    Array(
+                        S(
+                            "TxnOffsetCommitResponsePartition",
+                            F("partition_index", INT32),
+                            F("error_code", INT16),
+                        )
+                    ),
+                ),
+            )
+        ),
+    ),
+    flexible=3,
+)
+
 # ---- CreateTopics (19) / DeleteTopics (20) / CreatePartitions (37) ---------------------------
 CREATE_TOPICS_REQUEST = S(
     "CreateTopicsRequest",
@@ -830,6 +943,28 @@ SERVED: dict[int, Api] = {
         Api(ApiKey.CREATE_TOPICS, 2, 4, CREATE_TOPICS_REQUEST, CREATE_TOPICS_RESPONSE),
         Api(ApiKey.DELETE_TOPICS, 1, 3, DELETE_TOPICS_REQUEST, DELETE_TOPICS_RESPONSE),
         Api(ApiKey.INIT_PRODUCER_ID, 0, 1, INIT_PRODUCER_ID_REQUEST, INIT_PRODUCER_ID_RESPONSE),
+        Api(
+            ApiKey.ADD_PARTITIONS_TO_TXN,
+            0,
+            2,
+            ADD_PARTITIONS_TO_TXN_REQUEST,
+            ADD_PARTITIONS_TO_TXN_RESPONSE,
+        ),
+        Api(
+            ApiKey.ADD_OFFSETS_TO_TXN,
+            0,
+            2,
+            ADD_OFFSETS_TO_TXN_REQUEST,
+            ADD_OFFSETS_TO_TXN_RESPONSE,
+        ),
+        Api(ApiKey.END_TXN, 0, 2, END_TXN_REQUEST, END_TXN_RESPONSE),
+        Api(
+            ApiKey.TXN_OFFSET_COMMIT,
+            0,
+            3,
+            TXN_OFFSET_COMMIT_REQUEST,
+            TXN_OFFSET_COMMIT_RESPONSE,
+        ),
         Api(ApiKey.DESCRIBE_CONFIGS, 1, 3, DESCRIBE_CONFIGS_REQUEST, DESCRIBE_CONFIGS_RESPONSE),
         Api(
             ApiKey.CREATE_PARTITIONS,

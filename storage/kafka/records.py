@@ -63,7 +63,12 @@ import pyarrow as pa
 from storage.codec import Compression, check_batch, decode_batch, encode_batch
 from storage.codec.control import ControlMarker, read_marker
 from storage.crc import crc32c
-from storage.errors import CorruptBatchError, StrataError, UnsupportedVersionError
+from storage.errors import (
+    CorruptBatchError,
+    InvalidRequestError,
+    StrataError,
+    UnsupportedVersionError,
+)
 from storage.kafka.compression import Codec, compress, decompress
 from storage.kafka.wire import read_varint, write_varint
 
@@ -160,16 +165,20 @@ def check_kafka_batch(buf: Any) -> KafkaBatchHeader:
 def kafka_to_strata(buf: Any, *, now_ms: int | None = None) -> bytes:
     """One Kafka batch (a produce request's records) as one Strata batch, ready to append.
 
-    Raises ``CorruptBatchError`` (bad CRC, length, varint, offsets, a compressed body that
-    does not inflate) or ``UnsupportedVersionError`` (magic other than 2), and
-    ``InvalidRequestError`` for control or transactional batches (transactions are not
-    built yet)."""
+    A transactional batch stays transactional (its producer id and epoch say whose
+    transaction it belongs to). Raises ``CorruptBatchError`` (bad CRC, length, varint,
+    offsets, a compressed body that does not inflate), ``UnsupportedVersionError`` (magic
+    other than 2), and ``InvalidRequestError`` for a control batch: markers are written by
+    the transaction coordinator only."""
     view = memoryview(buf).cast("B")
     h = check_kafka_batch(view)
-    if h.attributes & (ATTR_CONTROL | ATTR_TRANSACTIONAL):
-        raise UnsupportedVersionError(
-            "transactional and control batches are not accepted: transactions are not built yet"
+    if h.attributes & ATTR_CONTROL:
+        raise InvalidRequestError(
+            "a producer may not write control batches: markers come from the coordinator"
         )
+    transactional = bool(h.attributes & ATTR_TRANSACTIONAL)
+    if transactional and h.producer_id < 0:
+        raise InvalidRequestError("a transactional batch without a producer id")
     n = h.records_count
     if n <= 0 or h.last_offset_delta != n - 1:
         raise CorruptBatchError(
@@ -198,6 +207,7 @@ def kafka_to_strata(buf: Any, *, now_ms: int | None = None) -> bytes:
             producer_id=h.producer_id,
             producer_epoch=h.producer_epoch,
             base_sequence=h.base_sequence,
+            transactional=transactional,
         )
     except StrataError:
         raise
