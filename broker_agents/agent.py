@@ -46,6 +46,7 @@ from broker_agents.transactions import (
     ClusterRoutes,
     MarkerChannel,
     MarkerWriter,
+    OrphanSweeper,
     TransactionCoordinator,
     TxnSettings,
     find_coordinator_router,
@@ -75,6 +76,7 @@ from storage.metadata.store import (
     state_path,
     topic_path,
 )
+from storage.metadata.transactions import TxnStore
 from storage.metadata.users import UserStore
 from storage.protocol import messages as m
 from storage.tls import ReloadingContext, client_context, server_context
@@ -197,6 +199,13 @@ class Agent:
                 complete_write_delay_ms=config.transaction_complete_write_delay_ms,
                 id_expiration_ms=config.transactional_id_expiration_ms,
             ),
+        )
+        self.orphans = OrphanSweeper(
+            lambda: [p for p in self.partitions.partitions.values() if p.role == "leader"],
+            TxnStore(self.zk),
+            self.markers,
+            max_timeout_ms=config.transaction_max_timeout_ms,
+            interval_ms=config.transaction_orphan_check_interval_ms,
         )
         self.apis.handlers.update(self.transactions.handlers())
         self.apis.handlers[m.ApiKey.WRITE_TXN_MARKERS] = self.markers.write_txn_markers
@@ -434,6 +443,7 @@ class Agent:
                 tg.create_task(self.groups.run(), name="group-coordinator")
                 tg.create_task(self.txn_channel.run(), name="txn-marker-channel")
                 tg.create_task(self.transactions.run(), name="txn-coordinator")
+                tg.create_task(self.orphans.run(), name="hanging-transactions")
                 tg.create_task(self.removal.run(), name="topic-removal")
                 tg.create_task(self._sweep_stray_directories(), name="stray-directories")
                 tg.create_task(self._release_preopened(), name="preopened-logs")

@@ -185,6 +185,11 @@ class AgentConfig(_Config):
     transaction_complete_write_delay_ms: int = Field(
         1000, alias="transaction.complete.write.delay.ms", ge=0
     )
+    # how often a leader looks for hanging transactions: open on a partition longer than
+    # transaction.max.timeout.ms (plus this), and no coordinator's (broker_agents.transactions.orphans)
+    transaction_orphan_check_interval_ms: int = Field(
+        60_000, alias="transaction.orphan.check.interval.ms", ge=10
+    )
     # a transactional.id idle this long is forgotten (Kafka's default: 7 days)
     transactional_id_expiration_ms: int = Field(
         7 * 24 * 3600 * 1000, alias="transactional.id.expiration.ms", ge=1000

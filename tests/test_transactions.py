@@ -26,10 +26,11 @@ from typing import Any
 import pytest
 
 from sdk import Consumer, Producer, TopicPartition
+from storage.codec import encode_batch
 from storage.codec.control import encode_marker
 from storage.errors import InvalidRecordError, UnstableOffsetCommitError
 from storage.metadata import AsyncZooKeeper
-from storage.metadata.transactions import TxnStore
+from storage.metadata.transactions import TxnRecord, TxnStore
 from storage.protocol import messages as m
 from tests.cluster import ROOT, Cluster, WireClient, produce_request
 from tests.harness import ManagedProcess, ProcessGroup, ZooKeeperChroot
@@ -376,6 +377,79 @@ async def _hanging(cluster: Cluster, tmp_path: Path) -> None:
         ru.assign([tp])
         everything = await settle(ru, [tp])
         assert sum(r.value.startswith(b"hangs-") for r in everything) == len(sent["offsets"])
+
+
+# ---- a transaction no coordinator knows --------------------------------------------------------
+ORPHAN_CONFIGS = ("transaction.max.timeout.ms=1500", "transaction.orphan.check.interval.ms=100")
+
+
+def test_a_transaction_no_coordinator_knows_is_aborted_by_its_leader(
+    processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
+) -> None:
+    """A transactional batch that no coordinator has in a transaction (a late produce after
+    an abort, a client that skipped AddPartitionsToTxn) opens a transaction that nobody ends:
+    read_committed readers stop at it. While a coordinator's record names the partition in an
+    ongoing transaction of that producer, the leader leaves it alone; once no record does,
+    past ``transaction.max.timeout.ms``, the leader aborts it: the records behind it become
+    readable, the hanging one never does."""
+    cluster = Cluster(processes, zk_chroot, tmp_path / "data")
+    agent = cluster.start_agent(1, *CONFIGS, *ORPHAN_CONFIGS)
+    cluster.create_topic("orphans", 1)
+    cluster.wait_for_leaders("orphans")
+    asyncio.run(_orphan(cluster))
+    assert "aborting a hanging transaction on orphans-0: producer 4242" in agent.process.log_text()
+
+
+async def _orphan(cluster: Cluster) -> None:
+    tp = TopicPartition("orphans", 0)
+    zk = AsyncZooKeeper(cluster.zk.connect_string)
+    await zk.start()
+    store = TxnStore(zk)
+    await store.init()
+    now = int(time.time() * 1000)
+    # a coordinator's record of producer 4242: an ongoing transaction on orphans-0 (started
+    # in the future, so no coordinator times it out during the test)
+    ongoing = TxnRecord(
+        producer_id=4242,
+        epoch=0,
+        phase="ongoing",
+        timeout_ms=1500,
+        partitions={"orphans": [0]},
+        started_ms=now + 3_600_000,
+        updated_ms=now,
+    )
+    (version,) = await store.write_many([("orphan-txn", ongoing, -1)])
+    assert isinstance(version, int)
+    try:
+        async with Producer({"bootstrap.servers": cluster.bootstrap, "acks": "all"}) as p:
+            raw = encode_batch(
+                [b"hanging"], producer_id=4242, producer_epoch=0, base_sequence=0,
+                transactional=True,
+            )  # fmt: skip
+            assert await p.send_exact({tp: raw}, 10) == {tp: 0}
+            for i in range(10):
+                await p.send("orphans", f"after-{i}".encode(), partition=0)
+            await p.flush()
+        async with consumer(cluster, "read_committed") as rc:
+            rc.assign([tp])
+            # three times the sweeper's threshold: the record names the partition, so the
+            # transaction stays open and holds committed readers at its first offset (an
+            # absence over a while: there is no event to await)
+            deadline = time.monotonic() + 3 * 1.6
+            while time.monotonic() < deadline:
+                assert not (await rc.getmany(timeout_ms=200)), "read past an open transaction"
+            assert (await rc.end_offsets([tp]))[tp] == 0
+            # the coordinator is done with it (aborted elsewhere, say): now nobody ends it
+            done = ongoing.model_copy(update={"phase": "complete_abort", "partitions": {}})
+            assert await store.write_many([("orphan-txn", done, version)]) == [version + 1]
+            got = await drain(rc, lambda got: len(got) >= 10, within=30)
+            assert [r.value for r in got] == [f"after-{i}".encode() for i in range(10)]
+        async with consumer(cluster, "read_uncommitted") as ru:
+            ru.assign([tp])
+            everything = [r.value for r in await settle(ru, [tp])]
+            assert everything == [b"hanging"] + [f"after-{i}".encode() for i in range(10)]
+    finally:
+        await zk.stop()
 
 
 def test_the_next_coordinator_completes_a_decided_commit(

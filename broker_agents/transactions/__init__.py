@@ -6,6 +6,7 @@ from broker_agents.transactions.coordinator import (
     find_coordinator_router,
 )
 from broker_agents.transactions.markers import ClusterRoutes, MarkerChannel, MarkerWriter
+from broker_agents.transactions.orphans import OrphanSweeper
 from broker_agents.transactions.state import Event, IllegalTransitionError, Phase, next_phase
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "IllegalTransitionError",
     "MarkerChannel",
     "MarkerWriter",
+    "OrphanSweeper",
     "Phase",
     "TransactionCoordinator",
     "TxnSettings",

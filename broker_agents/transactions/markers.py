@@ -337,6 +337,23 @@ class MarkerWriter:
         except TimeoutError:
             return RequestTimedOutError.code
 
+    def abort_orphan(self, p: Partition, producer_id: int, epoch: int, token: int) -> None:
+        """Append an abort marker for a hanging transaction on ``p``, which this agent leads
+        (``orphans.OrphanSweeper`` decided no coordinator ends it). Replicated like any
+        append; the high watermark moves once the ISR has it."""
+        batch = encode_marker(
+            producer_id, epoch, commit=False, coordinator_epoch=token, timestamp_ms=self.clock_ms()
+        )
+        p.log.append(
+            batch,
+            leader_epoch=p.state.leader_epoch,
+            deep_check=False,
+            marker=ControlMarker(False, token),
+        )
+        self.markers_written += 1
+        p.appended()
+        p.advance_hw()
+
     async def _replicated(self, p: Partition, end: int) -> None:
         """Wait until ``end`` is durable here and below the high watermark (acks=all)."""
         epoch = p.state.leader_epoch

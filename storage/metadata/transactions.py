@@ -19,14 +19,17 @@ fails the others.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from storage.errors import InvalidRequestError, MetadataError, NodeNotFoundError
+from storage.errors import InvalidRequestError, MetadataError, NodeNotFoundError, StrataError
 from storage.metadata.models import dump, load
 from storage.metadata.zk import AsyncZooKeeper
+
+log = logging.getLogger(__name__)
 
 TRANSACTIONS = "/transactions"
 MAX_TRANSACTIONAL_ID = 249
@@ -100,6 +103,22 @@ class TxnStore:
             return None, -1
         record: TxnRecord = load(TxnRecord, data)
         return record, int(stat.version)
+
+    async def records(self) -> list[tuple[str, TxnRecord, int]]:
+        """Every record with its id and znode version (``multiRead`` batches; a record that
+        does not parse is left out and logged)."""
+        ids = await self.list_ids()
+        out: list[tuple[str, TxnRecord, int]] = []
+        for txn_id, got in zip(
+            ids, await self.zk.get_many([txn_path(i) for i in ids]), strict=True
+        ):
+            if got is None:
+                continue  # expired since the listing
+            try:
+                out.append((txn_id, load(TxnRecord, got[0]), int(got[1].version)))
+            except StrataError as exc:
+                log.warning("transaction record %s does not parse: %s", txn_id, exc)
+        return out
 
     async def write_many(
         self, writes: Sequence[tuple[str, TxnRecord, int]]

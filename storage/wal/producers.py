@@ -174,6 +174,11 @@ class ProducerStateTable:
         entry = self._producers.get(producer_id)
         return None if entry is None else entry.epoch
 
+    def last_offset(self, producer_id: int) -> int | None:
+        """The last offset of ``producer_id``'s latest batch here (None: none known)."""
+        entry = self._producers.get(producer_id)
+        return entry.batches[-1][3] if entry is not None and entry.batches else None
+
     def update(self, h: BatchHeader, now: float) -> None:
         """Record an appended batch (``h`` as stored: with its base offset)."""
         pid = h.producer_id
