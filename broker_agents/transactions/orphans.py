@@ -105,6 +105,8 @@ class OrphanSweeper:
                 await self.sweep()
             except StrataError as exc:  # ZooKeeper away: the next round tries again
                 log.warning("hanging-transaction sweep failed: %s", exc)
+            except Exception:  # a bug here must not stop the agent: logged, tried again
+                log.exception("hanging-transaction sweep failed")
 
     def candidates(self) -> list[Candidate]:
         """Note the open transactions led here; those open past the threshold."""
