@@ -247,7 +247,12 @@ class Agent:
         self.kafka_server: AgentServer | None = None
         if config.kafka_listener is not None:
             kafka = KafkaApis(
-                core, groups, txns, self.view, KafkaTopicAdmin(self.store, self.authorizer)
+                core,
+                groups,
+                txns,
+                self.view,
+                KafkaTopicAdmin(self.store, self.authorizer),
+                self.authorizer,
             )
             self.kafka_server = AgentServer(
                 self.apis,

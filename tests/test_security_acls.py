@@ -12,12 +12,16 @@ with the principal. Plus the pure decision rules (``storage.metadata.acls.author
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+import socket
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from aiokafka.record.default_records import DefaultRecordBatchBuilder
+from scramp import ScramClient
 
 from infra.certs import ThrowawayCA
 from sdk.auth import ScramLogin
@@ -28,6 +32,8 @@ from storage.errors import (
     TopicAuthorizationFailedError,
     TransactionalIdAuthorizationFailedError,
 )
+from storage.kafka import frames as kf
+from storage.kafka.messages import ApiKey
 from storage.metadata import AsyncZooKeeper
 from storage.metadata.acls import (
     AclBinding,
@@ -411,6 +417,31 @@ def test_kafka_listener_is_checked_too(
             p.init_transactions()
     finally:
         p.close(timeout=5)
+    # and so do transactional batches themselves, as in Kafka: topic Write alone cannot open
+    # a transaction that would hold the partition's committed readers back
+    address = cluster.kafka_bootstrap.split(",")[0]
+    with kafka_session(address, "writer") as call:
+        for txn_id, transactional, code in (
+            (None, True, 53),
+            ("someone-else", True, 53),
+            ("someone-else", False, 0),  # not transactional: topic Write is enough
+        ):
+            got = call(ApiKey.PRODUCE, 3, produce_body(txn_id, transactional))
+            (part,) = got["responses"][0]["partition_responses"]
+            assert part["error_code"] == code, (txn_id, transactional, part)
+        # nothing refused was stored: "ok", the transaction's record and its commit marker,
+        # and the plain record end the log at 4
+        latest = call(
+            ApiKey.LIST_OFFSETS,
+            1,
+            {
+                "replica_id": -1,
+                "topics": [
+                    {"name": TOPIC, "partitions": [{"partition_index": 0, "timestamp": -1}]}
+                ],
+            },
+        )
+        assert latest["topics"][0]["partitions"][0]["offset"] == 4, latest
 
     # the topic admin APIs too: writing a topic is not deleting it, creating one, growing it
     # or reading its configs (each answered per topic with TOPIC_AUTHORIZATION_FAILED)
@@ -449,6 +480,61 @@ def test_kafka_listener_is_checked_too(
     a.delete_topics(["acl-new"])["acl-new"].result(30)
     # nothing the refused requests asked for happened: the topic is there, one partition
     assert list(cluster.wait_for_leaders(TOPIC)) == [0]
+
+
+@contextlib.contextmanager
+def kafka_session(address: str, user: str) -> Iterator[Callable[[int, int, dict[str, Any]], Any]]:
+    """A raw connection to a SASL_PLAINTEXT Kafka listener, logged in as ``user`` with
+    SCRAM-SHA-256 (Kafka's v1 exchange); yields ``call(api key, version, body) -> answer``."""
+    host, port = address.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=10)
+    correlation = iter(range(1, 1 << 30))
+
+    def call(api_key: int, version: int, body: dict[str, Any]) -> Any:
+        sock.sendall(kf.encode_request(api_key, version, next(correlation), "acl-test", body))
+        size = int.from_bytes(_recv(sock, 4), "big")
+        return kf.parse_response(_recv(sock, size), api_key, version)[1]
+
+    try:
+        shake = call(ApiKey.SASL_HANDSHAKE, 1, {"mechanism": "SCRAM-SHA-256"})
+        assert shake["error_code"] == 0, shake
+        scram = ScramClient(["SCRAM-SHA-256"], user, PASSWORD)
+        first = call(ApiKey.SASL_AUTHENTICATE, 1, {"auth_bytes": scram.get_client_first().encode()})
+        scram.set_server_first(bytes(first["auth_bytes"]).decode())
+        last = call(ApiKey.SASL_AUTHENTICATE, 1, {"auth_bytes": scram.get_client_final().encode()})
+        assert last["error_code"] == 0, last
+        scram.set_server_final(bytes(last["auth_bytes"]).decode())
+        yield call
+    finally:
+        sock.close()
+
+
+def _recv(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, "the agent closed the connection"
+        out += chunk
+    return out
+
+
+def produce_body(txn_id: str | None, transactional: bool) -> dict[str, Any]:
+    """A Kafka Produce v3 body: one batch (producer 7, epoch 0) to ``TOPIC``-0."""
+    builder = DefaultRecordBatchBuilder(
+        magic=2,
+        compression_type=0,
+        is_transactional=transactional,
+        producer_id=7 if transactional else -1,
+        producer_epoch=0 if transactional else -1,
+        base_sequence=0 if transactional else -1,
+        batch_size=1 << 20,
+    )
+    builder.append(
+        0, timestamp=None, key=None, value=b"in a txn" if transactional else b"plain", headers=[]
+    )
+    partition = {"index": 0, "records": bytes(builder.build())}
+    topic = {"name": TOPIC, "partition_data": [partition]}
+    return {"transactional_id": txn_id, "acks": 1, "timeout_ms": 5000, "topic_data": [topic]}
 
 
 @pytest.mark.slow

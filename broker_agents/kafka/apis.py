@@ -42,16 +42,19 @@ from storage.errors import (
     InvalidRequiredAcksError,
     ProducerFencedError,
     StrataError,
+    TransactionalIdAuthorizationFailedError,
 )
 from storage.kafka import records as kr
 from storage.kafka.errors import UNKNOWN_SERVER_ERROR, code_of, kafka_code
 from storage.kafka.frames import served_versions
 from storage.kafka.messages import ApiKey
+from storage.metadata.acls import Operation, ResourceType
 from storage.protocol import messages as m
 
 if TYPE_CHECKING:
     from broker_agents.groups.coordinator import GroupCoordinator
     from broker_agents.kafka.admin import KafkaTopicAdmin
+    from broker_agents.security.guard import Authorizer
     from broker_agents.transactions.coordinator import TransactionCoordinator
     from broker_agents.view import ClusterView
 
@@ -94,10 +97,13 @@ class KafkaApis:
         txns: TransactionCoordinator,
         view: ClusterView,
         admin: KafkaTopicAdmin,
+        authorizer: Authorizer | None = None,
     ) -> None:
         self.core = core
         self.groups = groups
         self.txns = txns
+        #: with ACLs on: a transactional produce needs Write on its transactional id too
+        self.authorizer = authorizer
         self.view = view
         self.admin = admin
         self.handlers: dict[int, Handler] = {
@@ -179,8 +185,9 @@ class KafkaApis:
         if acks not in (0, 1, -1):
             raise InvalidRequiredAcksError(f"acks must be 0, 1 or -1 (all), got {acks}")
         failed: dict[tuple[str, int], StrataError] = {}
+        refused = self._transactional_refusal(req)
         topics = []
-        for t in req["topic_data"]:
+        for t in req["topic_data"] if refused is None else ():
             name = t["name"]
             spec = self.view.topics.get(name)
             limit = spec.config.max_message_bytes if spec is not None else None
@@ -210,7 +217,7 @@ class KafkaApis:
             out = []
             for p in t["partition_data"]:
                 key = (t["name"], p["index"])
-                err = failed.get(key)
+                err = refused or failed.get(key)
                 if err is not None:
                     out.append(
                         {
@@ -236,6 +243,29 @@ class KafkaApis:
                 )
             responses.append({"name": t["name"], "partition_responses": out})
         return {"responses": responses}
+
+    def _transactional_refusal(self, req: dict[str, Any]) -> StrataError | None:
+        """As Kafka: with ACLs on, a produce carrying transactional batches needs a
+        transactional id the principal may write (else every partition is refused with
+        TRANSACTIONAL_ID_AUTHORIZATION_FAILED), so that topic Write alone cannot open
+        transactions that hold the partitions' committed readers back."""
+        if self.authorizer is None:
+            return None
+        txn_id = req["transactional_id"]
+        if txn_id is not None and self.authorizer.allows(
+            Operation.WRITE, ResourceType.TRANSACTIONAL_ID, txn_id
+        ):
+            return None
+        if not any(
+            kr.is_transactional(p["records"])
+            for t in req["topic_data"]
+            for p in t["partition_data"]
+            if p["records"] is not None
+        ):
+            return None
+        return TransactionalIdAuthorizationFailedError(
+            f"not authorized to write transactional batches as transactional id {txn_id!r}"
+        )
 
     # ---- Fetch ----------------------------------------------------------------------------
     async def fetch(self, req: dict[str, Any], version: int) -> dict[str, Any]:

@@ -148,6 +148,14 @@ def read_header(buf: Any, pos: int = 0) -> KafkaBatchHeader:
     return h
 
 
+def is_transactional(buf: Any) -> bool:
+    """Whether the Kafka batch in ``buf`` has its transactional bit set (a glance at the
+    attributes; False for anything too short to have them: the conversion refuses that)."""
+    if len(buf) < HEADER_SIZE:
+        return False
+    return bool(int.from_bytes(bytes(memoryview(buf)[21:23]), "big") & ATTR_TRANSACTIONAL)
+
+
 def check_kafka_batch(buf: Any) -> KafkaBatchHeader:
     """Header, exact length and CRC32C of one whole Kafka batch."""
     h = read_header(buf)
