@@ -8,7 +8,7 @@ import asyncio
 from handlers.scheduler import Outcome, Rec, Scheduler
 from sdk import delays as d
 from sdk.records import TopicPartition
-from storage.metadata import AsyncZooKeeper
+from storage.metadata import AsyncZooKeeper, MetadataStore
 from storage.metadata.delays import DelayStore, Intent
 from tests.harness import ZooKeeperChroot
 
@@ -42,10 +42,11 @@ def test_a_lane_whose_head_is_not_due_answers_when_to_come_back_without_zookeepe
         try:
             scheduler = Scheduler(clock_ms=lambda: clock[0])
             store = CountingStore(zk)
-            early = await scheduler._lane(store, None, "", lane, recs)  # type: ignore[arg-type]
+            meta = MetadataStore(zk)
+            early = await scheduler._lane(store, meta, None, "", lane, recs)  # type: ignore[arg-type]
             reads_early = store.reads
             clock[0] = entered + 513  # the first two are ready, the third 1 ms later
-            later = await scheduler._lane(store, None, "", lane, recs)  # type: ignore[arg-type]
+            later = await scheduler._lane(store, meta, None, "", lane, recs)  # type: ignore[arg-type]
             return early, reads_early, later, store.reads, scheduler.stats.dropped
         finally:
             await zk.stop()

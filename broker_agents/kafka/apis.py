@@ -460,32 +460,10 @@ class KafkaApis:
                 req["generation_id"],
                 req["member_id"],
                 req["group_instance_id"],
-                [
-                    m.OffsetCommitTopic(
-                        t["name"],
-                        [
-                            m.OffsetCommitPartition(
-                                p["partition_index"], p["committed_offset"], p["committed_metadata"]
-                            )
-                            for p in t["partitions"]
-                        ],
-                    )
-                    for t in req["topics"]
-                ],
+                _commit_topics(req["topics"]),
             )
         )
-        return {
-            "topics": [
-                {
-                    "name": t.name,
-                    "partitions": [
-                        {"partition_index": p.partition, "error_code": kafka_code(p.error_code)}
-                        for p in t.partitions
-                    ],
-                }
-                for t in resp.topics
-            ]
-        }
+        return {"topics": _commit_results(resp.topics, kafka_code)}
 
     async def offset_fetch(self, req: dict[str, Any], version: int) -> dict[str, Any]:
         topics = req["topics"]
@@ -634,18 +612,7 @@ class KafkaApis:
         return {"error_code": txn_code(resp.error_code)}
 
     async def txn_offset_commit(self, req: dict[str, Any], version: int) -> dict[str, Any]:
-        topics = [
-            m.OffsetCommitTopic(
-                t["name"],
-                [
-                    m.OffsetCommitPartition(
-                        p["partition_index"], p["committed_offset"], p["committed_metadata"]
-                    )
-                    for p in t["partitions"]
-                ],
-            )
-            for t in req["topics"]
-        ]
+        topics = _commit_topics(req["topics"])
         core_req = m.TxnOffsetCommitRequest(
             req["transactional_id"],
             req["group_id"],
@@ -659,21 +626,45 @@ class KafkaApis:
         try:
             # v0-2 carry no group metadata: fenced by the producer epoch alone (pre KIP-447)
             resp = await self.groups.txn_offset_commit(core_req, without_member=version < 3)
-            codes = {(t.name, p.partition): p.error_code for t in resp.topics for p in t.partitions}
+            results = resp.topics
         except StrataError as exc:
-            codes = {(t.name, p.partition): exc.code for t in topics for p in t.partitions}
-        return {
-            "topics": [
-                {
-                    "name": t.name,
-                    "partitions": [
-                        {
-                            "partition_index": p.partition,
-                            "error_code": txn_code(codes.get((t.name, p.partition), 0)),
-                        }
-                        for p in t.partitions
-                    ],
-                }
+            results = [
+                m.OffsetCommitTopicResult(
+                    t.name,
+                    [m.OffsetCommitPartitionResult(p.partition, exc.code) for p in t.partitions],
+                )
                 for t in topics
             ]
+        return {"topics": _commit_results(results, txn_code)}
+
+
+def _commit_topics(topics: list[dict[str, Any]]) -> list[m.OffsetCommitTopic]:
+    """An OffsetCommit's or TxnOffsetCommit's topics in the core's types."""
+    return [
+        m.OffsetCommitTopic(
+            t["name"],
+            [
+                m.OffsetCommitPartition(
+                    p["partition_index"], p["committed_offset"], p["committed_metadata"]
+                )
+                for p in t["partitions"]
+            ],
+        )
+        for t in topics
+    ]
+
+
+def _commit_results(
+    topics: list[m.OffsetCommitTopicResult], code: Callable[[int], int]
+) -> list[dict[str, Any]]:
+    """The core's per-partition commit results in Kafka's fields, each code through ``code``."""
+    return [
+        {
+            "name": t.name,
+            "partitions": [
+                {"partition_index": p.partition, "error_code": code(p.error_code)}
+                for p in t.partitions
+            ],
         }
+        for t in topics
+    ]
