@@ -64,6 +64,8 @@ class AgentState(Protocol):
     def view(self) -> ClusterView: ...  # topics (and their deletes in progress)
     @property
     def quotas(self) -> Any: ...  # ``.throttled`` answers held, ``.throttled_s`` in all
+    @property
+    def orphans(self) -> Any: ...  # ``.orphans_aborted``: hanging transactions aborted here
 
 
 log = logging.getLogger(__name__)
@@ -378,7 +380,13 @@ class _StateCollector(Collector):
             "strata_quota_throttle_seconds", "Time connections were muted for quotas, in all"
         )
         held_s.add_metric([], agent.quotas.throttled_s)
-        yield from (held, held_s)
+        hanging = CounterMetricFamily(
+            "strata_transactions_hanging_aborted",
+            "Hanging transactions (open on a partition led here past transaction.max.timeout.ms,"
+            " no coordinator ending them) this agent aborted",
+        )
+        hanging.add_metric([], agent.orphans.orphans_aborted)
+        yield from (held, held_s, hanging)
         yield from _deletions(agent)
         yield from _group_lag(agent)
 

@@ -33,7 +33,13 @@ from storage.metadata import AsyncZooKeeper
 from storage.metadata.transactions import TxnRecord, TxnStore
 from storage.protocol import messages as m
 from tests.cluster import ROOT, Cluster, WireClient, produce_request
-from tests.harness import ManagedProcess, ProcessGroup, ZooKeeperChroot
+from tests.harness import (
+    ManagedProcess,
+    ProcessGroup,
+    ZooKeeperChroot,
+    metric_value,
+    scrape_metrics,
+)
 
 CONFIGS = (
     "group.initial.rebalance.delay.ms=0",
@@ -398,6 +404,8 @@ def test_a_transaction_no_coordinator_knows_is_aborted_by_its_leader(
     cluster.wait_for_leaders("orphans")
     asyncio.run(_orphan(cluster))
     assert "aborting a hanging transaction on orphans-0: producer 4242" in agent.process.log_text()
+    page = scrape_metrics(agent.metrics_url)
+    assert metric_value(page, "strata_transactions_hanging_aborted_total") == 1
 
 
 async def _orphan(cluster: Cluster) -> None:

@@ -35,7 +35,7 @@ against the coordinators' state first:
    coordinator writes later has a newer one and still applies.
 
 Each abort is logged with the partition, producer id, epoch and first offset, and counted
-(``orphans_aborted``).
+(``orphans_aborted``, exported as ``strata_transactions_hanging_aborted_total``).
 """
 
 from __future__ import annotations
