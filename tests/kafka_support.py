@@ -1,7 +1,9 @@
-"""kafka-python clients in tests: one whose start must fail, without leaking its sockets."""
+"""Kafka clients in tests: a kafka-python producer whose start must fail, without leaking its
+sockets, and reading one raw Kafka answer frame."""
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 import pytest
@@ -29,3 +31,18 @@ def refused_kafka_producer(kp: Any, **conf: Any) -> None:
         for c in made:
             c.close()
     assert made, "the producer made no client: nothing was tried"
+
+
+def read_kafka_frame(sock: Any) -> bytes:
+    """One whole Kafka answer frame from a blocking socket, without its size prefix."""
+
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            chunk = sock.recv(n - len(buf))
+            assert chunk, "connection closed instead of an answer"
+            buf += chunk
+        return buf
+
+    (size,) = struct.unpack(">i", exact(4))
+    return exact(size)

@@ -37,6 +37,7 @@ from tests.cluster import Cluster, check_acknowledged
 from tests.delay_support import wait_until
 from tests.harness import ProcessGroup, ZooKeeperChroot, create_chroot, delete_chroot, kazoo_client
 from tests.harness import close_client as close_kazoo
+from tests.kafka_support import read_kafka_frame
 
 PARTITIONS = 4
 CLIENTS = ("kafka-python", "aiokafka", "confluent-kafka")
@@ -906,11 +907,11 @@ def test_a_kafka_fetch_waits_for_data_that_arrives_during_its_max_wait(cluster: 
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=60) as sock:
         sock.sendall(fetch + produce)
-        corr, fetched = kf.parse_response(_read_frame(sock), ApiKey.FETCH, 11)
+        corr, fetched = kf.parse_response(read_kafka_frame(sock), ApiKey.FETCH, 11)
         part = fetched["responses"][0]["partitions"][0]
         assert (corr, part["error_code"], part["high_watermark"]) == (1, 0, 1)
         assert b"long-polled" in bytes(part["records"])
-        corr, produced = kf.parse_response(_read_frame(sock), ApiKey.PRODUCE, 7)
+        corr, produced = kf.parse_response(read_kafka_frame(sock), ApiKey.PRODUCE, 7)
         assert corr == 2
         assert produced["responses"][0]["partition_responses"][0]["error_code"] == 0
 
@@ -1026,20 +1027,7 @@ def _exchange(address: str, data: bytes) -> bytes:
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(data)
-        return _read_frame(sock)
-
-
-def _read_frame(sock: Any) -> bytes:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            chunk = sock.recv(n - len(buf))
-            assert chunk, "connection closed instead of an answer"
-            buf += chunk
-        return buf
-
-    (size,) = struct.unpack(">i", exact(4))
-    return exact(size)
+        return read_kafka_frame(sock)
 
 
 def test_bad_frames_get_kafka_error_codes_and_the_agent_keeps_serving(
@@ -1076,9 +1064,11 @@ def test_bad_frames_get_kafka_error_codes_and_the_agent_keeps_serving(
     host, _, port = address.rpartition(":")
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(big + api_versions)
-        corr, body = kf.parse_response(_read_frame(sock), ApiKey.CREATE_TOPICS, 2)
+        corr, body = kf.parse_response(read_kafka_frame(sock), ApiKey.CREATE_TOPICS, 2)
         assert corr == 81 and body["topics"] == []
-        assert kf.parse_response(_read_frame(sock), ApiKey.API_VERSIONS, 0)[1]["error_code"] == 0
+        assert (
+            kf.parse_response(read_kafka_frame(sock), ApiKey.API_VERSIONS, 0)[1]["error_code"] == 0
+        )
     # a produce whose batch is corrupt: CORRUPT_MESSAGE (2) for that partition
     cluster.create_topic("bad", 1, 1)
     cluster.wait_for_leaders("bad")

@@ -49,6 +49,7 @@ from storage.protocol import messages as m
 from storage.tls import TlsFiles, client_context
 from tests.cluster import Cluster, WireClient, fetch_request, produce_request
 from tests.harness import ProcessGroup, ZooKeeperChroot
+from tests.kafka_support import read_kafka_frame
 
 TOPIC, GROUP, TXN = "acl-t", "acl-g", "acl-x"
 PASSWORD = "pw-3b8e1"
@@ -492,8 +493,7 @@ def kafka_session(address: str, user: str) -> Iterator[Callable[[int, int, dict[
 
     def call(api_key: int, version: int, body: dict[str, Any]) -> Any:
         sock.sendall(kf.encode_request(api_key, version, next(correlation), "acl-test", body))
-        size = int.from_bytes(_recv(sock, 4), "big")
-        return kf.parse_response(_recv(sock, size), api_key, version)[1]
+        return kf.parse_response(read_kafka_frame(sock), api_key, version)[1]
 
     try:
         shake = call(ApiKey.SASL_HANDSHAKE, 1, {"mechanism": "SCRAM-SHA-256"})
@@ -507,15 +507,6 @@ def kafka_session(address: str, user: str) -> Iterator[Callable[[int, int, dict[
         yield call
     finally:
         sock.close()
-
-
-def _recv(sock: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = sock.recv(n - len(out))
-        assert chunk, "the agent closed the connection"
-        out += chunk
-    return out
 
 
 def produce_body(txn_id: str | None, transactional: bool) -> dict[str, Any]:
