@@ -262,7 +262,8 @@ DIRECTORY_DAMAGE = {
     "raw-length-differs": lambda b: patch(b, 68, "<i", read_header(b).raw_body_length + 8),
     "first-after-max-timestamp": lambda b: patch(b, 32, "<q", read_header(b).max_timestamp + 1),
     "unknown-attribute-bit": lambda b: patch(b, 24, "<H", 0x08),
-    "unknown-compression": lambda b: patch(b, 24, "<H", 3),
+    "unknown-compression": lambda b: patch(b, 24, "<H", 4),
+    "columnar-body-said-kafka": lambda b: patch(b, 24, "<H", 3),
     "record-count-zero": lambda b: patch(b, 28, "<i", 0),
     "body-length-negative": lambda b: patch(b, 64, "<i", -8),
 }

@@ -30,10 +30,12 @@ import pytest
 
 from sdk import Consumer, Producer, TopicPartition
 from sdk.partitioner import murmur2, to_positive
+from storage.codec import Compression, decode_batches, iter_batches
 from storage.kafka import frames as kf
 from storage.kafka.messages import ApiKey
 from storage.kafka.records import TAG_HEADER, build_kafka_batch
-from tests.cluster import Cluster, check_acknowledged
+from storage.protocol import messages as m
+from tests.cluster import Cluster, check_acknowledged, fetch_request
 from tests.delay_support import wait_until
 from tests.harness import ProcessGroup, ZooKeeperChroot, create_chroot, delete_chroot, kazoo_client
 from tests.harness import close_client as close_kazoo
@@ -315,6 +317,36 @@ def test_produce_with_every_acks_and_idempotence_read_back_by_every_client(
         assert offsets == list(range(len(offsets)))
     for reader, seen in views.items():
         assert sorted(seen) == reference, reader
+
+
+@pytest.mark.slow
+def test_records_without_headers_are_stored_as_each_client_sent_them_and_read_by_all(
+    cluster: Cluster,
+) -> None:
+    """Uncompressed batches of records without headers (what Kafka clients send unless told
+    to compress) are stored as they came, a Kafka batch inside a Strata batch
+    (``storage.codec.kafka_body``): the leaders' logs hold such batches only, and every
+    client and the SDK read back exactly what was sent, offsets counted from 0."""
+    topic = _topic(cluster, "kept-as-sent")
+    sent = []
+    for client in CLIENTS:
+        records = [(k, v, [], ts) for k, v, _, ts in _records(300, f"plain-{client}")]
+        PRODUCERS[client](cluster.kafka_bootstrap, topic, records, **IDEMPOTENT[client])
+        sent += records
+    expected = {(k, v, (), ts) for k, v, _, ts in sent}
+    reference = sorted(read_sdk(cluster.bootstrap, topic, len(sent)))
+    assert {(k, v, h, ts) for _, _, k, v, h, ts in reference} == expected
+    for reader in CLIENTS:
+        assert sorted(READERS[reader](cluster.kafka_bootstrap, topic, len(sent))) == reference
+    kinds = []
+    for p, meta in cluster.wait_for_leaders(topic).items():
+        leader = cluster.agents[meta.leader_id]
+        resp = cluster.call(leader, m.ApiKey.FETCH, fetch_request(topic, p, 0, max_bytes=8 << 20))
+        data = resp.topics[0].partitions[0].records
+        kinds += [h.compression for h, _ in iter_batches(data)]
+        offsets = decode_batches(data).column("offset").to_pylist()
+        assert offsets == list(range(len(offsets)))
+    assert kinds and set(kinds) == {Compression.KAFKA}
 
 
 @pytest.mark.slow

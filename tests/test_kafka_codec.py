@@ -16,7 +16,16 @@ from aiokafka.record.default_records import DefaultRecordBatch, DefaultRecordBat
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from storage.codec import check_batch, decode_batch, encode_batch
+from storage.codec import (
+    Compression,
+    check_batch,
+    decode_batch,
+    encode_batch,
+    kafka_body,
+    read_header,
+    stamp,
+)
+from storage.crc import crc32c
 from storage.errors import (
     CorruptBatchError,
     InvalidRequestError,
@@ -24,6 +33,7 @@ from storage.errors import (
     StrataError,
     UnsupportedVersionError,
 )
+from storage.kafka import batch as kb
 from storage.kafka import frames as kf
 from storage.kafka.compression import Codec
 from storage.kafka.messages import SERVED, ApiKey
@@ -246,8 +256,13 @@ _record = st.tuples(
 def test_round_trip_kafka_strata_kafka(records: list[Any], codec: Codec) -> None:
     kafka = _aiokafka_batch(records, codec)
     strata = kafka_to_strata(kafka)
+    kept = codec == Codec.NONE and not any(h for _, _, h, _ in records)
+    assert (read_header(strata).compression == Compression.KAFKA) == kept
+    check_batch(strata, deep=True)
     back = b"".join(bytes(p) for p in strata_batches_to_kafka(strata))
     check_kafka_batch(back)
+    if kept:  # byte for byte what the producer sent, from its magic on
+        assert back[16:] == kafka[16:]
     got = [(r.key, r.value, list(r.headers), r.timestamp) for r in DefaultRecordBatch(back)]
     want = []
     for k, v, h, ts in records:
@@ -313,3 +328,102 @@ def test_a_transaction_marker_reaches_kafka_clients_as_their_control_batch(commi
         b"".join(bytes(p) for p in strata_batches_to_kafka(encode_batch([b"v"])))
     )
     assert not plain.is_transactional and not plain.is_control_batch
+
+
+# ---- Kafka batches kept as they came (storage/codec/kafka_body.py) ---------------------------
+PLAIN = [
+    (None, b"v0", [], 1000),
+    (b"k1", None, [], 1001),
+    (b"", b"v2" * 1500, [], 999),
+    (b"k3", b"", [], 5000),
+]
+
+
+def _kafka_crc(batch: bytearray) -> bytes:
+    struct.pack_into(">I", batch, 17, crc32c(bytes(batch[21:])))
+    return bytes(batch)
+
+
+def test_a_plain_kafka_batch_is_kept_as_it_came_and_every_reader_reads_it() -> None:
+    """Uncompressed, create time, no record headers: the Strata batch's body is the Kafka
+    batch byte for byte; its header says what the records say; a Strata reader decodes the
+    records, and a Kafka fetch answers the producer's bytes with the leader's offset and
+    epoch."""
+    kafka = _aiokafka_batch(PLAIN, Codec.NONE)
+    strata = kafka_to_strata(kafka)
+    h = check_batch(strata, deep=True)
+    assert h.compression == Compression.KAFKA and not h.is_transactional
+    assert (h.record_count, h.first_timestamp, h.max_timestamp) == (4, 1000, 5000)
+    assert (h.producer_id, h.producer_epoch, h.base_sequence) == (42, 3, 7)
+    assert strata[72 : 72 + len(kafka)] == kafka
+    stored = stamp(500, len(strata) - 12, 9) + strata[16:]  # what the leader's append does
+    rows = decode_batch(stored).to_pylist()
+    assert [r["offset"] for r in rows] == [500, 501, 502, 503]
+    assert [(r["key"], r["value"]) for r in rows] == [(k, v) for k, v, _, _ in PLAIN]
+    assert [round(r["timestamp"].timestamp() * 1000) for r in rows] == [ts for *_, ts in PLAIN]
+    assert all(r["headers"] == [] and r["tags"] == [] for r in rows)
+    back = b"".join(bytes(p) for p in strata_batches_to_kafka(stored))
+    assert back == struct.pack(">qii", 500, len(kafka) - 12, 9) + kafka[16:]
+    batch = DefaultRecordBatch(back)
+    assert batch.validate_crc() and batch.base_offset == 500
+    assert [r.offset for r in batch] == [500, 501, 502, 503]
+
+
+def test_a_kafka_batch_whose_header_lies_about_its_largest_timestamp_is_converted() -> None:
+    lying = bytearray(_aiokafka_batch(PLAIN, Codec.NONE))
+    struct.pack_into(">q", lying, 35, 4000)
+    strata = kafka_to_strata(_kafka_crc(lying))
+    h = check_batch(strata, deep=True)
+    assert h.compression == Compression.NONE and h.max_timestamp == 5000
+
+
+def _forgeries() -> dict[str, bytes]:
+    """Batches with a Kafka body that lie in one way each, every CRC right."""
+    kafka = _aiokafka_batch(PLAIN, Codec.NONE)
+    kh = kb.read_header(kafka)
+    out = {}
+    with_headers = _aiokafka_batch([(b"k", b"v", [("h", b"x")], 1000)], Codec.NONE)
+    out["records-with-headers"] = kafka_body.frame(
+        with_headers, kb.read_header(with_headers), 1000, 1000
+    )
+    out["strata-timestamps"] = kafka_body.frame(kafka, kh, 1000, 6000)
+    inner_max = bytearray(kafka)
+    struct.pack_into(">q", inner_max, 35, 4000)
+    out["kafka-largest-timestamp"] = kafka_body.frame(_kafka_crc(inner_max), kh, 1000, 5000)
+    flipped = bytearray(kafka)
+    flipped[-1] ^= 1
+    out["kafka-crc"] = kafka_body.frame(bytes(flipped), kh, 1000, 5000)
+    delta = bytearray(kafka)
+    first = kb.HEADER_SIZE + 1  # past the first record's one-byte length: attributes
+    delta[first] = 1  # record attributes must be zero
+    out["record-attributes"] = kafka_body.frame(_kafka_crc(delta), kh, 1000, 5000)
+    count = bytearray(kafka)
+    struct.pack_into(">i", count, 57, 3)
+    out["record-count"] = kafka_body.frame(_kafka_crc(count), kh, 1000, 5000)
+    pid = bytearray(kafka)
+    struct.pack_into(">q", pid, 43, 41)
+    out["producer-id"] = kafka_body.frame(_kafka_crc(pid), kh, 1000, 5000)
+    compressed = bytearray(kafka)
+    struct.pack_into(">h", compressed, 21, 1)
+    out["kafka-codec"] = kafka_body.frame(_kafka_crc(compressed), kh, 1000, 5000)
+    return out
+
+
+@pytest.mark.parametrize("name", list(_forgeries()))
+def test_a_kafka_body_that_lies_is_refused_by_the_leaders_check(name: str) -> None:
+    bad = _forgeries()[name]
+    check_batch(bad)  # the Strata CRC and framing hold: only the deep check can tell
+    with pytest.raises(CorruptBatchError):
+        check_batch(bad, deep=True)
+
+
+def test_a_kafka_body_cut_or_mislabelled_is_corrupt_for_every_reader() -> None:
+    kafka = _aiokafka_batch(PLAIN, Codec.NONE)
+    good = kafka_body.frame(kafka, kb.read_header(kafka), 1000, 5000)
+    short = bytearray(kafka)
+    struct.pack_into(">i", short, 8, len(kafka) - 12 - 8)  # the Kafka batch claims less
+    bad = kafka_body.frame(_kafka_crc(short), kb.read_header(kafka), 1000, 5000)
+    for fn in (check_batch, decode_batch):
+        fn(good)
+        with pytest.raises(CorruptBatchError):
+            fn(bad)

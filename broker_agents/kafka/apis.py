@@ -83,7 +83,9 @@ def txn_code(code: int) -> int:
 class RequestCore(Protocol):
     """What the Kafka handlers need of the request core (``broker_agents.apis.Apis``)."""
 
-    async def produce(self, req: m.ProduceRequest) -> m.ProduceResponse: ...
+    async def produce(
+        self, req: m.ProduceRequest, *, checked: bool = False
+    ) -> m.ProduceResponse: ...
     async def fetch(self, req: m.FetchRequest) -> m.FetchResponse: ...
     async def list_offsets(self, req: m.ListOffsetsRequest) -> m.ListOffsetsResponse: ...
     async def metadata(self, req: m.MetadataRequest) -> m.MetadataResponse: ...
@@ -206,7 +208,10 @@ class KafkaApis:
                 topics.append(m.ProduceTopic(name, parts))
         results: dict[tuple[str, int], m.ProducePartitionResult] = {}
         if topics:
-            resp = await self.core.produce(m.ProduceRequest(acks, req["timeout_ms"], topics))
+            # every batch was built here from a Kafka batch checked record by record
+            resp = await self.core.produce(
+                m.ProduceRequest(acks, req["timeout_ms"], topics), checked=True
+            )
             for tr in resp.topics:
                 for pr in tr.partitions:
                     results[(tr.name, pr.partition)] = pr

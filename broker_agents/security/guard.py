@@ -152,7 +152,7 @@ class GuardedApis:
             ]
         return resp
 
-    async def produce(self, req: m.ProduceRequest) -> m.ProduceResponse:
+    async def produce(self, req: m.ProduceRequest, *, checked: bool = False) -> m.ProduceResponse:
         az = self._authz
         allowed: list[m.ProduceTopic] = []
         refused: list[m.ProduceTopicResult] = []
@@ -181,12 +181,12 @@ class GuardedApis:
             if bad:
                 refused.append(m.ProduceTopicResult(t.name, bad))
         if not refused:
-            resp: m.ProduceResponse = await self._inner.produce(req)
+            resp: m.ProduceResponse = await self._inner.produce(req, checked=checked)
             return resp
         resp = m.ProduceResponse([])
         if allowed:
             req.topics = allowed
-            resp = await self._inner.produce(req)
+            resp = await self._inner.produce(req, checked=checked)
         for r in refused:  # a topic both stored and refused in part answers as one
             mine = next((x for x in resp.topics if x.name == r.name), None)
             if mine is None:

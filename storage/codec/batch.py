@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from storage.codec import summary
+from storage.codec import kafka_body, summary
 from storage.codec.body import (
     DIRECTORY,
     DIRECTORY_SIZE,
@@ -38,6 +38,7 @@ from storage.codec.header import (
     CRC_FIELD,
     CRC_OFFSET,
     CRC_START,
+    ENCODINGS,
     HEADER,
     HEADER_SIZE,
     MAGIC,
@@ -119,6 +120,8 @@ def encode_batch(
         first_ts, max_ts = int(ts[0]), int(ts.max())
     parts, summary_bytes = encode_body(n, ts, keys, values, headers, tags, with_summary=summary)
     raw_len = raw_body_length(parts)
+    if compression not in ENCODINGS:
+        raise ValueError(f"cannot encode a body as {compression!r}")
     if compression != Compression.NONE:
         parts = [_codec(compression).compress(pa.py_buffer(b"".join(parts)), asbytes=True)]
         body_len = len(parts[0])
@@ -226,6 +229,12 @@ def check_batch(
             raise CorruptBatchError(
                 "timestamp column does not match the record count", position=pos
             )
+    elif h.compression == Compression.KAFKA:
+        if deep:
+            kafka_body.check(buf, pos, h)
+        else:
+            kafka_body.check_frame(buf, pos, h)
+        return h
     elif h.raw_body_length > MAX_RAW_BODY:
         raise CorruptBatchError(
             f"compressed body claims {h.raw_body_length} bytes raw", position=pos
@@ -285,6 +294,8 @@ def decode_batch(buf: Any, pos: int = 0, *, verify: bool = True) -> pa.RecordBat
     this process has already checked. Arrays point into ``buf`` when it is uncompressed.
     """
     h = check_batch(buf, pos, exact=False) if verify else read_header(buf, pos)
+    if h.compression == Compression.KAFKA:
+        return kafka_body.decode(buf, pos, h)
     return decode_body(_body(buf, pos, h), h.record_count, h.base_offset, validate=verify)
 
 

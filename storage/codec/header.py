@@ -11,8 +11,9 @@ and 2; they differ only in the summary)::
     16     1    magic              uint8, format version: 1 or 2
     17     3    reserved           zero
     20     4    crc                uint32, CRC32C of bytes [24, end of batch)
-    24     2    attributes         uint16: bits 0-2 compression (0 none, 1 zstd, 2 lz4),
-                                   bit 4 transactional, bit 5 control; other bits zero
+    24     2    attributes         uint16: bits 0-2 compression (0 none, 1 zstd, 2 lz4;
+                                   3: the body is a Kafka batch, ``kafka_body``), bit 4
+                                   transactional, bit 5 control; other bits zero
     26     2    summary_length     uint16: bytes of the summary (version 2: >= 8, a multiple
                                    of 8; version 1: reserved, zero)
     28     4    record_count       int32 > 0; records take offsets base_offset + [0, count)
@@ -86,9 +87,19 @@ _MAX_INT64 = (1 << 63) - 1
 
 
 class Compression(enum.IntEnum):
+    """How the body is stored: the columnar body plain or compressed as one block, or (3)
+    a Kafka v2 record batch kept as its producer sent it (``storage.codec.kafka_body``)."""
+
     NONE = 0
     ZSTD = 1
     LZ4 = 2
+    KAFKA = 3
+
+
+#: what ``encode_batch`` can write (a Kafka body is only ever kept, never encoded)
+ENCODINGS = (Compression.NONE, Compression.ZSTD, Compression.LZ4)
+#: a Kafka body holds at least a Kafka batch header
+_MIN_KAFKA_BODY = 61
 
 
 ATTR_COMPRESSION_MASK = 0x07
@@ -192,7 +203,16 @@ def read_header(buf: Any, pos: int = 0) -> BatchHeader:
         or padded(HEADER_SIZE + h.body_length) + h.summary_length != size
         or h.record_count <= 0
         or h.attributes & ~_ATTR_KNOWN
-        or (h.attributes & ATTR_COMPRESSION_MASK) > Compression.LZ4
+        or (h.attributes & ATTR_COMPRESSION_MASK) > Compression.KAFKA
+        or (
+            h.attributes & ATTR_COMPRESSION_MASK == Compression.KAFKA
+            and (
+                h.magic != MAGIC
+                or h.attributes & ATTR_CONTROL
+                or h.raw_body_length != h.body_length
+                or h.body_length < _MIN_KAFKA_BODY
+            )
+        )
         or h.max_timestamp < h.first_timestamp
         or h.base_offset < 0
         or h.base_offset > _MAX_INT64 - h.record_count  # next_offset must fit an int64

@@ -1,49 +1,26 @@
-"""Kafka's record batch (magic v2) to Strata's columnar batch and back, once per batch.
+"""Kafka's record batch (magic v2, ``storage.kafka.batch``) to Strata's batch and back.
 
-A Kafka batch (big-endian; KIP-98)::
+Kafka to Strata (a produce): an uncompressed batch with create time whose records carry no
+headers (what clients send unless told to compress) is kept as it came, inside a Strata
+batch whose body is the Kafka batch (``storage.codec.kafka_body``): its CRC checked, its
+records walked once, nothing converted. Any other batch is converted to the columnar body.
 
-    offset size field
-    0      8    base_offset
-    8      4    batch_length           bytes after this field
-    12     4    partition_leader_epoch
-    16     1    magic                  2
-    17     4    crc                    CRC32C of bytes [21, end)
-    21     2    attributes             bits 0-2 codec (none/gzip/snappy/lz4/zstd), bit 3
-                                       timestamp type (log append time), bit 4 transactional,
-                                       bit 5 control, bit 6 delete horizon
-    23     4    last_offset_delta
-    27     8    base_timestamp
-    35     8    max_timestamp
-    43     8    producer_id
-    51     2    producer_epoch
-    53     4    base_sequence
-    57     4    records_count
-    61     -    records (compressed as one block when the codec says so)
+What survives the conversion, both ways: offsets (a batch's records are consecutive; offset
+deltas must be 0..n-1, as every producer writes them), timestamps, keys and values (null or
+not), headers in order, producer id, epoch and base sequence, the leader epoch. Strata's
+**tags** travel as headers named ``strata.tag`` (one per tag, in order): Kafka to Strata,
+those headers become the record's tags; Strata to Kafka, a record's tags are appended to its
+headers under that name. A header whose value is null is stored with an empty value
+(Strata's header values are never null).
 
-and each record::
-
-    varint length | int8 attributes | varlong timestamp_delta | varint offset_delta
-    | varint key_length (-1 null) | key | varint value_length (-1 null) | value
-    | varint header_count | header_count x (varint key_length | key (UTF-8)
-                                             | varint value_length (-1 null) | value)
-
-(zigzag varints). What survives the conversion, both ways: offsets (a batch's records are
-consecutive; offset deltas must be 0..n-1, as every producer writes them), timestamps, keys
-and values (null or not), headers in order, producer id, epoch and base sequence, the leader
-epoch. Strata's **tags** travel as headers named ``strata.tag`` (one per tag, in order):
-Kafka to Strata, those headers become the record's tags; Strata to Kafka, a record's tags are
-appended to its headers under that name. A header whose value is null is stored with an
-empty value (Strata's header values are never null).
-
-The conversion is columnar: finding where each record starts is the one loop that runs per
-record in Python (a record's length prefix says where the next one is); every field after
-that is read for all records at once with numpy, keys and values are gathered by Arrow
-(``take`` over an array whose offsets alternate between field starts and ends). Encoding
-writes every record's varints into one small buffer with numpy (a records x fields x bytes
-block, masked), then one Arrow ``take`` interleaves those pieces with the keys and values
-into the answer: one copy of each value, and no Python code per record unless records carry
-headers or tags. Both directions check CRCs: the Kafka batch's CRC32C before decoding, the Strata
-batch's (``check_batch``) before encoding.
+The conversion is columnar (``storage.kafka.batch.parse_records`` reads every field for all
+records at once). Encoding writes every record's varints into one small buffer with numpy (a
+records x fields x bytes block, masked), then one Arrow ``take`` interleaves those pieces
+with the keys and values into the answer: one copy of each value, and no Python code per
+record unless records carry headers or tags. Both directions check CRCs: the Kafka batch's
+CRC32C before decoding, the Strata batch's (``check_batch``) before encoding. A batch stored
+as it came goes back to Kafka clients as it came, behind its stamped base offset and leader
+epoch.
 
 Strata stores a batch that arrived compressed with lz4 (or gzip or snappy) as lz4, with zstd
 as zstd; fetches answer uncompressed Kafka batches.
@@ -54,42 +31,40 @@ from __future__ import annotations
 import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from storage.codec import Compression, check_batch, decode_batch, encode_batch
+from storage.codec import Compression, check_batch, decode_batch, encode_batch, kafka_body
 from storage.codec.control import ControlMarker, read_marker
 from storage.crc import crc32c
 from storage.errors import (
     CorruptBatchError,
     InvalidRequestError,
     StrataError,
-    UnsupportedVersionError,
+)
+from storage.kafka.batch import (
+    ATTR_CONTROL,
+    ATTR_LOG_APPEND_TIME,
+    ATTR_TRANSACTIONAL,
+    CRC_FIELD,
+    CRC_OFFSET,
+    CRC_START,
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    TAG_HEADER,
+    check_kafka_batch,
+    parse_records,
+    scan_records,
+)
+from storage.kafka.batch import (
+    is_transactional as is_transactional,
 )
 from storage.kafka.compression import Codec, compress, decompress
-from storage.kafka.wire import read_varint, write_varint
+from storage.kafka.wire import write_varint
 
-MAGIC = 2
-HEADER_SIZE = 61
-#: base_offset, batch_length, leader_epoch, magic, crc, attributes, last_offset_delta,
-#: base_timestamp, max_timestamp, producer_id, producer_epoch, base_sequence, records_count
-HEADER = struct.Struct(">qiibIhiqqqhii")
-assert HEADER.size == HEADER_SIZE
-CRC_START = 21
-_CRC_FIELD = struct.Struct(">I")
-_CRC_OFFSET = 17
-
-ATTR_CODEC = 0x07
-ATTR_LOG_APPEND_TIME = 0x08
-ATTR_TRANSACTIONAL = 0x10
-ATTR_CONTROL = 0x20
-ATTR_DELETE_HORIZON = 0x40
-
-#: the header that carries a Strata tag
-TAG_HEADER = "strata.tag"
 #: a compressed Kafka batch may inflate to at most this much (as Strata's own bodies)
 MAX_RAW_RECORDS = 256 << 20
 
@@ -101,72 +76,7 @@ _STORE_AS = {
     Codec.ZSTD: Compression.ZSTD,
 }
 
-
-@dataclass(frozen=True, slots=True)
-class KafkaBatchHeader:
-    base_offset: int
-    batch_length: int
-    leader_epoch: int
-    magic: int
-    crc: int
-    attributes: int
-    last_offset_delta: int
-    base_timestamp: int
-    max_timestamp: int
-    producer_id: int
-    producer_epoch: int
-    base_sequence: int
-    records_count: int
-
-    @property
-    def size(self) -> int:
-        return self.batch_length + 12
-
-    @property
-    def codec(self) -> int:
-        return self.attributes & ATTR_CODEC
-
-
-def read_header(buf: Any, pos: int = 0) -> KafkaBatchHeader:
-    """The header of the Kafka batch at ``buf[pos:]`` (no CRC check)."""
-    if len(buf) - pos < HEADER_SIZE:
-        if len(buf) - pos >= 17 and buf[pos + 16] != MAGIC:
-            raise UnsupportedVersionError(
-                f"record batch magic {buf[pos + 16]}: only magic 2 (Kafka 0.11+) is accepted"
-            )
-        raise CorruptBatchError(
-            f"truncated Kafka batch header: {len(buf) - pos} of {HEADER_SIZE} bytes",
-            position=pos,
-        )
-    h = KafkaBatchHeader(*HEADER.unpack_from(buf, pos))
-    if h.magic != MAGIC:
-        raise UnsupportedVersionError(
-            f"record batch magic {h.magic}: only magic 2 (Kafka 0.11+) is accepted"
-        )
-    if h.batch_length + 12 < HEADER_SIZE:
-        raise CorruptBatchError(f"Kafka batch length field says {h.size} bytes", position=pos)
-    return h
-
-
-def is_transactional(buf: Any) -> bool:
-    """Whether the Kafka batch in ``buf`` has its transactional bit set (a glance at the
-    attributes; False for anything too short to have them: the conversion refuses that)."""
-    if len(buf) < HEADER_SIZE:
-        return False
-    return bool(int.from_bytes(bytes(memoryview(buf)[21:23]), "big") & ATTR_TRANSACTIONAL)
-
-
-def check_kafka_batch(buf: Any) -> KafkaBatchHeader:
-    """Header, exact length and CRC32C of one whole Kafka batch."""
-    h = read_header(buf)
-    if h.size != len(buf):
-        raise CorruptBatchError(
-            f"a produce request's records must be one batch: its length field says {h.size}"
-            f" bytes, {len(buf)} were sent"
-        )
-    if crc32c(memoryview(buf)[CRC_START:]) != h.crc:
-        raise CorruptBatchError("Kafka record batch CRC32C mismatch")
-    return h
+_U8 = np.uint8
 
 
 # ---- Kafka -> Strata ------------------------------------------------------------------------
@@ -197,9 +107,16 @@ def kafka_to_strata(buf: Any, *, now_ms: int | None = None) -> bytes:
     if codec > Codec.ZSTD:
         raise CorruptBatchError(f"unknown compression codec {codec}")
     body: Any = view[HEADER_SIZE:]
-    if codec != Codec.NONE:
+    scan = None
+    if kafka_body.storable(h):
+        scan = scan_records(body, n)
+        if not scan.has_headers:
+            first, largest = kafka_body.timestamps(h, scan)
+            if largest == h.max_timestamp:  # (else converted: the header is taken from the records)
+                return kafka_body.frame(view, h, first, largest)
+    elif codec != Codec.NONE:
         body = decompress(codec, body, MAX_RAW_RECORDS)
-    cols = _parse_records(body, n)
+    cols = parse_records(body, n, scan)
     if h.attributes & ATTR_LOG_APPEND_TIME:
         ts = np.full(n, now_ms if now_ms is not None else time.time_ns() // 1_000_000)
     else:
@@ -221,219 +138,6 @@ def kafka_to_strata(buf: Any, *, now_ms: int | None = None) -> bytes:
         raise
     except (ValueError, pa.ArrowException) as exc:
         raise CorruptBatchError(f"Kafka batch does not convert: {exc}") from None
-
-
-@dataclass(slots=True)
-class _Columns:
-    timestamp_delta: np.ndarray
-    keys: pa.Array | None
-    values: pa.Array
-    headers: list[list[tuple[str, bytes]]] | None
-    tags: list[list[str]] | None
-
-
-_U8 = np.uint8
-
-
-def _record_bounds(data: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """(start of each record's body, end of it); the records must fill ``data`` exactly.
-
-    The one loop per record: each record's length prefix says where the next one starts.
-    It only collects where each record begins (plain ints in a list, the cheapest step
-    Python has); the lengths are then read again and checked for all records at once."""
-    buf = data if isinstance(data, bytes) else memoryview(data).cast("B")
-    end = len(buf)
-    heads: list[int] = []
-    append = heads.append
-    pos = 0
-    try:
-        for _ in range(n):
-            append(pos)
-            b = buf[pos]
-            if b < 0x80:
-                pos += 1 + (b >> 1)
-            else:
-                c = buf[pos + 1]
-                if c < 0x80:
-                    pos += 2 + (((b & 0x7F) | (c << 7)) >> 1)
-                else:
-                    raw, pos = _read_raw_varint(buf, pos)
-                    pos += raw >> 1
-    except IndexError:
-        raise CorruptBatchError(
-            f"Kafka batch holds {len(heads) - 1} whole records, its header says {n}"
-        ) from None
-    if pos != end:
-        raise CorruptBatchError(
-            f"Kafka batch records end at byte {pos} of {end} (its header says {n} records)"
-        )
-    at = np.array(heads, dtype=np.int64)
-    ends = np.empty(n, dtype=np.int64)
-    ends[:-1] = at[1:]
-    ends[-1] = end
-    arr = np.frombuffer(buf, dtype=_U8)
-    first = arr[at]
-    if (first & 1).any():  # the zigzag sign bit: the loop above read every length as >= 0
-        raise CorruptBatchError("a Kafka record has a negative length")
-    two = first >= 0x80
-    if not two.any():
-        starts = at + 1
-    elif (arr[at[two] + 1] < 0x80).all():  # (the loop read that byte: it exists)
-        starts = at + 1 + two
-    else:  # some length takes three bytes or more: read them all again
-        _, starts = _vread(arr, at, ends)
-    if (starts >= ends).any():
-        raise CorruptBatchError("a Kafka record has a length of zero")
-    return starts, ends
-
-
-def _read_raw_varint(data: Any, pos: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= len(data):
-            raise CorruptBatchError("a Kafka record ends inside a varint")
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 28:
-            raise CorruptBatchError("a Kafka record length varint is too long")
-
-
-def _vread(arr: np.ndarray, pos: np.ndarray, ends: np.ndarray, *, long: bool = False) -> Any:
-    """Zigzag varints at ``pos`` (one per record), each before its record's end: (values,
-    positions after them)."""
-    if (pos >= ends).any():
-        raise CorruptBatchError("a Kafka record ends before its fields do")
-    b = arr[pos].astype(np.uint64)
-    value = b & np.uint64(0x7F)
-    nxt = pos + 1
-    more = b >= 0x80
-    shift = 7
-    limit = 63 if long else 28
-    while more.any():
-        if shift > limit:
-            raise CorruptBatchError("a Kafka record varint is too long")
-        idx = np.flatnonzero(more)
-        p = nxt[idx]
-        if (p >= ends[idx]).any():
-            raise CorruptBatchError("a Kafka record ends inside a varint")
-        b = arr[p].astype(np.uint64)
-        value[idx] |= (b & np.uint64(0x7F)) << np.uint64(shift)
-        nxt[idx] = p + 1
-        more[idx] = b >= 0x80
-        shift += 7
-    signed = (value >> np.uint64(1)).astype(np.int64) ^ -(value & np.uint64(1)).astype(np.int64)
-    return signed, nxt
-
-
-def _gather(buf: pa.Buffer, starts: np.ndarray, lengths: np.ndarray) -> pa.Array:
-    """A binary array of ``buf[starts[i] : starts[i] + lengths[i]]`` (length -1: null); the
-    slices must be in order and disjoint (fields of consecutive records)."""
-    n = len(starts)
-    sizes = np.maximum(lengths, 0)
-    bounds = np.empty(2 * n, dtype=np.int64)
-    bounds[0::2] = starts
-    bounds[1::2] = starts + sizes
-    if n and bounds[-1] > (1 << 31) - 1:
-        raise CorruptBatchError("a Kafka batch too large to convert")
-    spans = pa.Array.from_buffers(
-        pa.binary(), 2 * n - 1, [None, pa.py_buffer(bounds.astype(np.int32)), buf]
-    )
-    picked = spans.take(pa.array(np.arange(0, 2 * n, 2, dtype=np.int64)))
-    if (lengths >= 0).all():
-        return picked
-    valid = np.packbits(lengths >= 0, bitorder="little")
-    return pa.Array.from_buffers(
-        pa.binary(), n, [pa.py_buffer(valid), *picked.buffers()[1:]], null_count=-1
-    )
-
-
-def _parse_records(data: Any, n: int) -> _Columns:
-    starts, ends = _record_bounds(data, n)
-    arr = np.frombuffer(data, dtype=_U8)
-    pos = starts
-    if (arr[pos] != 0).any():  # record attributes: unused, zero
-        raise CorruptBatchError("a Kafka record has non-zero attributes")
-    pos = pos + 1
-    ts_delta, pos = _vread(arr, pos, ends, long=True)
-    offset_delta, pos = _vread(arr, pos, ends)
-    if (offset_delta != np.arange(n)).any():
-        raise CorruptBatchError("a produced batch's offset deltas must be 0, 1, 2, ...")
-    key_len, pos = _vread(arr, pos, ends)
-    key_start = pos
-    pos = pos + np.maximum(key_len, 0)
-    value_len, pos = _vread(arr, pos, ends)
-    value_start = pos
-    pos = pos + np.maximum(value_len, 0)
-    if (key_len < -1).any() or (value_len < -1).any():
-        raise CorruptBatchError("a Kafka record has a negative key or value length")
-    header_count, pos = _vread(arr, pos, ends)
-    if (header_count < 0).any():
-        raise CorruptBatchError("a Kafka record has a negative header count")
-    headers: list[list[tuple[str, bytes]]] | None = None
-    tags: list[list[str]] | None = None
-    if header_count.any():
-        headers, tags, pos = _parse_headers(data, header_count, pos, ends)
-    if (pos != ends).any():
-        raise CorruptBatchError("a Kafka record's fields do not fill its length")
-    buf = pa.py_buffer(data)
-    keys = None if (key_len == -1).all() else _gather(buf, key_start, key_len)
-    values = _gather(buf, value_start, value_len)
-    return _Columns(ts_delta, keys, values, headers, tags)
-
-
-def _parse_headers(
-    data: Any, counts: np.ndarray, pos: np.ndarray, ends: np.ndarray
-) -> tuple[list[list[tuple[str, bytes]]], list[list[str]] | None, np.ndarray]:
-    """Headers, per record, in Python (records with headers are the slow path)."""
-    out_headers: list[list[tuple[str, bytes]]] = []
-    out_tags: list[list[str]] = []
-    any_tag = False
-    new_pos = pos.copy()
-    view = memoryview(data)
-    for i in range(len(counts)):
-        p = int(pos[i])
-        end = int(ends[i])
-        hs: list[tuple[str, bytes]] = []
-        ts: list[str] = []
-        for _ in range(int(counts[i])):
-            klen, p = _varint(view, p, end)
-            if klen < 0 or p + klen > end:
-                raise CorruptBatchError("a Kafka header key does not fit its record")
-            try:
-                key = str(view[p : p + klen], "utf-8")
-            except UnicodeDecodeError:
-                raise CorruptBatchError("a Kafka header key is not UTF-8") from None
-            p += klen
-            vlen, p = _varint(view, p, end)
-            if vlen < -1 or p + max(vlen, 0) > end:
-                raise CorruptBatchError("a Kafka header value does not fit its record")
-            value = bytes(view[p : p + max(vlen, 0)])
-            p += max(vlen, 0)
-            if key == TAG_HEADER:
-                try:
-                    ts.append(value.decode())
-                except UnicodeDecodeError:
-                    raise CorruptBatchError(f"a {TAG_HEADER} header is not UTF-8") from None
-                any_tag = True
-            else:
-                hs.append((key, value))
-        out_headers.append(hs)
-        out_tags.append(ts)
-        new_pos[i] = p
-    return out_headers, out_tags if any_tag else None, new_pos
-
-
-def _varint(view: memoryview, pos: int, end: int) -> tuple[int, int]:
-    try:
-        value, p = read_varint(view[:end], pos)
-    except StrataError as exc:
-        raise CorruptBatchError(f"a Kafka header field: {exc}") from None
-    return value, p
 
 
 # ---- Strata -> Kafka ------------------------------------------------------------------------
@@ -485,6 +189,8 @@ def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
     records), and a consumer of a topic written at a low rate reads mostly one-record
     batches."""
     h = check_batch(buf, pos, exact=False)
+    if h.compression == Compression.KAFKA:  # stored as a Kafka client sent it
+        return kafka_body.kafka_parts(buf, pos, h), h.size
     n = h.record_count
     if h.is_control:  # a transaction marker: Kafka's control record, which clients skip
         records: Any = _control_record(read_marker(buf, pos, h))
@@ -516,7 +222,7 @@ def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
     )
     crc = crc32c(bytes(header[CRC_START:]))
     crc = crc32c(memoryview(records), crc)
-    _CRC_FIELD.pack_into(header, _CRC_OFFSET, crc)
+    CRC_FIELD.pack_into(header, CRC_OFFSET, crc)
     return [bytes(header), records], h.size
 
 
@@ -755,5 +461,5 @@ def build_kafka_batch(
         )
     )
     crc = crc32c(bytes(header[CRC_START:]) + data)
-    _CRC_FIELD.pack_into(header, _CRC_OFFSET, crc)
+    CRC_FIELD.pack_into(header, CRC_OFFSET, crc)
     return bytes(header) + data
