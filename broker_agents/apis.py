@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from storage.codec import check_batch, iter_batches
 from storage.errors import (
+    BatchTooLargeError,
     CorruptBatchError,
     FencedLeaderEpochError,
     InconsistentTopicIdError,
@@ -215,9 +216,9 @@ class Apis:
     async def produce(self, req: m.ProduceRequest, *, checked: bool = False) -> m.ProduceResponse:
         """Append the request's batches and answer once they are acknowledgeable.
 
-        ``checked``: every batch was built in this process from input already checked (the
-        Kafka listener's conversions), so the body is not checked deeply again; the CRC and
-        the header still are."""
+        ``checked``: every batch was built in this process, moments ago, from input already
+        checked (the Kafka listener's), so neither its CRC nor its body is checked again;
+        its header and size still are."""
         if req.acks not in (0, 1, -1):
             raise UnsupportedVersionError(f"acks must be 0, 1 or -1 (all), got {req.acks}")
         pending: list[tuple[m.ProducePartitionResult, Partition, int]] = []
@@ -238,7 +239,7 @@ class Apis:
                             f"{topic.name}-{part.partition} has {len(p.state.isr)} in-sync replicas,"
                             f" min.insync.replicas is {p.config.min_insync_replicas}"
                         )
-                    end = self._append(p, part.records, deep=not checked)
+                    end = self._append(p, part.records, checked=checked)
                     result.base_offset = end[0]
                     result.log_start_offset = p.log.log_start_offset
                     pending.append((result, p, end[1]))
@@ -253,7 +254,7 @@ class Apis:
             await self._wait_durable(pending, req.timeout_ms, req.acks)
         return m.ProduceResponse(out)
 
-    def _append(self, p: Partition, records: Any, *, deep: bool = True) -> tuple[int, int]:
+    def _append(self, p: Partition, records: Any, *, checked: bool = False) -> tuple[int, int]:
         """Check every batch (and idempotent producers' sequences), then append them all;
         (first offset, end offset). Synchronous."""
         if records is None or len(records) == 0:
@@ -269,15 +270,19 @@ class Apis:
             if h.is_transactional and h.producer_id < 0:
                 raise InvalidRecordError("a transactional batch needs a producer id")
             view = records[pos : pos + h.size]
-            batches.append((view, check_batch(view, max_size=limit, deep=deep)))
+            if not checked:
+                h = check_batch(view, max_size=limit, deep=True)
+            elif h.size > limit:
+                raise BatchTooLargeError(h.size, limit)
+            batches.append((view, h))
         # idempotent producers: a retry of a stored batch gets its first offsets back
         duplicate = p.log.producers.check_run(h for _, h in batches)
         if duplicate is not None:
             return duplicate.base_offset, duplicate.last_offset + 1
         first = -1
         end = -1
-        for view, checked in batches:  # every batch checked before any is stored
-            info = p.log.append(view, leader_epoch=p.state.leader_epoch, checked=checked)
+        for view, header in batches:  # every batch checked before any is stored
+            info = p.log.append(view, leader_epoch=p.state.leader_epoch, checked=header)
             if first < 0:
                 first = info.base_offset
             end = info.last_offset + 1

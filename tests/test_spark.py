@@ -413,7 +413,7 @@ def test_a_kafka_clients_records_read_by_spark_and_replay_and_replayed_back_to_k
         zk_chroot,
         s3,
         tmp_path,
-        {"from-kafka": parts, "kafka-copy": parts},
+        {"from-kafka": parts, "kafka-copy": parts, "plain-from-kafka": 1},
         64 * 1024,
         "kafka.listener=127.0.0.1:0",
     )
@@ -444,6 +444,32 @@ def test_a_kafka_clients_records_read_by_spark_and_replay_and_replayed_back_to_k
     finally:
         producer.close(10)
     _wait_committed(s3, "from-kafka", dict.fromkeys(range(parts), n // parts))
+    # uncompressed and without headers: batches the agent keeps as the client sent them
+    # (``storage.codec.kafka_body``), which Spark and replay decode from the bucket too
+    plain = kp.KafkaProducer(bootstrap_servers=[bootstrap], acks="all", linger_ms=5)
+    try:
+        for i in range(n):
+            plain.send("plain-from-kafka", value=_value(0, i), key=_key(i), timestamp_ms=_ts(i))
+        plain.flush(60)
+    finally:
+        plain.close(10)
+    _wait_committed(s3, "plain-from-kafka", {0: n})
+    want = [(i, _key(i), _value(0, i), _ts(i)) for i in range(n)]
+    df = spark.read.format("strata").options(**_options(s3)).option("topic", "plain-from-kafka")
+    got = sorted(
+        (r["offset"], bytes(r["key"]), bytes(r["value"]), r["timestamp"], list(r["headers"]))
+        for r in df.load().collect()
+    )
+    assert [(o, k, v) for o, k, v, _, _ in got] == [(i, k, v) for i, k, v, _ in want]
+    assert all(not h for *_, h in got)
+    assert [ts for _, _, _, ts, _ in got] == [
+        dt.datetime.fromtimestamp(t / 1000, dt.UTC).replace(tzinfo=None) for *_, t in want
+    ]
+    table = pa.concat_tables(list(replay("plain-from-kafka", archive=_archive(s3))))
+    rows = table.sort_by("offset").to_pylist()
+    assert [
+        (r["offset"], r["key"], r["value"], round(r["timestamp"].timestamp() * 1000)) for r in rows
+    ] == want
 
     def check(p: int, offset: int, key: bytes, value: bytes, hs: list[Any], tags: Any) -> None:
         i = offset * parts + p  # record i went to partition i % parts, in order

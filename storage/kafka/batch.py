@@ -222,7 +222,19 @@ def _vread(arr: np.ndarray, pos: np.ndarray, ends: np.ndarray, *, long: bool = F
     positions after them)."""
     if (pos >= ends).any():
         raise CorruptBatchError("a Kafka record ends before its fields do")
-    b = arr[pos].astype(np.uint64)
+    first = arr[pos]
+    two = first >= 0x80
+    if not two.any():  # one byte each: the usual case for small fields
+        v = first.astype(np.int64)
+        return (v >> 1) ^ -(v & 1), pos + 1
+    after = pos + 1
+    if (after[two] >= ends[two]).any():
+        raise CorruptBatchError("a Kafka record ends inside a varint")
+    second = arr[np.minimum(after, len(arr) - 1)]
+    if not (two & (second >= 0x80)).any():  # at most two bytes each (lengths up to 8 KiB)
+        v = (first & 0x7F).astype(np.int64) | np.where(two, second.astype(np.int64) << 7, 0)
+        return (v >> 1) ^ -(v & 1), after + two
+    b = first.astype(np.uint64)
     value = b & np.uint64(0x7F)
     nxt = pos + 1
     more = b >= 0x80
