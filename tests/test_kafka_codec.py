@@ -336,6 +336,7 @@ PLAIN = [
     (b"k1", None, [], 1001),
     (b"", b"v2" * 1500, [], 999),
     (b"k3", b"", [], 5000),
+    (b"k4", b"x" * 20_000, [], 1002),  # a length prefix of three bytes
 ]
 
 
@@ -353,12 +354,12 @@ def test_a_plain_kafka_batch_is_kept_as_it_came_and_every_reader_reads_it() -> N
     strata = kafka_to_strata(kafka)
     h = check_batch(strata, deep=True)
     assert h.compression == Compression.KAFKA and not h.is_transactional
-    assert (h.record_count, h.first_timestamp, h.max_timestamp) == (4, 1000, 5000)
+    assert (h.record_count, h.first_timestamp, h.max_timestamp) == (5, 1000, 5000)
     assert (h.producer_id, h.producer_epoch, h.base_sequence) == (42, 3, 7)
     assert strata[72 : 72 + len(kafka)] == kafka
     stored = stamp(500, len(strata) - 12, 9) + strata[16:]  # what the leader's append does
     rows = decode_batch(stored).to_pylist()
-    assert [r["offset"] for r in rows] == [500, 501, 502, 503]
+    assert [r["offset"] for r in rows] == [500, 501, 502, 503, 504]
     assert [(r["key"], r["value"]) for r in rows] == [(k, v) for k, v, _, _ in PLAIN]
     assert [round(r["timestamp"].timestamp() * 1000) for r in rows] == [ts for *_, ts in PLAIN]
     assert all(r["headers"] == [] and r["tags"] == [] for r in rows)
@@ -366,7 +367,7 @@ def test_a_plain_kafka_batch_is_kept_as_it_came_and_every_reader_reads_it() -> N
     assert back == struct.pack(">qii", 500, len(kafka) - 12, 9) + kafka[16:]
     batch = DefaultRecordBatch(back)
     assert batch.validate_crc() and batch.base_offset == 500
-    assert [r.offset for r in batch] == [500, 501, 502, 503]
+    assert [r.offset for r in batch] == [500, 501, 502, 503, 504]
 
 
 def test_a_kafka_batch_whose_header_lies_about_its_largest_timestamp_is_converted() -> None:

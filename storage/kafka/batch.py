@@ -149,30 +149,44 @@ class Columns:
 _U8 = np.uint8
 
 
+def _steps() -> list[int]:
+    """For the first two bytes of a record (little-endian), how far its length prefix says
+    the next record starts; 0 when the prefix takes three bytes or more."""
+    out = [0] * 65536
+    for v in range(65536):
+        b, c = v & 0xFF, v >> 8
+        if b < 0x80:
+            out[v] = 1 + (b >> 1)
+        elif c < 0x80:
+            out[v] = 2 + (((b & 0x7F) | (c << 7)) >> 1)
+    return out
+
+
+_STEP = _steps()
+
+
 def _record_bounds(data: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
     """(start of each record's body, end of it); the records must fill ``data`` exactly.
 
     The one loop per record: each record's length prefix says where the next one starts.
     It only collects where each record begins (plain ints in a list, the cheapest step
-    Python has); the lengths are then read again and checked for all records at once."""
+    Python has; one table lookup per record for prefixes of up to two bytes, records under
+    8 KiB); the lengths are then read again and checked for all records at once."""
     buf = data if isinstance(data, bytes) else memoryview(data).cast("B")
     end = len(buf)
     heads: list[int] = []
     append = heads.append
     pos = 0
+    step = _STEP
     try:
         for _ in range(n):
             append(pos)
-            b = buf[pos]
-            if b < 0x80:
-                pos += 1 + (b >> 1)
+            jump = step[buf[pos] | buf[pos + 1] << 8]  # (a record is longer than 2 bytes)
+            if jump:
+                pos += jump
             else:
-                c = buf[pos + 1]
-                if c < 0x80:
-                    pos += 2 + (((b & 0x7F) | (c << 7)) >> 1)
-                else:
-                    raw, pos = _read_raw_varint(buf, pos)
-                    pos += raw >> 1
+                raw, pos = _read_raw_varint(buf, pos)
+                pos += raw >> 1
     except IndexError:
         raise CorruptBatchError(
             f"Kafka batch holds {len(heads) - 1} whole records, its header says {n}"
