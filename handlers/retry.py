@@ -21,8 +21,9 @@ and sends the record on:
 identity and attempt, sequence 0, to a destination partition derived from the same things
 (``Producer.send_exact``), and every choice — due time (the jitter is a hash), level, entry
 timestamp — is a function of the failure record alone. A router that crashes and routes the
-same failure record again writes the same batch, and the destination's leader answers it as a
-duplicate. So nothing is lost (the runner commits only what was routed) and nothing is
+same failure record again writes the same batch (one header may differ: the retry topic's id,
+if that topic was created again in between), and the destination's leader answers it as a
+duplicate (by its producer id and sequence). So nothing is lost (the runner commits only what was routed) and nothing is
 dead-lettered or retried twice (``docs/retries.md`` gives the bounds).
 """
 
@@ -126,6 +127,10 @@ class PartitionCounts:
         if topic not in self._counts:
             self._counts[topic] = len(await self.producer.partitions_for(topic))
         return self._counts[topic]
+
+    def topic_id(self, topic: str) -> str | None:
+        """The id of the incarnation of ``topic`` (counted before) the metadata names."""
+        return self.producer.topic_id(topic)
 
 
 class Router:
@@ -260,6 +265,10 @@ class Router:
         nonce = f"r{pid:x}"
         sid = d.ScheduleId.new(due, dest.topic, dest.partition, rec.key, nonce)
         headers.append((d.HEADER_ID, sid.encode().encode()))
+        if (topic_id := counts.topic_id(dest.topic)) is not None:
+            # the retry topic's incarnation: if it is deleted (and created again) while the
+            # record waits, the scheduler drops the record (``docs/delays.md``)
+            headers.append((d.HEADER_TOPIC_ID, topic_id.encode()))
         headers.append((d.HEADER_TIMESTAMP, str(failed_ms).encode()))
         level = d.level_topic(d.level_for(wait))
         lane = TopicPartition(level, sid.lane_in(await counts(level)))

@@ -15,6 +15,7 @@ from typing import Any
 from handlers.delays import DelayAdmin
 from sdk import Consumer, TopicPartition
 from sdk import delays as d
+from storage.errors import UnknownTopicOrPartitionError
 from storage.metadata import AsyncZooKeeper, MetadataStore
 from tests.cluster import ROOT, Cluster
 from tests.harness import ManagedProcess
@@ -233,3 +234,21 @@ def wait_until(check: Any, within: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.1)
+
+
+def delete_topic(cluster: Cluster, name: str, timeout: float = 30) -> None:
+    """Delete ``name`` through its spec (what the admin API does) and wait for the controller
+    to finish: the node is gone at the delete's last step."""
+
+    async def delete(store: MetadataStore) -> None:
+        await store.mark_deleted(name)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                await store.get_topic(name)
+            except UnknownTopicOrPartitionError:
+                return
+            assert time.monotonic() < deadline, f"the delete of {name} did not finish"
+            await asyncio.sleep(0.1)
+
+    asyncio.run(with_store(cluster.zk.connect_string, delete))

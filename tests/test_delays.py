@@ -29,8 +29,7 @@ from sdk.delays import (
     level_topic,
     level_topics,
 )
-from storage.errors import InvalidDelayError, UnknownTopicOrPartitionError
-from storage.metadata import MetadataStore
+from storage.errors import InvalidDelayError
 from storage.metadata.delays import lane_path
 from storage.tier import Manifest
 from tests.cluster import Cluster
@@ -40,12 +39,12 @@ from tests.delay_support import (
     cancel_at,
     create_levels,
     delay_status,
+    delete_topic,
     header,
     percentile,
     read_delivered,
     start_scheduler,
     wait_until,
-    with_store,
 )
 from tests.harness import ManagedProcess, ProcessGroup, S3Target, ZooKeeperChroot
 
@@ -514,18 +513,7 @@ def test_records_delayed_into_a_deleted_topic_never_reach_the_topic_created_agai
     old = asyncio.run(send("old", deliver_at_ms=due_old))
     assert len(old) == 50
 
-    async def delete(store: MetadataStore) -> None:
-        await store.mark_deleted(TARGET)
-        deadline = time.monotonic() + 30
-        while True:  # the controller removes the node at the delete's last step
-            try:
-                await store.get_topic(TARGET)
-            except UnknownTopicOrPartitionError:
-                return
-            assert time.monotonic() < deadline, "the delete did not finish"
-            await asyncio.sleep(0.1)
-
-    asyncio.run(with_store(cluster.zk.connect_string, delete))
+    delete_topic(cluster, TARGET)
     cluster.create_topic(TARGET, PARTITIONS, 1, {"fsync.policy": "interval"})
     cluster.wait_for_leaders(TARGET)
     assert time.time() * 1000 < due_old - 2_000, "the old records fell due before the re-create"
