@@ -254,6 +254,7 @@ class Sender:
                 ProduceTopic(name, parts, self._cluster.topic_id(name))
                 for name, parts in topics.items()
             ],
+            transactional_id=self.config.transactional_id,
         )
 
     async def _produce(self, agent_id: int, batches: list[ProducerBatch]) -> None:

@@ -345,7 +345,7 @@ def test_mutated_encodings_raise_only_strata_errors(
 # length + UTF-8; bytes = int32 length + raw; array = int32 count + elements).
 
 GOLDEN_PRODUCE_REQUEST = bytes.fromhex(
-    "2b000000"  # size 43 = 8 header + 5 client_id + 30 body
+    "2d000000"  # size 45 = 8 header + 5 client_id + 32 body
     "0200"  # api_key 2 (PRODUCE)
     "0000"  # api_version 0
     "2a000000"  # correlation_id 42
@@ -361,6 +361,7 @@ GOLDEN_PRODUCE_REQUEST = bytes.fromhex(
     "03000000"
     "010203"  # records: 3 bytes
     "ffff"  # topic_id null (by name only)
+    "ffff"  # transactional_id null
 )
 GOLDEN_PRODUCE = m.ProduceRequest(
     acks=-1, timeout_ms=1500, topics=[m.ProduceTopic("t", [m.ProducePartition(3, b"\x01\x02\x03")])]

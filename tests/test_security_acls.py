@@ -24,6 +24,7 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from scramp import ScramClient
 
 from infra.certs import ThrowawayCA
+from sdk import Producer
 from sdk.auth import ScramLogin
 from storage.codec import encode_batch
 from storage.errors import (
@@ -443,6 +444,62 @@ def test_kafka_listener_is_checked_too(
             },
         )
         assert latest["topics"][0]["partitions"][0]["offset"] == 4, latest
+
+    # the native listener's rule is the same: the SDK's transactional producer names its id
+    # in every Produce, and a raw Produce of transactional batches without a writable id is
+    # refused whole
+    native = cluster.agents[1]
+
+    async def sdk_transaction() -> None:
+        config = {
+            "bootstrap.servers": native.address,
+            "security.protocol": "SASL_PLAINTEXT",
+            "sasl.mechanism": "SCRAM-SHA-256",
+            "sasl.username": "writer",
+            "sasl.password": PASSWORD,
+            "transactional.id": "writer-2",
+        }
+        async with Producer(config) as producer:
+            await producer.init_transactions()
+            producer.begin_transaction()
+            await producer.send(TOPIC, b"sdk transaction", partition=0)
+            await producer.commit_transaction()
+
+    asyncio.run(sdk_transaction())  # record 4 and its commit marker
+
+    async def native_produce() -> list[int]:
+        client = await WireClient.connect(native.host, native.port)
+        codes = []
+        try:
+            await client.login(ScramLogin("SCRAM-SHA-256", "writer", PASSWORD))
+            for txn_id, transactional in (
+                (None, True),
+                ("someone-else", True),
+                ("someone-else", False),
+            ):
+                batch = encode_batch(
+                    [b"native"],
+                    producer_id=11 if transactional else -1,
+                    producer_epoch=0 if transactional else -1,
+                    base_sequence=0 if transactional else -1,
+                    transactional=transactional,
+                )
+                req = produce_request(TOPIC, 0, batch)
+                req.transactional_id = txn_id
+                r = await client.call(m.ApiKey.PRODUCE, req)
+                codes.append(r.topics[0].partitions[0].error_code)
+            req = m.ListOffsetsRequest(
+                [m.ListOffsetsTopic(TOPIC, [m.ListOffsetsPartition(0, m.LATEST_TIMESTAMP)])]
+            )
+            r = await client.call(m.ApiKey.LIST_OFFSETS, req)
+            codes.append(r.topics[0].partitions[0].offset)
+        finally:
+            await client.close()
+        return codes
+
+    refused = TransactionalIdAuthorizationFailedError.code
+    # the two transactional batches refused; the plain one stored after the marker at 5
+    assert asyncio.run(native_produce()) == [refused, refused, 0, 7]
 
     # the topic admin APIs too: writing a topic is not deleting it, creating one, growing it
     # or reading its configs (each answered per topic with TOPIC_AUTHORIZATION_FAILED)

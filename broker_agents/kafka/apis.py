@@ -34,6 +34,7 @@ import secrets
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from broker_agents.security.guard import transactional_refusal
 from storage.errors import (
     BatchTooLargeError,
     CoordinatorNotAvailableError,
@@ -42,13 +43,11 @@ from storage.errors import (
     InvalidRequiredAcksError,
     ProducerFencedError,
     StrataError,
-    TransactionalIdAuthorizationFailedError,
 )
 from storage.kafka import records as kr
 from storage.kafka.errors import UNKNOWN_SERVER_ERROR, code_of, kafka_code
 from storage.kafka.frames import served_versions
 from storage.kafka.messages import ApiKey
-from storage.metadata.acls import Operation, ResourceType
 from storage.protocol import messages as m
 
 if TYPE_CHECKING:
@@ -210,7 +209,8 @@ class KafkaApis:
         if topics:
             # every batch was built here from a Kafka batch checked record by record
             resp = await self.core.produce(
-                m.ProduceRequest(acks, req["timeout_ms"], topics), checked=True
+                m.ProduceRequest(acks, req["timeout_ms"], topics, req.get("transactional_id")),
+                checked=True,
             )
             for tr in resp.topics:
                 for pr in tr.partitions:
@@ -250,26 +250,20 @@ class KafkaApis:
         return {"responses": responses}
 
     def _transactional_refusal(self, req: dict[str, Any]) -> StrataError | None:
-        """As Kafka: with ACLs on, a produce carrying transactional batches needs a
-        transactional id the principal may write (else every partition is refused with
-        TRANSACTIONAL_ID_AUTHORIZATION_FAILED), so that topic Write alone cannot open
-        transactions that hold the partitions' committed readers back."""
+        """With ACLs on, a produce carrying transactional batches needs a transactional id
+        the principal may write (``guard.transactional_refusal``, the native listener's
+        rule); refused here before any batch is converted."""
         if self.authorizer is None:
             return None
-        txn_id = req["transactional_id"]
-        if txn_id is not None and self.authorizer.allows(
-            Operation.WRITE, ResourceType.TRANSACTIONAL_ID, txn_id
-        ):
-            return None
-        if not any(
-            kr.is_transactional(p["records"])
-            for t in req["topic_data"]
-            for p in t["partition_data"]
-            if p["records"] is not None
-        ):
-            return None
-        return TransactionalIdAuthorizationFailedError(
-            f"not authorized to write transactional batches as transactional id {txn_id!r}"
+        return transactional_refusal(
+            self.authorizer,
+            req.get("transactional_id"),
+            lambda: any(
+                kr.is_transactional(p["records"])
+                for t in req["topic_data"]
+                for p in t["partition_data"]
+                if p["records"] is not None
+            ),
         )
 
     # ---- Fetch ----------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from broker_agents.security.targets import indirect_targets
+from storage.codec import iter_batches
 from storage.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
@@ -124,6 +125,40 @@ def _refusal(partition: int, message: str = "", code: int = _TOPIC) -> m.Produce
     return m.ProducePartitionResult(partition, code, message, -1, -1, -1, -1)
 
 
+def transactional_refusal(
+    az: Authorizer, transactional_id: str | None, carries_transactional: Callable[[], bool]
+) -> TransactionalIdAuthorizationFailedError | None:
+    """As Kafka: a produce carrying transactional batches needs a transactional id the
+    principal may write, so that topic Write alone cannot open transactions that hold the
+    partitions' committed readers back (``carries_transactional`` is asked only when that
+    id is missing or not allowed)."""
+    if transactional_id is not None and az.allows(
+        Operation.WRITE, ResourceType.TRANSACTIONAL_ID, transactional_id
+    ):
+        return None
+    if not carries_transactional():
+        return None
+    return TransactionalIdAuthorizationFailedError(
+        f"not authorized to write transactional batches as transactional id {transactional_id!r}"
+    )
+
+
+def _carries_transactional(req: m.ProduceRequest) -> Callable[[], bool]:
+    def any_transactional() -> bool:
+        for t in req.topics:
+            for p in t.partitions:
+                if p.records is None:
+                    continue
+                try:
+                    if any(h.is_transactional for h, _ in iter_batches(p.records)):
+                        return True
+                except StrataError:
+                    continue  # refused as corrupt by the core
+        return False
+
+    return any_transactional
+
+
 class GuardedApis:
     """``Apis``'s entry points with ACL checks (everything else passes through)."""
 
@@ -154,6 +189,16 @@ class GuardedApis:
 
     async def produce(self, req: m.ProduceRequest, *, checked: bool = False) -> m.ProduceResponse:
         az = self._authz
+        txn = transactional_refusal(az, req.transactional_id, _carries_transactional(req))
+        if txn is not None:  # every partition refused, nothing stored
+            return m.ProduceResponse(
+                [
+                    m.ProduceTopicResult(
+                        t.name, [_refusal(p.partition, str(txn), txn.code) for p in t.partitions]
+                    )
+                    for t in req.topics
+                ]
+            )
         allowed: list[m.ProduceTopic] = []
         refused: list[m.ProduceTopicResult] = []
         for t in req.topics:

@@ -178,7 +178,14 @@ class ProduceRequest(Message):
     acks: int
     timeout_ms: int
     topics: list[ProduceTopic]
-    SCHEMA = (("acks", INT16), ("timeout_ms", INT32), ("topics", Array(struct_of(ProduceTopic))))
+    #: a transactional producer's id: with ACLs on, transactional batches need Write on it
+    transactional_id: str | None = None
+    SCHEMA = (
+        ("acks", INT16),
+        ("timeout_ms", INT32),
+        ("topics", Array(struct_of(ProduceTopic))),
+        ("transactional_id", STRING),
+    )
 
 
 @dataclass(slots=True)
