@@ -47,8 +47,13 @@ import numpy as np
 import pyarrow as pa
 
 from storage.crc import crc32c
-from storage.errors import CorruptBatchError, StrataError, UnsupportedVersionError
-from storage.kafka.wire import read_varint
+from storage.errors import (
+    CorruptBatchError,
+    MalformedFrameError,
+    StrataError,
+    UnsupportedVersionError,
+)
+from storage.kafka.wire import read_uvarint, read_varint
 
 MAGIC = 2
 HEADER_SIZE = 61
@@ -216,19 +221,10 @@ def _record_bounds(data: Any, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read_raw_varint(data: Any, pos: int) -> tuple[int, int]:
-    result = 0
-    shift = 0
-    while True:
-        if pos >= len(data):
-            raise CorruptBatchError("a Kafka record ends inside a varint")
-        b = data[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        if not b & 0x80:
-            return result, pos
-        shift += 7
-        if shift > 28:
-            raise CorruptBatchError("a Kafka record length varint is too long")
+    try:
+        return read_uvarint(data, pos)
+    except MalformedFrameError as exc:
+        raise CorruptBatchError(f"a Kafka record's length: {exc}") from None
 
 
 def _vread(arr: np.ndarray, pos: np.ndarray, ends: np.ndarray, *, long: bool = False) -> Any:
