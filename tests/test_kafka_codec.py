@@ -370,6 +370,13 @@ def test_a_plain_kafka_batch_is_kept_as_it_came_and_every_reader_reads_it() -> N
     assert [r.offset for r in batch] == [500, 501, 502, 503, 504]
 
 
+def test_a_plain_kafka_batch_is_converted_when_the_topic_says_columnar() -> None:
+    kafka = _aiokafka_batch(PLAIN, Codec.NONE)
+    strata = kafka_to_strata(kafka, keep=False)
+    assert check_batch(strata, deep=True).compression == Compression.NONE
+    assert decode_batch(strata).to_pylist() == decode_batch(kafka_to_strata(kafka)).to_pylist()
+
+
 def test_a_kafka_batch_whose_header_lies_about_its_largest_timestamp_is_converted() -> None:
     lying = bytearray(_aiokafka_batch(PLAIN, Codec.NONE))
     struct.pack_into(">q", lying, 35, 4000)

@@ -192,6 +192,7 @@ class KafkaApis:
             name = t["name"]
             spec = self.view.topics.get(name)
             limit = spec.config.max_message_bytes if spec is not None else None
+            keep = spec is None or spec.config.kafka_batch_storage == "as-sent"
             parts = []
             for p in t["partition_data"]:
                 records = p["records"]
@@ -200,7 +201,8 @@ class KafkaApis:
                         raise InvalidRequestError("a produce request without a record batch")
                     if limit is not None and len(records) > limit:
                         raise BatchTooLargeError(len(records), limit)
-                    parts.append(m.ProducePartition(p["index"], kr.kafka_to_strata(records)))
+                    batch = kr.kafka_to_strata(records, keep=keep)
+                    parts.append(m.ProducePartition(p["index"], batch))
                 except StrataError as exc:
                     failed[(name, p["index"])] = exc
             if parts:

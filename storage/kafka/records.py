@@ -80,14 +80,15 @@ _U8 = np.uint8
 
 
 # ---- Kafka -> Strata ------------------------------------------------------------------------
-def kafka_to_strata(buf: Any, *, now_ms: int | None = None) -> bytes:
+def kafka_to_strata(buf: Any, *, now_ms: int | None = None, keep: bool = True) -> bytes:
     """One Kafka batch (a produce request's records) as one Strata batch, ready to append.
 
     A transactional batch stays transactional (its producer id and epoch say whose
     transaction it belongs to). Raises ``CorruptBatchError`` (bad CRC, length, varint,
     offsets, a compressed body that does not inflate), ``UnsupportedVersionError`` (magic
     other than 2), and ``InvalidRequestError`` for a control batch: markers are written by
-    the transaction coordinator only."""
+    the transaction coordinator only. ``keep``: a batch that can be is kept as it came
+    (``storage.codec.kafka_body``); else every batch is converted to the columnar body."""
     view = memoryview(buf).cast("B")
     h = check_kafka_batch(view)
     if h.attributes & ATTR_CONTROL:
@@ -108,13 +109,13 @@ def kafka_to_strata(buf: Any, *, now_ms: int | None = None) -> bytes:
         raise CorruptBatchError(f"unknown compression codec {codec}")
     body: Any = view[HEADER_SIZE:]
     scan = None
-    if kafka_body.storable(h):
+    if keep and kafka_body.storable(h):
         scan = scan_records(body, n)
         if not scan.has_headers:
             first, largest = kafka_body.timestamps(h, scan)
             if largest == h.max_timestamp:  # (else converted: the header is taken from the records)
                 return kafka_body.frame(view, h, first, largest)
-    elif codec != Codec.NONE:
+    if codec != Codec.NONE:
         body = decompress(codec, body, MAX_RAW_RECORDS)
     cols = parse_records(body, n, scan)
     if h.attributes & ATTR_LOG_APPEND_TIME:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,6 +41,12 @@ class TopicConfig(LogConfig):
     unclean_leader_election_enable: bool = Field(False, alias="unclean.leader.election.enable")
     delay_max_ms: int = Field(YEAR_MS, alias="delay.max.ms", ge=0, le=MAX_DELAY_MS)
     """The longest delay a producer may ask for on this topic (docs/delays.md)."""
+    kafka_batch_storage: Literal["as-sent", "columnar"] = Field(
+        "as-sent", alias="kafka.batch.storage"
+    )
+    """How a Kafka client's uncompressed batch without record headers is stored: as it came
+    (fastest for Kafka producers and consumers) or converted to the columnar body (fastest
+    for Arrow readers: SDK ``getmany_arrow``, replay, Spark); docs/kafka.md."""
 
     def log_config(self) -> LogConfig:
         return LogConfig.model_validate({k: getattr(self, k) for k in LogConfig.model_fields})
