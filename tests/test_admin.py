@@ -428,6 +428,10 @@ def test_topic_config_takes_dotted_names_only() -> None:
         topic_config({"retention_ms": 1000})
     with pytest.raises(errors.InvalidConfigError, match=r"retention\.ms: .*greater than"):
         topic_config({"retention.ms": -5})
+    assert topic_config({}).kafka_batch_storage == "as-sent"
+    assert topic_config({"kafka.batch.storage": "columnar"}).kafka_batch_storage == "columnar"
+    with pytest.raises(errors.InvalidConfigError, match=r"kafka\.batch\.storage"):
+        topic_config({"kafka.batch.storage": "kafka"})
     base = topic_config({"retention.ms": 1000, "segment.bytes": 8192})
     restored = topic_config({"retention.ms": None}, base)
     assert restored.retention_ms == 14 * 24 * 3600 * 1000
