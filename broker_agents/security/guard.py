@@ -132,8 +132,9 @@ def transactional_refusal(
     principal may write, so that topic Write alone cannot open transactions that hold the
     partitions' committed readers back (``carries_transactional`` is asked only when that
     id is missing or not allowed)."""
-    if transactional_id is not None and az.allows(
-        Operation.WRITE, ResourceType.TRANSACTIONAL_ID, transactional_id
+    if az.is_super or (
+        transactional_id is not None
+        and az.allows(Operation.WRITE, ResourceType.TRANSACTIONAL_ID, transactional_id)
     ):
         return None
     if not carries_transactional():
