@@ -345,6 +345,22 @@ def _zeros(n: int) -> pa.Buffer:
     return _zero_offsets.slice(0, need)
 
 
+_EMPTY_STRINGS = pa.array([], pa.string())
+_EMPTY_PAIRS = pa.array([], HEADER_PAIR)
+
+
+def no_headers_or_tags(n: int) -> tuple[pa.Array, pa.Array]:
+    """The ``headers`` and ``tags`` columns of ``n`` records that carry none."""
+    return (
+        pa.Array.from_buffers(
+            HEADERS_TYPE, n, [None, _zeros(n)], null_count=0, children=[_EMPTY_PAIRS]
+        ),
+        pa.Array.from_buffers(
+            TAGS_TYPE, n, [None, _zeros(n)], null_count=0, children=[_EMPTY_STRINGS]
+        ),
+    )
+
+
 def _split(body: pa.Buffer) -> list[pa.Buffer]:
     if body.size < DIRECTORY_SIZE:
         raise CorruptBatchError(f"record batch body of {body.size} bytes has no directory")

@@ -31,7 +31,7 @@ import numpy as np
 import pyarrow as pa
 
 from storage.codec import summary
-from storage.codec.body import HEADERS_TYPE, SCHEMA, TAGS_TYPE, TIMESTAMP_TYPE, _zeros
+from storage.codec.body import SCHEMA, TIMESTAMP_TYPE, no_headers_or_tags
 from storage.codec.header import (
     ATTR_TRANSACTIONAL,
     CRC_FIELD,
@@ -50,8 +50,6 @@ from storage.kafka import batch as kb
 
 _PAD = bytes(8)
 _STAMP = struct.Struct(">qii")  # a Kafka batch's base_offset, batch_length, leader epoch
-_EMPTY_STRINGS = pa.array([], pa.string())
-_EMPTY_PAIRS = pa.array([], HEADERS_TYPE.value_type)
 #: Kafka attribute bits a stored Kafka batch may have (codec none, create time)
 _KAFKA_ALLOWED = kb.ATTR_TRANSACTIONAL
 
@@ -178,12 +176,7 @@ def decode(buf: Any, pos: int, h: BatchHeader) -> pa.RecordBatch:
         pa.Array.from_buffers(TIMESTAMP_TYPE, n, [None, pa.py_buffer(ts)], null_count=0),
         keys,
         cols.values,
-        pa.Array.from_buffers(
-            HEADERS_TYPE, n, [None, _zeros(n)], null_count=0, children=[_EMPTY_PAIRS]
-        ),
-        pa.Array.from_buffers(
-            TAGS_TYPE, n, [None, _zeros(n)], null_count=0, children=[_EMPTY_STRINGS]
-        ),
+        *no_headers_or_tags(n),
     ]
     return pa.RecordBatch.from_arrays(columns, schema=SCHEMA)
 

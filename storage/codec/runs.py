@@ -32,12 +32,10 @@ from storage.codec.batch import check_batch
 from storage.codec.body import (
     DIRECTORY,
     DIRECTORY_SIZE,
-    HEADERS_TYPE,
     SCHEMA,
-    TAGS_TYPE,
     TIMESTAMP_TYPE,
-    _zeros,
     check_flat_body,
+    no_headers_or_tags,
 )
 from storage.codec.header import (
     ATTR_COMPRESSION_MASK,
@@ -56,8 +54,6 @@ _I32 = np.dtype("<i4")
 _INT32 = struct.Struct("<i")
 #: attributes, summary length and record count: header bytes 24-31
 _ATTRIBUTES_TO_COUNT = struct.Struct("<HHi")
-_EMPTY_STRINGS = pa.array([], pa.string())
-_EMPTY_PAIRS = pa.array([], HEADERS_TYPE.value_type)
 
 
 class _Column:
@@ -178,12 +174,7 @@ def decode_run(
             timestamps,
             key.array(rows),
             value.array(rows),
-            pa.Array.from_buffers(
-                HEADERS_TYPE, rows, [None, _zeros(rows)], null_count=0, children=[_EMPTY_PAIRS]
-            ),
-            pa.Array.from_buffers(
-                TAGS_TYPE, rows, [None, _zeros(rows)], null_count=0, children=[_EMPTY_STRINGS]
-            ),
+            *no_headers_or_tags(rows),
         ]
     except pa.ArrowInvalid as exc:  # cannot happen for checked batches; typed all the same
         raise CorruptBatchError(f"malformed record batch body: {exc}") from None
