@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from storage.codec import check_batch, iter_batches
+from storage.codec.parts import BatchParts
 from storage.errors import (
     BatchTooLargeError,
     CorruptBatchError,
@@ -261,7 +262,12 @@ class Apis:
             raise CorruptBatchError("produce request without record batches")
         limit = p.config.max_message_bytes
         batches = []
-        for h, pos in iter_batches(records):
+        whole = (
+            [(records.header, records)]
+            if isinstance(records, BatchParts)  # built and checked by the Kafka listener
+            else ((h, records[pos : pos + h.size]) for h, pos in iter_batches(records))
+        )
+        for h, view in whole:
             if h.is_control:
                 raise InvalidRecordError(
                     "control batches (transaction markers) are written by the transaction"
@@ -269,8 +275,9 @@ class Apis:
                 )
             if h.is_transactional and h.producer_id < 0:
                 raise InvalidRecordError("a transactional batch needs a producer id")
-            view = records[pos : pos + h.size]
             if not checked:
+                if isinstance(view, BatchParts):
+                    raise InvalidRequestError("a batch in parts must come checked")
                 h = check_batch(view, max_size=limit, deep=True)
             elif h.size > limit:
                 raise BatchTooLargeError(h.size, limit)

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from storage.codec import HEADER_SIZE, check_batch
+from storage.codec.parts import BatchParts
 from storage.errors import CorruptSegmentError
 from storage.wal import PartitionLog, crashfs, fileio
 from storage.wal.agent import AgentWal, AgentWalConfig, WalPartition, journal, replay
@@ -80,11 +82,23 @@ async def produce_round(
 
     async def one(i: int, front: WalPartition) -> None:
         b = produce(rng, count=2, value_size=100)
-        info = front.log.append(b.data, leader_epoch=1)
+        if i % 2:  # as the Kafka listener appends: the batch in pieces, never joined
+            info = front.log.append(b.data, leader_epoch=1)
+        else:
+            parts = in_parts(b.data, rng)
+            info = front.log.append(parts, leader_epoch=1, checked=parts.header)
         await front.wait_acknowledgeable(info.last_offset + 1)
         expected[i].extend(b.records(info.base_offset))
 
     await asyncio.gather(*(one(i, f) for i, f in enumerate(fronts)))
+
+
+def in_parts(batch: bytes, rng: random.Random) -> BatchParts:
+    """``batch`` cut in three at random points past its header."""
+    a = rng.randint(HEADER_SIZE, len(batch))
+    b = rng.randint(a, len(batch))
+    view = memoryview(batch)
+    return BatchParts(check_batch(batch), (view[:a], view[a:b], view[b:]))
 
 
 def test_one_fsync_covers_a_round_over_every_partition(tmp_path: Path) -> None:

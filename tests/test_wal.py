@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from storage.codec import check_batch, encode_batch, read_header
+from storage.codec import HEADER_SIZE, check_batch, encode_batch, read_header
+from storage.codec.parts import BatchParts
 from storage.errors import (
     BatchTooLargeError,
     CorruptBatchError,
@@ -209,9 +210,12 @@ def test_read_at_log_end_is_empty_and_outside_the_log_raises(
         assert not exc.value.retriable
 
 
+@pytest.mark.parametrize("in_parts", [False, True], ids=["whole", "in-parts"])
 def test_leader_stamps_base_offset_and_epoch_without_reencoding(
-    tmp_path: Path, open_log: Opener
+    tmp_path: Path, open_log: Opener, in_parts: bool
 ) -> None:
+    """Also for a batch handed over in pieces (``BatchParts``, the Kafka listener's): the
+    file holds exactly the joined bytes, stamped."""
     log = open_log(tmp_path)
     rng = random.Random(5)
     for epoch in (0, 7, 2**31 - 1, 3):
@@ -222,7 +226,17 @@ def test_leader_stamps_base_offset_and_epoch_without_reencoding(
             base_offset=rng.randrange(1 << 40),
             leader_epoch=rng.randrange(-1, 1 << 20),
         )
-        info = log.append(produced, leader_epoch=epoch)
+        if in_parts:
+            cut = rng.randrange(HEADER_SIZE, len(produced))
+            view = memoryview(produced)
+            parts = BatchParts(
+                check_batch(produced), (view[:HEADER_SIZE], view[HEADER_SIZE:cut], view[cut:])
+            )
+            with pytest.raises(ValueError):
+                log.append(parts, leader_epoch=epoch)  # pieces come with their checked header
+            info = log.append(parts, leader_epoch=epoch, checked=parts.header)
+        else:
+            info = log.append(produced, leader_epoch=epoch)
         stored = bytes(log.read(info.base_offset, 1).data)
         assert len(stored) == len(produced)
         assert stored[0:8] == struct.pack("<q", info.base_offset)

@@ -201,7 +201,7 @@ class KafkaApis:
                         raise InvalidRequestError("a produce request without a record batch")
                     if limit is not None and len(records) > limit:
                         raise BatchTooLargeError(len(records), limit)
-                    batch = kr.kafka_to_strata(records, keep=keep)
+                    batch = kr.kafka_to_append(records, keep=keep)
                     parts.append(m.ProducePartition(p["index"], batch))
                 except StrataError as exc:
                     failed[(name, p["index"])] = exc

@@ -45,7 +45,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from broker_agents.security.targets import indirect_targets
-from storage.codec import iter_batches
+from storage.codec.batch import batch_headers
 from storage.errors import (
     ClusterAuthorizationFailedError,
     GroupAuthorizationFailedError,
@@ -151,7 +151,7 @@ def _carries_transactional(req: m.ProduceRequest) -> Callable[[], bool]:
                 if p.records is None:
                     continue
                 try:
-                    if any(h.is_transactional for h, _ in iter_batches(p.records)):
+                    if any(h.is_transactional for h in batch_headers(p.records)):
                         return True
                 except StrataError:
                     continue  # refused as corrupt by the core

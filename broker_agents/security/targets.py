@@ -25,6 +25,7 @@ import pyarrow.compute as pc
 from sdk.delays import HEADER_ID, LEVEL_PREFIX, ScheduleId
 from sdk.failures import FAILURES_TOPIC, H_GROUP
 from storage.codec import decode_batch, iter_batches
+from storage.codec.parts import BatchParts
 from storage.errors import CorruptBatchError
 from storage.metadata.acls import Operation, ResourceType
 
@@ -48,6 +49,8 @@ def _header_values(records: Any, name: str) -> set[bytes]:
     """The distinct values of header ``name`` over every batch in ``records``."""
     if records is None:
         return set()
+    if isinstance(records, BatchParts):
+        records = records.tobytes()
     out: set[bytes] = set()
     for _, pos in iter_batches(records):
         headers = decode_batch(records, pos).column("headers")

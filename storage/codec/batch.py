@@ -50,6 +50,7 @@ from storage.codec.header import (
     peek_size,
     read_header,
 )
+from storage.codec.parts import BatchParts
 from storage.crc import crc32c
 from storage.errors import BatchTooLargeError, CorruptBatchError
 
@@ -314,6 +315,16 @@ def iter_batches(
             raise CorruptBatchError(f"truncated batch: {end - pos} of {h.size} bytes", position=pos)
         yield h, pos
         pos += h.size
+
+
+def batch_headers(records: Any) -> Iterator[BatchHeader]:
+    """The headers of the batches in a produce's ``records``: whole batches laid end to end
+    in one buffer (``iter_batches``, which raises for a torn one), or one ``BatchParts``."""
+    if isinstance(records, BatchParts):
+        yield records.header
+        return
+    for h, _ in iter_batches(records):
+        yield h
 
 
 def decode_batches(buf: Any, *, verify: bool = True) -> pa.Table:

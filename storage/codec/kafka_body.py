@@ -15,7 +15,8 @@ the truth, and ``kafka_parts`` stamps them when the batch goes back to a Kafka c
 
 Costs, against converting to the columnar body: a produce pays the Kafka CRC, one walk of
 the records (``storage.kafka.batch.scan_records``: the one Python loop per record, then
-numpy) and the Strata CRC, and copies nothing but the batch itself; a Kafka consumer gets
+numpy) and the Strata CRC, and copies nothing (``frame_parts``: the log writes the pieces
+side by side, ``storage.codec.parts``); a Kafka consumer gets
 the stored bytes behind a 16-byte prefix; a Strata reader (SDK consumer, replay, Spark)
 gathers keys and values into Arrow arrays (``decode``: one walk and two Arrow ``take`` s)
 where a columnar body would be pointed at. A batch with headers, compressed, or with
@@ -43,7 +44,9 @@ from storage.codec.header import (
     BatchHeader,
     Compression,
     padded,
+    read_header,
 )
+from storage.codec.parts import BatchParts
 from storage.crc import crc32c
 from storage.errors import CorruptBatchError, UnsupportedVersionError
 from storage.kafka import batch as kb
@@ -63,7 +66,15 @@ def storable(kh: kb.KafkaBatchHeader) -> bool:
 def frame(kafka: Any, kh: kb.KafkaBatchHeader, first_timestamp: int, max_timestamp: int) -> bytes:
     """The Strata batch holding the Kafka batch ``kafka`` (header ``kh``, already checked and
     walked: ``storable``, no record headers) whose records' timestamps run from
-    ``first_timestamp`` (the first record's) to at most ``max_timestamp``."""
+    ``first_timestamp`` (the first record's) to at most ``max_timestamp``, as one buffer."""
+    return frame_parts(kafka, kh, first_timestamp, max_timestamp).tobytes()
+
+
+def frame_parts(
+    kafka: Any, kh: kb.KafkaBatchHeader, first_timestamp: int, max_timestamp: int
+) -> BatchParts:
+    """:func:`frame` as its three pieces (header, ``kafka`` itself, padding and summary),
+    for the log to write side by side: the Kafka batch is not copied to join them."""
     size = len(kafka)
     n = kh.records_count
     pad = padded(HEADER_SIZE + size) - HEADER_SIZE - size
@@ -93,7 +104,7 @@ def frame(kafka: Any, kh: kb.KafkaBatchHeader, first_timestamp: int, max_timesta
     crc = crc32c(memoryview(header)[CRC_START:])
     crc = crc32c(kafka, crc)
     CRC_FIELD.pack_into(header, CRC_OFFSET, crc32c(tail, crc))
-    return b"".join((header, kafka, tail))
+    return BatchParts(read_header(header), (bytes(header), kafka, tail))
 
 
 def _kafka(buf: Any, pos: int, h: BatchHeader) -> tuple[memoryview, kb.KafkaBatchHeader]:

@@ -38,6 +38,7 @@ import pyarrow as pa
 
 from storage.codec import Compression, check_batch, decode_batch, encode_batch, kafka_body
 from storage.codec.control import ControlMarker, read_marker
+from storage.codec.parts import BatchParts
 from storage.crc import crc32c
 from storage.errors import (
     CorruptBatchError,
@@ -81,6 +82,14 @@ _U8 = np.uint8
 
 # ---- Kafka -> Strata ------------------------------------------------------------------------
 def kafka_to_strata(buf: Any, *, now_ms: int | None = None, keep: bool = True) -> bytes:
+    """:func:`kafka_to_append`'s batch as one buffer."""
+    out = kafka_to_append(buf, now_ms=now_ms, keep=keep)
+    return out.tobytes() if isinstance(out, BatchParts) else out
+
+
+def kafka_to_append(
+    buf: Any, *, now_ms: int | None = None, keep: bool = True
+) -> bytes | BatchParts:
     """One Kafka batch (a produce request's records) as one Strata batch, ready to append.
 
     A transactional batch stays transactional (its producer id and epoch say whose
@@ -88,7 +97,8 @@ def kafka_to_strata(buf: Any, *, now_ms: int | None = None, keep: bool = True) -
     offsets, a compressed body that does not inflate), ``UnsupportedVersionError`` (magic
     other than 2), and ``InvalidRequestError`` for a control batch: markers are written by
     the transaction coordinator only. ``keep``: a batch that can be is kept as it came
-    (``storage.codec.kafka_body``); else every batch is converted to the columnar body."""
+    (``storage.codec.kafka_body``), as ``BatchParts`` around ``buf`` itself (``buf`` must
+    not change until it is appended); else every batch is converted to the columnar body."""
     view = memoryview(buf).cast("B")
     h = check_kafka_batch(view)
     if h.attributes & ATTR_CONTROL:
@@ -114,7 +124,7 @@ def kafka_to_strata(buf: Any, *, now_ms: int | None = None, keep: bool = True) -
         if not scan.has_headers:
             first, largest = kafka_body.timestamps(h, scan)
             if largest == h.max_timestamp:  # (else converted: the header is taken from the records)
-                return kafka_body.frame(view, h, first, largest)
+                return kafka_body.frame_parts(view, h, first, largest)
     if codec != Codec.NONE:
         body = decompress(codec, body, MAX_RAW_RECORDS)
     cols = parse_records(body, n, scan)

@@ -67,6 +67,7 @@ import numpy as np
 from storage.codec.batch import check_batch, decode_batch
 from storage.codec.control import ControlMarker, read_marker
 from storage.codec.header import STAMP, BatchHeader
+from storage.codec.parts import BatchParts
 from storage.config import FsyncPolicy, LogConfig
 from storage.errors import (
     CorruptBatchError,
@@ -308,6 +309,8 @@ class PartitionLog:
         self._check_open()
         if checked is not None and checked.size == len(batch) <= self.config.max_message_bytes:
             h = checked
+        elif isinstance(batch, BatchParts):
+            raise ValueError("a batch in parts is appended with its checked header")
         else:
             h = check_batch(batch, max_size=self.config.max_message_bytes, deep=deep_check)
         now = self._clock()
@@ -320,21 +323,24 @@ class PartitionLog:
         if not active.size:
             active.created_at = now  # a segment's age counts from its first batch
         base = active.next_offset
-        view = memoryview(batch)
+        if isinstance(batch, BatchParts):  # (data only: control batches come whole)
+            unstamped: list[Any] = list(batch.parts)
+            rest = [memoryview(unstamped[0])[16:], *unstamped[1:]]
+        else:
+            view = memoryview(batch)
+            unstamped, rest = [view], [view[16:]]
         if not h.is_control:
             marker = None
         elif marker is None:
-            marker = read_marker(view, 0, h)
+            marker = read_marker(unstamped[0], 0, h)
         stamped = dataclasses.replace(h, base_offset=base, leader_epoch=leader_epoch)
         try:
-            active.append(
-                [STAMP.pack(base, h.batch_length, leader_epoch), view[16:]], stamped, h.size
-            )
+            active.append([STAMP.pack(base, h.batch_length, leader_epoch), *rest], stamped, h.size)
         except StorageError as exc:  # disk full, I/O error: the segment was rolled back
             self._report(exc)
             raise
         if self.journal is not None:
-            self.journal.appended(view, base, leader_epoch, h.size)
+            self.journal.appended(unstamped, base, leader_epoch, h.size)
         if not self.epochs or self.epochs[-1][0] != leader_epoch:
             self.epochs.append((leader_epoch, base))
         self.producers.update(stamped, now)

@@ -39,7 +39,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -100,7 +100,10 @@ class WalPartition:
         self.fsyncs = 0
 
     # ---- the journal side (called by PartitionLog) -------------------------------------
-    def appended(self, batch: Any, base_offset: int, leader_epoch: int, size: int) -> None:
+    def appended(
+        self, batch: Sequence[Any], base_offset: int, leader_epoch: int, size: int
+    ) -> None:
+        """``batch``: the buffers that hold the batch appended, side by side (unstamped)."""
         self.wal.add(self, Kind.DATA, base_offset, leader_epoch, batch, size)
 
     def truncated(self, end: int) -> None:
@@ -293,7 +296,7 @@ class AgentWal:
         kind: Kind,
         offset: int,
         epoch: int = 0,
-        batch: Any = None,
+        batch: Sequence[Any] = (),
         size: int = 0,
     ) -> None:
         if self._failed is not None:
@@ -305,8 +308,8 @@ class AgentWal:
             self._names_len += len(blob)
             self._named.add(front.pid)
         self._table.append(ENTRY.pack(kind, front.pid, epoch, offset, size))
-        if batch is not None:
-            self._payloads.append(batch)
+        if batch:  # one batch, as the buffers that hold it side by side
+            self._payloads.extend(batch)
             self._payload_len += size
         self._pending_ends[front] = front.log.log_end_offset
         if len(self._table) >= MAX_ENTRIES - 1 or self._names_len >= MAX_NAMES - (64 << 10):
