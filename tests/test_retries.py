@@ -26,12 +26,15 @@ from infra import demo_retries
 from infra.local_runtime import start_local_runtime
 from sdk import Consumer, ConsumerRecord, Producer, TopicPartition
 from sdk.admin import SyncAdmin
+from sdk.failures import FAILURES_TOPIC, retry_topic
 from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
 from storage.errors import InvalidRetryPolicyError, StrataError
 from storage.retry_policy import RetryPolicy
 from tests.cluster import ROOT, Cluster
 from tests.delay_support import (
     create_levels,
+    delay_status,
+    delete_topic,
     start_scheduler,
     wait_until,
 )
@@ -537,3 +540,74 @@ def test_a_transactional_pipeline_retries_inside_its_transactions(cluster: Clust
 
     # the aborted transaction's records are in the log too, but not for read_committed
     assert sorted(asyncio.run(committed_output())) == list(range(n))
+
+
+def test_retries_waiting_for_a_deleted_retry_topic_never_reach_the_one_created_again(
+    cluster: Cluster,
+) -> None:
+    """A retry routed through the delay levels names the incarnation of the group's retry
+    topic it was routed to (``strata.delay.topic-id``): if that topic is deleted and created
+    again while the retry waits, the scheduler drops the retry (counted under ``dropped``)
+    and the new retry topic never gets it (as records delayed into a deleted topic,
+    ``test_delays``)."""
+    n = 20
+    policy = {"backoff": "fixed", "initial_ms": 15_000, "jitter": False, "max_attempts": 3}
+    set_policy(cluster, GROUP, TOPIC, policy)
+    start_scheduler(cluster)
+    start_router(cluster)
+    asyncio.run(produce(cluster.bootstrap, n, n))
+    first_failure_ms = time.time() * 1000  # each retry is due 15 s after its failure, or later
+
+    async def fail_each_once() -> None:
+        config = {
+            "bootstrap.servers": cluster.bootstrap,
+            "group.id": GROUP,
+            "auto.offset.reset": "earliest",
+            "fetch.max.wait.ms": 50,
+            "retry.enable": True,
+        }
+        failed = 0
+        async with Consumer(config) as consumer, asyncio.timeout(60):
+            consumer.subscribe([TOPIC])
+            while failed < n:
+                await consumer.retry_later(await consumer.getone(), reason="not yet")
+                failed += 1
+            # every failure record stored before the consumer goes (``close`` gives them
+            # 5 s and leaves the rest to the partition's next owner: there is none here)
+            await consumer.flush_retries()
+
+    asyncio.run(fail_each_once())
+    stored = asyncio.run(end_offsets(cluster.bootstrap, FAILURES_TOPIC))
+    assert sum(stored.values()) == n, f"failure records stored: {stored}"
+
+    def routed() -> int:
+        routers = retry_status(cluster)["routers"].values()
+        return sum(s["retries_by_attempt"].get("1", 0) for s in routers)
+
+    try:
+        wait_until(lambda: routed() >= n, 90, "the router to route every failure")
+    except AssertionError as exc:  # what the router and the scheduler say, for the record
+        raise AssertionError(
+            f"{exc}: routers {retry_status(cluster)}, schedulers {delay_status(cluster)}"
+        ) from None
+    name = retry_topic(GROUP)
+    delete_topic(cluster, name)
+    cluster.create_topic(name, PARTITIONS, 1)
+    cluster.wait_for_leaders(name)
+    assert time.time() * 1000 < first_failure_ms + 13_000, "retries fell due before the re-create"
+
+    def dropped() -> int:
+        return sum(s.get("dropped", 0) for s in delay_status(cluster)["schedulers"].values())
+
+    wait_until(lambda: dropped() >= n, 60, "the old retry topic's retries dropped")
+    assert dropped() == n
+    ends = asyncio.run(end_offsets(cluster.bootstrap, name))
+    assert ends == dict.fromkeys(range(PARTITIONS), 0)
+
+
+async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    async with Producer({"bootstrap.servers": bootstrap}) as producer:
+        count = len(await producer.partitions_for(topic))
+    async with Consumer({"bootstrap.servers": bootstrap}) as consumer:
+        tps = [TopicPartition(topic, p) for p in range(count)]
+        return {tp.partition: end for tp, end in (await consumer.end_offsets(tps)).items()}
