@@ -28,3 +28,56 @@ def crc32c(data: Any, crc: int = 0) -> int:
 
         data = pa.py_buffer(data)
     return int(_extend(crc, data) if crc else _value(data))
+
+
+# ---- combining: the CRC of a || b from the CRCs of a and b ------------------------------
+# zlib's crc32_combine (1.2.12+: multmodp / x2nmodp) for the Castagnoli polynomial: a few
+# dozen 32-bit carry-less multiplications in Python instead of a pass over ``b``'s bytes.
+_POLY = 0x82F63B78  # CRC32C, bit-reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """a(x) * b(x) modulo the polynomial (bit-reflected 32-bit operands)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if not a & (m - 1):
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _x2n_table()  # x^(2^k) modulo the polynomial
+_SHIFTS: dict[int, int] = {}  # length -> x^(8 * length): batches often repeat their length
+
+
+def _shift(length: int) -> int:
+    op = _SHIFTS.get(length)
+    if op is None:
+        op, n, k = 1 << 31, length, 3  # x^0; 8 * length = length * 2^3
+        while n:
+            if n & 1:
+                op = _multmodp(_X2N[k & 31], op)
+            n >>= 1
+            k += 1
+        if len(_SHIFTS) >= 256:
+            _SHIFTS.clear()
+        _SHIFTS[length] = op
+    return op
+
+
+def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
+    """``crc32c(a + b)`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)`` (no pass over the
+    bytes: a CRC already computed to check ``b`` is not computed again to cover it)."""
+    if length_b <= 0:
+        return crc_a
+    return _multmodp(_shift(length_b), crc_a) ^ crc_b

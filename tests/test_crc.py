@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import storage.crc
-from storage.crc import crc32c
+from storage.crc import crc32c, crc32c_combine
 
 # RFC 3720 (iSCSI) appendix B.4; the CRC bytes there are listed least significant first
 ISCSI_READ_PDU = bytes.fromhex(
@@ -76,3 +76,14 @@ def test_detects_any_single_bit_flip() -> None:
 def test_fast_path_is_the_c_extension() -> None:
     assert google_crc32c.implementation == "c"
     assert storage.crc.IMPLEMENTATION == "c"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=300), st.binary(max_size=5000), st.integers(0, 1 << 21))
+def test_combine_gives_the_crc_of_the_concatenation(a: bytes, b: bytes, zeros: int) -> None:
+    assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == crc32c(a + b)
+    # long second parts (a batch of a megabyte and more): a run of zero bytes of any length
+    z = bytes(zeros)
+    assert crc32c_combine(crc32c(a), crc32c(z), zeros) == crc32c(a + z)
+    # the cached shift of a length seen before gives the same answer
+    assert crc32c_combine(crc32c(a), crc32c(z), zeros) == crc32c(a + z)

@@ -47,7 +47,7 @@ from storage.codec.header import (
     read_header,
 )
 from storage.codec.parts import BatchParts
-from storage.crc import crc32c
+from storage.crc import crc32c, crc32c_combine
 from storage.errors import CorruptBatchError, UnsupportedVersionError
 from storage.kafka import batch as kb
 
@@ -71,10 +71,19 @@ def frame(kafka: Any, kh: kb.KafkaBatchHeader, first_timestamp: int, max_timesta
 
 
 def frame_parts(
-    kafka: Any, kh: kb.KafkaBatchHeader, first_timestamp: int, max_timestamp: int
+    kafka: Any,
+    kh: kb.KafkaBatchHeader,
+    first_timestamp: int,
+    max_timestamp: int,
+    *,
+    kafka_crc: int | None = None,
 ) -> BatchParts:
     """:func:`frame` as its three pieces (header, ``kafka`` itself, padding and summary),
-    for the log to write side by side: the Kafka batch is not copied to join them."""
+    for the log to write side by side: the Kafka batch is not copied to join them.
+
+    ``kafka_crc``: the CRC32C of ``kafka`` from byte 21 on (Kafka's own CRC field), when
+    the caller has just computed it over these bytes to check them; the Strata CRC then
+    combines it (``crc32c_combine``) instead of passing over the batch a second time."""
     size = len(kafka)
     n = kh.records_count
     pad = padded(HEADER_SIZE + size) - HEADER_SIZE - size
@@ -102,7 +111,11 @@ def frame_parts(
         )
     )
     crc = crc32c(memoryview(header)[CRC_START:])
-    crc = crc32c(kafka, crc)
+    if kafka_crc is None:
+        crc = crc32c(kafka, crc)
+    else:
+        crc = crc32c(memoryview(kafka)[: kb.CRC_START], crc)
+        crc = crc32c_combine(crc, kafka_crc, size - kb.CRC_START)
     CRC_FIELD.pack_into(header, CRC_OFFSET, crc32c(tail, crc))
     return BatchParts(read_header(header), (bytes(header), kafka, tail))
 

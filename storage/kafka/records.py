@@ -124,7 +124,8 @@ def kafka_to_append(
         if not scan.has_headers:
             first, largest = kafka_body.timestamps(h, scan)
             if largest == h.max_timestamp:  # (else converted: the header is taken from the records)
-                return kafka_body.frame_parts(view, h, first, largest)
+                # h.crc is the CRC of these bytes (check_kafka_batch computed it)
+                return kafka_body.frame_parts(view, h, first, largest, kafka_crc=h.crc)
     if codec != Codec.NONE:
         body = decompress(codec, body, MAX_RAW_RECORDS)
     cols = parse_records(body, n, scan)
