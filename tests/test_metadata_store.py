@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from storage.metadata import AsyncZooKeeper, MetadataStore
 from tests.harness import ZooKeeperChroot
 
@@ -63,6 +65,38 @@ def test_fields_of_a_newer_version_survive_an_older_agents_rewrite() -> None:
         read = load(type(model), json.dumps(newer).encode())
         rewritten = json.loads(dump(read.model_copy(update={})))
         assert rewritten["zone"] == "eu-1", type(model).__name__
+
+
+def test_a_topic_setting_of_a_newer_version_survives_an_older_agents_reads_and_alters() -> None:
+    """A newer version's topic setting in a stored spec: this version reads the spec (it
+    does not refuse the whole topic), rewrites it and alters other settings without dropping
+    it, and still refuses an unknown setting in a request."""
+    import json
+
+    from storage.errors import InvalidConfigError
+    from storage.metadata.models import TopicConfig, TopicSpec, dump, load
+
+    spec = TopicSpec.build(
+        name="t",
+        partitions=1,
+        replication_factor=1,
+        config=TopicConfig.parse({"retention.ms": 1000}),
+        topic_id="x",
+        created_ms=0,
+    )
+    stored = json.loads(dump(spec))
+    stored["config"]["compaction.lag.ms"] = 5000  # what a newer version might add
+    read = load(TopicSpec, json.dumps(stored).encode())
+    assert read.config.retention_ms == 1000
+    altered = TopicSpec.build(
+        **{**dict(read), "config": read.config.updated({"retention.ms": 2000})}
+    )
+    again = json.loads(dump(altered))["config"]
+    assert (again["retention.ms"], again["compaction.lag.ms"]) == (2000, 5000)
+    with pytest.raises(InvalidConfigError):
+        read.config.updated({"compaction.lag.ms.typo": 1})
+    with pytest.raises(InvalidConfigError):
+        TopicConfig.parse({"compaction.lag.ms": 5000})  # unknown to this version's requests
 
 
 def test_topic_specs_reads_every_topic_and_leaves_out_one_that_does_not_parse(

@@ -17,7 +17,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny, ValidationError, field_validator
 
 from storage.config import LogConfig
 from storage.errors import InvalidConfigError, InvalidPartitionsError
@@ -56,9 +56,22 @@ class TopicConfig(LogConfig):
         return self.model_dump(by_alias=True, mode="json")
 
     def updated(self, changes: dict[str, Any]) -> TopicConfig:
-        merged = {**self.to_wire(), **changes}
-        result: TopicConfig = TopicConfig.parse(merged)
+        """These settings with ``changes`` (checked strictly); settings of a newer version
+        that a stored config carries (``StoredTopicConfig``) are kept."""
+        newer = {k: v for k, v in (self.model_extra or {}).items() if k not in changes}
+        known = {k: v for k, v in self.to_wire().items() if k not in newer}
+        result: TopicConfig = TopicConfig.parse({**known, **changes})
+        if newer:
+            result = StoredTopicConfig.model_validate({**result.to_wire(), **newer})
         return result
+
+
+class StoredTopicConfig(TopicConfig):
+    """A topic's settings as read back from its znode: settings of a newer version are kept
+    (``extra="allow"``: an older agent reads the spec, and its compare-and-set rewrites carry
+    them along), while what a request sends is still checked strictly as ``TopicConfig``."""
+
+    model_config = ConfigDict(extra="allow")
 
 
 class DeletionStep(enum.StrEnum):
@@ -133,10 +146,20 @@ class TopicSpec(BaseModel):
     name: str
     partitions: int = Field(ge=1, le=MAX_PARTITIONS)
     replication_factor: int = Field(ge=1, le=16)
-    config: TopicConfig = Field(default_factory=TopicConfig)
+    #: (written as what it is: a stored config's newer settings go back into the znode)
+    config: SerializeAsAny[TopicConfig] = Field(default_factory=TopicConfig)
     topic_id: str
     created_ms: int
     deletion: TopicDeletion | None = None
+
+    @field_validator("config", mode="before")
+    @classmethod
+    def _stored_config(cls, value: Any) -> Any:
+        """Settings given as a mapping come from a znode (a request's are a ``TopicConfig``
+        already, checked strictly): unknown ones are a newer version's, kept."""
+        if isinstance(value, Mapping):
+            return StoredTopicConfig.model_validate(value)
+        return value
 
     @classmethod
     def build(cls, **values: Any) -> TopicSpec:
