@@ -48,6 +48,18 @@ class TopicConfig(LogConfig):
     (fastest for Kafka producers and consumers) or converted to the columnar body (fastest
     for Arrow readers: SDK ``getmany_arrow``, replay, Spark); docs/kafka.md."""
 
+    def __eq__(self, other: object) -> bool:
+        # the same settings are equal whether read back from a znode (``StoredTopicConfig``)
+        # or parsed from a request: a spec written and read again compares equal
+        if not isinstance(other, TopicConfig):
+            return NotImplemented
+        return self.__dict__ == other.__dict__ and (self.model_extra or {}) == (
+            other.model_extra or {}
+        )
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.__dict__.items()))
+
     def log_config(self) -> LogConfig:
         return LogConfig.model_validate({k: getattr(self, k) for k in LogConfig.model_fields})
 
