@@ -38,6 +38,8 @@ _POLY = 0x82F63B78  # CRC32C, bit-reflected
 
 def _multmodp(a: int, b: int) -> int:
     """a(x) * b(x) modulo the polynomial (bit-reflected 32-bit operands)."""
+    if not a:
+        return 0  # (the loop below ends at ``a``'s lowest set bit: it needs one)
     m = 1 << 31
     p = 0
     while True:
@@ -78,6 +80,8 @@ def _shift(length: int) -> int:
 def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
     """``crc32c(a + b)`` from ``crc32c(a)``, ``crc32c(b)`` and ``len(b)`` (no pass over the
     bytes: a CRC already computed to check ``b`` is not computed again to cover it)."""
-    if length_b <= 0:
+    if length_b < 0:
+        raise ValueError(f"a length of {length_b} bytes")
+    if length_b == 0:
         return crc_a
     return _multmodp(_shift(length_b), crc_a) ^ crc_b

@@ -87,3 +87,10 @@ def test_combine_gives_the_crc_of_the_concatenation(a: bytes, b: bytes, zeros: i
     assert crc32c_combine(crc32c(a), crc32c(z), zeros) == crc32c(a + z)
     # the cached shift of a length seen before gives the same answer
     assert crc32c_combine(crc32c(a), crc32c(z), zeros) == crc32c(a + z)
+
+
+def test_combine_refuses_a_negative_length_and_multiplies_by_zero() -> None:
+    with pytest.raises(ValueError):
+        crc32c_combine(1, 2, -1)
+    assert crc32c_combine(crc32c(b"abc"), 0, 0) == crc32c(b"abc")
+    assert storage.crc._multmodp(0, 0x12345678) == 0  # returns: no endless loop

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from storage.codec import HEADER_SIZE, check_batch, encode_batch, read_header
+from storage.codec.control import encode_marker
 from storage.codec.parts import BatchParts
 from storage.errors import (
     BatchTooLargeError,
@@ -234,6 +235,10 @@ def test_leader_stamps_base_offset_and_epoch_without_reencoding(
             )
             with pytest.raises(ValueError):
                 log.append(parts, leader_epoch=epoch)  # pieces come with their checked header
+            marker = encode_marker(7, 0, commit=True, coordinator_epoch=0, timestamp_ms=T0)
+            control = BatchParts(check_batch(marker), (memoryview(marker),))
+            with pytest.raises(ValueError):  # markers are appended whole
+                log.append(control, leader_epoch=epoch, checked=control.header)
             info = log.append(parts, leader_epoch=epoch, checked=parts.header)
         else:
             info = log.append(produced, leader_epoch=epoch)

@@ -313,6 +313,9 @@ class PartitionLog:
             raise ValueError("a batch in parts is appended with its checked header")
         else:
             h = check_batch(batch, max_size=self.config.max_message_bytes, deep=deep_check)
+        if h.is_control and isinstance(batch, BatchParts):
+            # (a marker is read from one buffer: the coordinator writes them whole)
+            raise ValueError("a control batch is appended whole, not in parts")
         now = self._clock()
         active = self.active
         if active.size and (
@@ -323,7 +326,7 @@ class PartitionLog:
         if not active.size:
             active.created_at = now  # a segment's age counts from its first batch
         base = active.next_offset
-        if isinstance(batch, BatchParts):  # (data only: control batches come whole)
+        if isinstance(batch, BatchParts):
             unstamped: list[Any] = list(batch.parts)
             rest = [memoryview(unstamped[0])[16:], *unstamped[1:]]
         else:
