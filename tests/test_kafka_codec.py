@@ -370,6 +370,28 @@ def test_a_plain_kafka_batch_is_kept_as_it_came_and_every_reader_reads_it() -> N
     assert [r.offset for r in batch] == [500, 501, 502, 503, 504]
 
 
+def test_a_fetch_never_seals_corruption_under_a_crc_of_its_own() -> None:
+    """A corrupt stored batch never reaches a Kafka client with a CRC that vouches for it. A
+    batch the fetch builds (a new Kafka CRC) is refused on its Strata CRC. A batch kept as it
+    came goes back under its producer's CRC, which a record byte changed in the store breaks
+    for the client (``check.crcs``), and whose broken framing is refused here."""
+    columnar = bytearray(encode_batch([b"value-%d" % i for i in range(5)]))
+    columnar[100] ^= 0x01
+    with pytest.raises(CorruptBatchError, match="CRC"):
+        strata_batches_to_kafka(bytes(columnar))
+    kafka = _aiokafka_batch(PLAIN, Codec.NONE)
+    kept = bytearray(kafka_to_strata(kafka))
+    kept[72 + len(kafka) - 3] ^= 0x01  # a byte of the last record's value
+    batch = DefaultRecordBatch(b"".join(bytes(p) for p in strata_batches_to_kafka(bytes(kept))))
+    assert not batch.validate_crc()
+    framing = bytearray(kafka_to_strata(kafka))
+    struct.pack_into(">i", framing, 72 + 8, len(kafka) - 13)  # the Kafka batch's length
+    with pytest.raises(CorruptBatchError, match="stored Kafka batch"):
+        strata_batches_to_kafka(bytes(framing))
+    with pytest.raises(CorruptBatchError, match="truncated"):
+        strata_batches_to_kafka(kafka_to_strata(kafka)[:-8])
+
+
 def test_a_plain_kafka_batch_is_converted_when_the_topic_says_columnar() -> None:
     kafka = _aiokafka_batch(PLAIN, Codec.NONE)
     strata = kafka_to_strata(kafka, keep=False)

@@ -20,7 +20,7 @@ with the keys and values into the answer: one copy of each value, and no Python 
 record unless records carry headers or tags. Both directions check CRCs: the Kafka batch's
 CRC32C before decoding, the Strata batch's (``check_batch``) before encoding. A batch stored
 as it came goes back to Kafka clients as it came, behind its stamped base offset and leader
-epoch.
+epoch, under the CRC its producer computed (the consumer's to check, as from a Kafka broker).
 
 Strata stores a batch that arrived compressed with lz4 (or gzip or snappy) as lz4, with zstd
 as zstd; fetches answer uncompressed Kafka batches.
@@ -36,7 +36,14 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from storage.codec import Compression, check_batch, decode_batch, encode_batch, kafka_body
+from storage.codec import (
+    Compression,
+    check_batch,
+    decode_batch,
+    encode_batch,
+    kafka_body,
+    read_header,
+)
 from storage.codec.control import ControlMarker, read_marker
 from storage.codec.parts import BatchParts
 from storage.crc import crc32c
@@ -193,16 +200,30 @@ SMALL_BATCH = 128
 
 def strata_to_kafka(buf: Any, pos: int = 0) -> tuple[list[Any], int]:
     """The Strata batch at ``buf[pos:]`` as one uncompressed Kafka batch: (its parts, to be
-    sent back to back; the Strata batch's size). The Strata CRC is checked first.
+    sent back to back; the Strata batch's size).
+
+    A batch built here gets a new Kafka CRC, so the Strata CRC is checked first: corruption
+    in the store is refused, never sealed under a fresh CRC. A batch stored as a Kafka client
+    sent it goes back with that client's own CRC, which covers everything the client reads
+    (all but the stamped offset, length and leader epoch): only its framing is checked here,
+    and the Kafka consumer's CRC check (``check.crcs``; on by default in the Java client) is
+    the end-to-end check, as for a batch a Kafka broker serves. (Checking the Strata CRC too
+    was a quarter of the agent's event loop in a Kafka consume.)
 
     Batches of up to ``SMALL_BATCH`` records are encoded record by record in Python: the
     columnar path's fixed cost (some 30 numpy and Arrow calls, ~0.25 ms on this 2-core
     machine) is more than a few records cost one by one (~3.5 µs each; the two meet near 100
     records), and a consumer of a topic written at a low rate reads mostly one-record
     batches."""
-    h = check_batch(buf, pos, exact=False)
+    h = read_header(buf, pos)
     if h.compression == Compression.KAFKA:  # stored as a Kafka client sent it
+        if len(buf) - pos < h.size:
+            raise CorruptBatchError(
+                f"truncated batch: {len(buf) - pos} of {h.size} bytes", position=pos
+            )
+        kafka_body.check_frame(buf, pos, h)
         return kafka_body.kafka_parts(buf, pos, h), h.size
+    h = check_batch(buf, pos, exact=False)
     n = h.record_count
     if h.is_control:  # a transaction marker: Kafka's control record, which clients skip
         records: Any = _control_record(read_marker(buf, pos, h))
