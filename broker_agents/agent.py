@@ -55,6 +55,7 @@ from broker_agents.view import ClusterView
 from sdk.auth import ScramLogin
 from storage.config import FsyncPolicy
 from storage.errors import MetadataError, NodeExistsError, StorageError
+from storage.kafka import walk as kafka_walk
 from storage.metadata import (
     AgentRegistration,
     AsyncZooKeeper,
@@ -419,6 +420,8 @@ class Agent:
             kafka_host: str | None = None
             kafka_port: int | None = None
             if self.kafka_server is not None and self.config.kafka_listener is not None:
+                # the compiled Kafka record walk, loaded before the first produce needs it
+                await asyncio.to_thread(kafka_walk.warm)
                 want_host, _, want_port = self.config.kafka_listener.rpartition(":")
                 kafka_host, kafka_port = await self.kafka_server.start(
                     want_host or "127.0.0.1", int(want_port)

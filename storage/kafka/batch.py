@@ -53,6 +53,7 @@ from storage.errors import (
     StrataError,
     UnsupportedVersionError,
 )
+from storage.kafka import walk
 from storage.kafka.wire import read_uvarint, read_varint
 
 MAGIC = 2
@@ -311,7 +312,20 @@ def scan_records(data: Any, n: int) -> Scan:
     """Walk the ``n`` records of an uncompressed record set: every record's framing, its
     attributes (zero), its offset delta (0, 1, 2, ...), key and value lengths (-1 or more)
     checked, and, for records without headers, that their fields fill them exactly (records
-    with headers are checked by ``parse_records``). Raises ``CorruptBatchError``."""
+    with headers are checked by ``parse_records``). Raises ``CorruptBatchError``.
+
+    Compiled (``storage.kafka.walk``) when numba is installed, with numpy otherwise."""
+    if walk.available():
+        fields, code, record = walk.scan(data, n)
+        if code:
+            raise CorruptBatchError(f"{walk.ERRORS[code]} (record {record} of {n})")
+        return Scan(*fields)
+    return scan_records_numpy(data, n)
+
+
+def scan_records_numpy(data: Any, n: int) -> Scan:
+    """``scan_records`` without numba: the records' starts found by a Python loop, their
+    fields read for all records at once with numpy."""
     starts, ends = _record_bounds(data, n)
     arr = np.frombuffer(data, dtype=_U8)
     pos = starts
