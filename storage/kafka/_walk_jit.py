@@ -32,6 +32,18 @@ def varint(arr: Any, p: int, end: int, max_shift: int) -> Any:
 
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
+def field(arr: Any, p: int, end: int, max_shift: int) -> Any:
+    """A varint field of the record ending at ``end``: (value, next position, 0), or with
+    error code 9 when the record ends before it, 6 when it ends inside it."""
+    if p >= end:
+        return 0, p, 9
+    value, q = varint(arr, p, end, max_shift)
+    if q < 0:
+        return 0, p, 6
+    return value, q, 0
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)
 def kernel(arr: Any, n: int, out: Any) -> Any:
     """Fill ``out`` (``FIELDS`` x ``n``); 0, or (record << 32) | error code."""
     total = arr.shape[0]
@@ -55,39 +67,29 @@ def kernel(arr: Any, n: int, out: Any) -> Any:
         p += 1
         # timestamp delta, offset delta, key length, (key), value length, (value),
         # header count: each varint must start, and end, inside the record
-        if p >= end:
-            return fail | 9
-        ts, p = varint(arr, p, end, 63)
-        if p < 0:
-            return fail | 6
-        if p >= end:
-            return fail | 9
-        delta, p = varint(arr, p, end, 28)
-        if p < 0:
-            return fail | 6
+        ts, p, err = field(arr, p, end, 63)
+        if err:
+            return fail | err
+        delta, p, err = field(arr, p, end, 28)
+        if err:
+            return fail | err
         if delta != i:
             return fail | 7
-        if p >= end:
-            return fail | 9
-        key_len, p = varint(arr, p, end, 28)
-        if p < 0:
-            return fail | 6
+        key_len, p, err = field(arr, p, end, 28)
+        if err:
+            return fail | err
         key_start = p
         p += max(key_len, 0)
-        if p >= end:
-            return fail | 9
-        value_len, p = varint(arr, p, end, 28)
-        if p < 0:
-            return fail | 6
+        value_len, p, err = field(arr, p, end, 28)
+        if err:
+            return fail | err
         value_start = p
         p += max(value_len, 0)
         if key_len < -1 or value_len < -1:
             return fail | 8
-        if p >= end:
-            return fail | 9
-        headers, p = varint(arr, p, end, 28)
-        if p < 0:
-            return fail | 6
+        headers, p, err = field(arr, p, end, 28)
+        if err:
+            return fail | err
         if headers < 0:
             return fail | 10
         if headers == 0 and p != end:

@@ -18,11 +18,14 @@ it.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 #: rows of the array ``scan`` fills, one column per record, in ``storage.kafka.batch.Scan``'s
 #: field order: timestamp delta, key start, key length, value start, value length, header
@@ -50,8 +53,9 @@ _tried = False
 
 
 def available() -> bool:
-    """Whether the compiled walk can be used (numba installed and not switched off with
-    ``STRATA_KAFKA_WALK=numpy``); the first call compiles it or loads it from the cache."""
+    """Whether the compiled walk can be used: numba is installed, the walk compiles (or
+    loads from the cache) and walks a record right, and ``STRATA_KAFKA_WALK=numpy`` does not
+    switch it off. Decided on the first call, which pays for the import and the load."""
     global _kernel, _tried
     if not _tried:
         _tried = True
@@ -61,11 +65,8 @@ def available() -> bool:
 
 
 def warm() -> bool:
-    """Compile the walk (or load it from the cache) now rather than on the first Kafka batch:
-    an agent with a Kafka listener calls this, off its event loop, before it listens.
-    Returns ``available()``."""
-    if available():
-        scan(_ONE_RECORD, 1)
+    """``available()`` now rather than on the first Kafka batch: an agent with a Kafka
+    listener calls this, off its event loop, before it listens."""
     return available()
 
 
@@ -89,5 +90,13 @@ def _compile() -> Callable[..., int] | None:
         from storage.kafka import _walk_jit
     except ImportError:  # numba is not installed
         return None
-    result: Callable[..., int] = _walk_jit.kernel
-    return result
+    kernel: Callable[..., int] = _walk_jit.kernel
+    try:
+        out = np.empty((FIELDS, 1), dtype=np.int64)
+        code = kernel(np.frombuffer(_ONE_RECORD, dtype=np.uint8), 1, out)
+        if code or out[:, 0].tolist() != [0, 5, -1, 6, 1, 0, 8, 8]:
+            raise RuntimeError(f"walked one record to {code}, {out[:, 0].tolist()}")
+    except Exception as exc:  # a numba that cannot compile it here: numpy walks instead
+        log.warning("the compiled Kafka record walk is not used: %s", exc)
+        return None
+    return kernel
