@@ -421,7 +421,7 @@ class Agent:
             kafka_port: int | None = None
             if self.kafka_server is not None and self.config.kafka_listener is not None:
                 # the compiled Kafka record walk, loaded before the first produce needs it
-                await asyncio.to_thread(kafka_walk.warm)
+                await asyncio.to_thread(kafka_walk.available)
                 want_host, _, want_port = self.config.kafka_listener.rpartition(":")
                 kafka_host, kafka_port = await self.kafka_server.start(
                     want_host or "127.0.0.1", int(want_port)

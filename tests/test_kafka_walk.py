@@ -103,8 +103,11 @@ def test_a_walk_that_fails_names_the_record() -> None:
         kb.scan_records(bytes(second), n)
 
 
-def test_a_record_longer_than_its_fields_is_refused_by_both_walks() -> None:
-    data, n = _records([(None, b"a", []), (None, b"b", [])])
+@pytest.mark.parametrize("first_headers", [[], [("h", b"1")]])
+def test_a_record_longer_than_its_fields_is_refused_by_both_walks(first_headers: Any) -> None:
+    """Also when another record of the batch has headers: a record without any is checked
+    whole by the walk itself."""
+    data, n = _records([(None, b"a", first_headers), (None, b"b", [])])
     last = data.rindex(b"\x00", 0, data.rindex(b"b")) - 1  # the last record's length byte
     longer = bytearray(data)
     longer[last] += 2  # zigzag: one byte more

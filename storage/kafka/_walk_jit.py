@@ -45,7 +45,7 @@ def field(arr: Any, p: int, end: int, max_shift: int) -> Any:
 
 @numba.njit(cache=True, nogil=True, boundscheck=False)
 def kernel(arr: Any, n: int, out: Any) -> Any:
-    """Fill ``out`` (``FIELDS`` x ``n``); 0, or (record << 32) | error code."""
+    """Fill ``out`` (``walk.FIELDS`` x ``n``); 0, or (record << 32) | error code (``walk.ERRORS``)."""
     total = arr.shape[0]
     pos = 0
     for i in range(n):

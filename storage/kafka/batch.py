@@ -311,7 +311,7 @@ class Scan:
 def scan_records(data: Any, n: int) -> Scan:
     """Walk the ``n`` records of an uncompressed record set: every record's framing, its
     attributes (zero), its offset delta (0, 1, 2, ...), key and value lengths (-1 or more)
-    checked, and, for records without headers, that their fields fill them exactly (records
+    checked, and, for each record without headers, that its fields fill it exactly (records
     with headers are checked by ``parse_records``). Raises ``CorruptBatchError``.
 
     Compiled (``storage.kafka.walk``) when numba is installed, with numpy otherwise."""
@@ -348,7 +348,7 @@ def scan_records_numpy(data: Any, n: int) -> Scan:
     if (header_count < 0).any():
         raise CorruptBatchError("a Kafka record has a negative header count")
     s = Scan(ts_delta, key_start, key_len, value_start, value_len, header_count, pos, ends)
-    if not s.has_headers and (pos != ends).any():
+    if ((header_count == 0) & (pos != ends)).any():  # (records with headers: parse_records)
         raise CorruptBatchError("a Kafka record's fields do not fill its length")
     return s
 

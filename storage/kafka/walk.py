@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 #: count, where the headers start, where the record ends
 FIELDS = 8
 
-#: what ``scan``'s error codes mean (the numpy walk's messages, so both read alike)
+#: what ``scan``'s error codes mean (worded as the numpy walk's messages, where it has one)
 ERRORS = {
     1: "a Kafka record's length is not a valid varint",
     2: "a Kafka record has a negative length",
@@ -64,14 +64,8 @@ def available() -> bool:
     return _kernel is not None
 
 
-def warm() -> bool:
-    """``available()`` now rather than on the first Kafka batch: an agent with a Kafka
-    listener calls this, off its event loop, before it listens."""
-    return available()
-
-
 #: one record (length 7; attributes, timestamp and offset deltas 0, a null key, the value
-#: ``b"v"``, no headers), for ``warm``
+#: ``b"v"``, no headers): what ``_compile`` walks to prove the compiled walk
 _ONE_RECORD = bytes([0x0E, 0, 0, 0, 0x01, 0x02, ord("v"), 0])
 
 
