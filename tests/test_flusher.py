@@ -1,15 +1,18 @@
 """The fsync thread (``storage.wal.flusher``): jobs run off the loop, in rounds, and each
-caller gets its own result or error back."""
+caller gets its own result or error back; plain fsyncs go to the kernel instead, where it can."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 
+from storage.wal import crashfs, fileio
 from storage.wal.flusher import Flusher
 
 
@@ -97,3 +100,98 @@ def test_a_cancelled_caller_does_not_stop_the_job_nor_the_others() -> None:
 
     assert asyncio.run(main()) == "kept"
     assert ran == ["gone", "kept"]  # an fsync cannot be taken back: it still ran
+
+
+# ---- fsyncs through the kernel (Linux AIO) ---------------------------------------------------
+
+
+def _kernel_aio_expected() -> bool:
+    """Where caio is installed on Linux, the kernel path must be taken: a silent fall back to
+    the thread would undo the change without a test noticing."""
+    if sys.platform != "linux":
+        return False
+    try:
+        from caio import linux_aio_asyncio
+    except ImportError:
+        return False
+    return linux_aio_asyncio is not None
+
+
+def test_a_plain_fsync_goes_to_the_kernel_not_the_thread(tmp_path: Path) -> None:
+    flusher = Flusher()
+    fds = [os.open(tmp_path / name, os.O_WRONLY | os.O_CREAT) for name in "abc"]
+    try:
+        for fd in fds:
+            os.write(fd, b"x" * 4096)
+
+        async def main() -> None:
+            await flusher.fsync(fds)
+            await asyncio.gather(*(flusher.fsync([fd]) for fd in fds))
+
+        asyncio.run(main())
+        if _kernel_aio_expected():
+            assert (flusher.kernel_fsyncs, flusher.jobs) == (6, 0)
+        else:
+            assert (flusher.kernel_fsyncs, flusher.jobs) == (0, 4)
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_refused_or_failed_fsync_raises_oserror_and_the_next_one_works(tmp_path: Path) -> None:
+    flusher = Flusher()
+    good = os.open(tmp_path / "good", os.O_WRONLY | os.O_CREAT)
+    read_end, write_end = os.pipe()  # a pipe cannot be fsynced (EINVAL)
+    closed = os.open(tmp_path / "closed", os.O_WRONLY | os.O_CREAT)
+    os.close(closed)  # nor can a closed descriptor (EBADF; its number is not reused below)
+    try:
+
+        async def main() -> None:
+            for bad in (write_end, closed):
+                with pytest.raises(OSError):
+                    await flusher.fsync([bad])
+            os.write(good, b"y")
+            await flusher.fsync([good])
+
+        asyncio.run(main())
+    finally:
+        for fd in (read_end, write_end, good):
+            os.close(fd)
+
+
+def test_fsyncs_stay_in_the_thread_under_a_recording_file_system(tmp_path: Path) -> None:
+    """Fault drills record (and fail) fsyncs in ``fileio.fs``: the kernel path would bypass
+    them, so it is not taken while another file system is installed."""
+    flusher = Flusher()
+    data, journal = tmp_path / "data", tmp_path / "journal"
+    crashfs.start_recording(data, journal)
+    recorder = crashfs.RecordingFileSystem(journal)
+    old = fileio.set_file_system(recorder)
+    fd = recorder.open(data / "f", os.O_WRONLY | os.O_CREAT)
+    try:
+        recorder.pwrite(fd, [b"z" * 10], 0)
+        asyncio.run(flusher.fsync([fd]))
+        assert (flusher.kernel_fsyncs, flusher.jobs) == (0, 1)
+    finally:
+        fileio.set_file_system(old)
+        os.close(fd)
+
+
+def test_event_loops_that_come_and_go_leave_no_descriptors_behind(tmp_path: Path) -> None:
+    """Each loop gets its own AIO context (an eventfd); a closed loop's is freed once another
+    loop makes one, so a process running many loops (tests) does not pile them up."""
+    flusher = Flusher()
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT)
+
+    async def once() -> None:
+        await flusher.fsync([fd])
+
+    try:
+        asyncio.run(once())
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(50):
+            asyncio.run(once())
+        gc.collect()
+        assert len(os.listdir("/proc/self/fd")) <= before + 2
+    finally:
+        os.close(fd)

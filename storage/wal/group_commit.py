@@ -1,8 +1,8 @@
 """Group commit: the asyncio front of a ``PartitionLog`` that applies its fsync policy.
 
 With ``fsync.policy=always`` every ``append`` returns only once an fsync covers it, but appends
-do not each pay for an fsync. While one fsync runs (in the fsync thread, ``storage.wal.flusher``,
-so the event loop keeps accepting appends), the appends that arrive meanwhile queue behind it;
+do not each pay for an fsync. While one fsync runs (in the kernel, or in the fsync thread: ``storage.wal.flusher``;
+either way the event loop keeps accepting appends), the appends that arrive meanwhile queue behind it;
 when it completes, one new fsync covers all of them. Under load the number of fsyncs per second stays near
 ``1 / fsync latency`` while the bytes per fsync grow: that is the whole trick.
 
@@ -26,6 +26,7 @@ from typing import Any
 
 from storage.config import FsyncPolicy
 from storage.errors import StorageError
+from storage.wal.fileio import storage_error
 from storage.wal.flusher import flusher
 from storage.wal.log import AppendInfo, PartitionLog
 
@@ -103,7 +104,13 @@ class GroupCommitLog:
             error: BaseException | None = None
             started = time.perf_counter()
             try:
-                await flusher.run(job.run)
+                if job.fsyncs_only:
+                    await flusher.fsync([seg.fd for seg, _, _ in job.segments])
+                    job.done.extend(seg for seg, _, _ in job.segments)
+                else:
+                    await flusher.run(job.run)
+            except OSError as exc:
+                error = storage_error(f"fsync of {self.log.directory} failed", exc)
             except BaseException as exc:
                 error = exc
             if _fsync_observer is not None:

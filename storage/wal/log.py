@@ -121,6 +121,12 @@ class FlushJob:
     directory: Path
     done: list[Segment] = field(default_factory=list)
 
+    @property
+    def fsyncs_only(self) -> bool:
+        """Nothing to do but fsync segments (no index to write, no directory to fsync): the
+        group commit's usual flush, which ``Flusher.fsync`` can hand to the kernel."""
+        return not self.sync_directory and not any(sealed for _, _, sealed in self.segments)
+
     def run(self) -> None:
         for seg, size, sealed in self.segments:
             seg.fsync()

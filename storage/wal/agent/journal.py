@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import os
@@ -372,7 +371,7 @@ class AgentWal:
             retired = len(self._retired_fds)
             started = time.perf_counter()
             try:
-                await flusher.run(functools.partial(_fsync_all, fds))
+                await flusher.fsync(_fsync_order(fds))
             except OSError as exc:
                 raise self._fail(
                     fileio.storage_error("fsync of the agent WAL failed", exc)
@@ -506,11 +505,10 @@ class AgentWal:
             raise StorageError("the agent WAL is not open")
 
 
-def _fsync_all(fds: list[int]) -> None:
+def _fsync_order(fds: list[int]) -> list[int]:
     """The current file's fd first in ``fds``: fsynced last, so older files are whole on
     disk before anything of a newer one is known to be (replay relies on it)."""
-    for fd in (*fds[1:], fds[0]):
-        fileio.fs.fsync(fd)
+    return [*fds[1:], fds[0]]
 
 
 def _run_jobs(jobs: list[Any]) -> list[BaseException | None]:
