@@ -30,7 +30,7 @@ completion is handled in the loop itself. Even with one thread and rounds, a thr
 needed the GIL twice (to start the call, and to hand the result back) from a loop that holds
 it whenever it has work: measured at acks=all, RF 3, ``always``, 1,000 msgs/s on two cores,
 each fsync waited 0.9 ms (median) to start and 0.7 ms to be seen by the loop, around 0.4 ms
-of disk. The kernel path cut the agents' CPU by 11% and the end-to-end p99 by a quarter
+of disk. The kernel path cut the agents' CPU by 11% and the end-to-end p99 by 22-25%
 (docs/benchmarks.md, "End-to-end latency"). A flush that does more than fsync files (writing
 a sealed segment's index, fsyncing a directory) still goes to the thread, as does every fsync
 when ``fileio.fs`` is not the plain file system (tests and fault drills record or fail fsyncs
