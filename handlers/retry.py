@@ -29,6 +29,7 @@ dead-lettered or retried twice (``docs/retries.md`` gives the bounds).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import logging
 import os
@@ -143,6 +144,10 @@ class Router:
         self._producers: dict[str, Producer] = {}
         self._policies: dict[tuple[str, str], tuple[float, RetryPolicy]] = {}
         self._written: dict[str, Any] | None = None
+        #: invocations run concurrently: without it, two first writes could both find no
+        #: stats node, and the one that loses the create would overwrite the winner's newer
+        #: counts with its older ones, left stale until the next failure
+        self._stats_lock = asyncio.Lock()
 
     async def close(self) -> None:
         producers, self._producers = self._producers, {}
@@ -187,10 +192,11 @@ class Router:
                 failures.append(
                     {"itemIdentifier": f"{recs[0].topic}-{recs[0].partition}@{recs[0].offset}"}
                 )
-        stats = self.stats.to_json()
-        if stats != self._written:  # failures are rare: one write per invocation that had some
-            await rs.write_stats(self.name, stats)
-            self._written = stats
+        async with self._stats_lock:  # (the counts taken inside: the last write is the newest)
+            stats = self.stats.to_json()
+            if stats != self._written:  # failures are rare: one write per invocation with some
+                await rs.write_stats(self.name, stats)
+                self._written = stats
         return {"batchItemFailures": failures}
 
     async def _route_partition(

@@ -223,6 +223,9 @@ class Scheduler:
         self._swept_at = 0.0
         self._flush: asyncio.TimerHandle | None = None
         self._flushing: asyncio.Task[None] | None = None
+        #: concurrent invocations write one after another, each its counts as of its turn (two
+        #: first writes racing to create the node could leave the older counts last)
+        self._stats_lock = asyncio.Lock()
 
     async def close(self) -> None:
         if self._flush is not None:
@@ -290,7 +293,8 @@ class Scheduler:
         if self._flush is not None:
             self._flush.cancel()
             self._flush = None
-        await ds.write_stats(self.name, self.stats.to_json())
+        async with self._stats_lock:
+            await ds.write_stats(self.name, self.stats.to_json())
 
     def _flush_later(self, ds: DelayStore) -> None:
         self._flush = None
