@@ -192,12 +192,18 @@ class Router:
                 failures.append(
                     {"itemIdentifier": f"{recs[0].topic}-{recs[0].partition}@{recs[0].offset}"}
                 )
-        async with self._stats_lock:  # (the counts taken inside: the last write is the newest)
+        await self.write_stats(rs)
+        return {"batchItemFailures": failures}
+
+    async def write_stats(self, rs: RetryStore) -> None:
+        """Publish the counts if they changed since the last write (failures are rare: one
+        write per invocation that had some). Writes go one at a time, each with the counts as
+        of its turn, so the last one written is the newest."""
+        async with self._stats_lock:
             stats = self.stats.to_json()
-            if stats != self._written:  # failures are rare: one write per invocation with some
+            if stats != self._written:
                 await rs.write_stats(self.name, stats)
                 self._written = stats
-        return {"batchItemFailures": failures}
 
     async def _route_partition(
         self,

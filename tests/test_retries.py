@@ -18,10 +18,12 @@ import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from handlers.admin import handler as admin_handler
+from handlers.retry import Router
 from infra import demo_retries
 from infra.local_runtime import start_local_runtime
 from sdk import Consumer, ConsumerRecord, Producer, TopicPartition
@@ -29,6 +31,8 @@ from sdk.admin import SyncAdmin
 from sdk.failures import FAILURES_TOPIC, retry_topic
 from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
 from storage.errors import InvalidRetryPolicyError, StrataError
+from storage.metadata.retry import RetryStore
+from storage.metadata.zk import AsyncZooKeeper
 from storage.retry_policy import RetryPolicy
 from tests.cluster import ROOT, Cluster
 from tests.delay_support import (
@@ -611,3 +615,46 @@ async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
     async with Consumer({"bootstrap.servers": bootstrap}) as consumer:
         tps = [TopicPartition(topic, p) for p in range(count)]
         return {tp.partition: end for tp, end in (await consumer.end_offsets(tps)).items()}
+
+
+def test_concurrent_invocations_leave_the_routers_newest_counts(
+    zk_chroot: ZooKeeperChroot,
+) -> None:
+    """Router invocations run concurrently and each publishes the counts when it ends: the
+    stats node must end with the newest, whatever order the writes would finish in. Here the
+    first write is held up (as a first write is when it creates the node and its parents,
+    several requests between which a later write's shorter path can get ahead) while a later
+    invocation with newer counts publishes."""
+
+    class SlowFirstWrite(RetryStore):
+        def __init__(self, zk: AsyncZooKeeper) -> None:
+            super().__init__(zk)
+            self.gate = asyncio.Event()
+            self.writes = 0
+
+        async def write_stats(self, name: str, stats: dict[str, Any]) -> None:
+            self.writes += 1
+            if self.writes == 1:
+                await self.gate.wait()
+            await super().write_stats(name, stats)
+
+    async def main() -> dict[str, Any]:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        try:
+            router = Router(name="router-test")
+            rs = SlowFirstWrite(zk)
+            router.stats.retries_by_attempt["1"] = 1
+            first = asyncio.ensure_future(router.write_stats(rs))
+            await asyncio.sleep(0)  # the first invocation took its counts and is writing
+            router.stats.retries_by_attempt["1"] = 2
+            second = asyncio.ensure_future(router.write_stats(rs))
+            await asyncio.sleep(0.2)  # (without the router's ordering, the second lands now)
+            rs.gate.set()
+            await asyncio.gather(first, second)
+            stats: dict[str, Any] = (await RetryStore(zk).read_stats())["router-test"]
+            return stats
+        finally:
+            await zk.stop()
+
+    assert asyncio.run(main())["retries_by_attempt"] == {"1": 2}
