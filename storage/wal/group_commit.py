@@ -106,7 +106,6 @@ class GroupCommitLog:
             try:
                 if job.fsyncs_only:
                     await flusher.fsync([seg.fd for seg, _, _ in job.segments])
-                    job.done.extend(seg for seg, _, _ in job.segments)
                 else:
                     await flusher.run(job.run)
             except OSError as exc:

@@ -58,7 +58,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +119,6 @@ class FlushJob:
     end_offset: int
     sync_directory: bool
     directory: Path
-    done: list[Segment] = field(default_factory=list)
 
     @property
     def fsyncs_only(self) -> bool:
@@ -135,7 +134,6 @@ class FlushJob:
             ):  # (a stray index of a deleted segment is removed at open)
                 with storage_errors(f"cannot write {seg.index_path}"):
                     write_file_atomically(seg.index_path, seg.index.to_bytes(size))
-            self.done.append(seg)
         if self.sync_directory or any(sealed for _, _, sealed in self.segments):
             with storage_errors(f"cannot fsync {self.directory}"):
                 fsync_dir(self.directory)
