@@ -36,6 +36,8 @@ from collections import Counter
 from collections.abc import Mapping
 from types import TracebackType
 
+from tests.tracked_server import TrackedServer
+
 OUTCOMES = ("pass", "slowdown", "stall", "reset", "lost_reply")
 MAX_HEAD = 64 * 1024
 
@@ -235,20 +237,19 @@ class FaultyProxy:
                 await self._serve(r, w)
             except (_Closed, OSError):
                 w.transport.abort()
+            except asyncio.CancelledError:
+                pass  # the proxy is closing (3.11's server would log a cancelled handler)
             finally:
                 conns.discard(task)
                 if not w.transport.is_closing():
                     w.close()
 
-        server = await asyncio.start_server(accept, "127.0.0.1", 0, limit=MAX_HEAD)
+        tracked = TrackedServer()
+        server = await tracked.start(accept, "127.0.0.1", 0, limit=MAX_HEAD)
         self.port = server.sockets[0].getsockname()[1]
         self._ready.set()
-        async with server:
-            await self._stop.wait()
-            server.close()
-            for t in list(conns):
-                t.cancel()
-            await asyncio.gather(*conns, return_exceptions=True)
+        await self._stop.wait()
+        await tracked.close(conns)
 
     # ---- one client connection ----------------------------------------------------------
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -22,6 +22,7 @@ from storage.protocol import parse_request, parse_response, read_size
 from storage.protocol.frames import DEFAULT_MAX_FRAME
 from storage.protocol.messages import ApiKey
 from tests.faulty_proxy import reset
+from tests.tracked_server import TrackedServer
 
 
 async def _frame(reader: asyncio.StreamReader) -> tuple[bytes, bytes] | None:
@@ -40,19 +41,15 @@ class LostReplyProxy:
         self.lose = set(lose)
         self.produce_requests = 0
         self.lost = 0
-        self._server: asyncio.Server | None = None
+        self._server = TrackedServer()
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def __aenter__(self) -> LostReplyProxy:
-        self._server = await asyncio.start_server(self._serve, *self.listen, reuse_address=True)
+        await self._server.start(self._serve, *self.listen, reuse_address=True)
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        assert self._server is not None
-        self._server.close()
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._server.close(self._tasks)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
