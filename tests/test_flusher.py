@@ -4,6 +4,7 @@ caller gets its own result or error back; plain fsyncs go to the kernel instead,
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import os
 import sys
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from storage.wal import crashfs, fileio
-from storage.wal.flusher import Flusher
+from storage.wal.flusher import Flusher, _errno_of
 
 
 def test_a_job_runs_in_the_fsync_thread_and_its_result_comes_back(tmp_path: Path) -> None:
@@ -142,14 +143,19 @@ def test_a_refused_or_failed_fsync_raises_oserror_and_the_next_one_works(tmp_pat
     flusher = Flusher()
     good = os.open(tmp_path / "good", os.O_WRONLY | os.O_CREAT)
     read_end, write_end = os.pipe()  # a pipe cannot be fsynced (EINVAL)
-    closed = os.open(tmp_path / "closed", os.O_WRONLY | os.O_CREAT)
-    os.close(closed)  # nor can a closed descriptor (EBADF; its number is not reused below)
     try:
 
         async def main() -> None:
-            for bad in (write_end, closed):
-                with pytest.raises(OSError):
+            os.write(good, b"x")
+            await flusher.fsync([good])  # (the loop's AIO context and its eventfd exist now)
+            closed = os.open(tmp_path / "closed", os.O_WRONLY | os.O_CREAT)
+            os.close(closed)  # nor can a closed descriptor (EBADF; nothing reuses its number)
+            # the errno an fsync in the thread (os.fsync) would give
+            for bad, code in ((write_end, errno.EINVAL), (closed, errno.EBADF)):
+                with pytest.raises(OSError) as failed:
                     await flusher.fsync([bad])
+                assert failed.value.errno == code, failed.value
+                assert failed.value.strerror == os.strerror(code)
             os.write(good, b"y")
             await flusher.fsync([good])
 
@@ -195,3 +201,12 @@ def test_event_loops_that_come_and_go_leave_no_descriptors_behind(tmp_path: Path
         assert len(os.listdir("/proc/self/fd")) <= before + 2
     finally:
         os.close(fd)
+
+
+def test_a_kernel_fsync_that_failed_keeps_its_errno() -> None:
+    """caio reports a failed fsync (not a refused one) as ``SystemError`` with only
+    ``strerror``'s text: a full disk stays ENOSPC and an I/O error EIO, as from os.fsync."""
+    for code in (errno.EIO, errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        assert _errno_of(SystemError(os.strerror(code))) == code
+    assert _errno_of(ValueError("The file descriptor ... is invalid [EBADF]")) == errno.EBADF
+    assert _errno_of(SystemError("something caio has not said before")) == errno.EIO

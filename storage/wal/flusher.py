@@ -46,7 +46,9 @@ import contextlib
 import errno
 import functools
 import logging
+import os
 import queue
+import re
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -86,7 +88,8 @@ class Flusher:
             try:
                 await ctx.fsync(fd)
             except (SystemError, ValueError) as exc:  # caio's: failed, or refused at submission
-                raise OSError(errno.EIO, str(exc)) from exc
+                code = _errno_of(exc)
+                raise OSError(code, os.strerror(code)) from exc
             self.kernel_fsyncs += 1
 
     async def run(self, fn: Callable[[], Any]) -> Any:
@@ -127,6 +130,21 @@ class Flusher:
             for loop, settled in done.items():
                 with contextlib.suppress(RuntimeError):  # that loop is closed: nobody waits
                     loop.call_soon_threadsafe(_settle, settled)
+
+
+#: caio reports a failed fsync with only ``strerror``'s text (SystemError) and a refused one
+#: with its errno's name in brackets (ValueError, e.g. "... [EBADF]"): the errno back from those
+_ERRNO_BY_TEXT = {os.strerror(code): code for code in errno.errorcode}
+_ERRNO_NAME = re.compile(r"\[(E[A-Z0-9]+)\]\s*$")
+
+
+def _errno_of(exc: Exception) -> int:
+    """The errno of caio's exception, as ``os.fsync`` would have raised it (EIO if unknown)."""
+    text = str(exc)
+    named = _ERRNO_NAME.search(text)
+    if named is not None:
+        return int(getattr(errno, named.group(1), errno.EIO))
+    return _ERRNO_BY_TEXT.get(text.strip(), errno.EIO)
 
 
 def _fsync_each(fds: Sequence[int]) -> None:
