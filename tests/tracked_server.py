@@ -18,7 +18,7 @@ class TrackedServer:
     test_disk_backpressure just before it, whose agent was still uploading). So ``close``
     first stops accepting, lets the connections already accepted finish their set-up (each is
     aborted as it is made), and only then closes the server, cancels the handlers and aborts
-    the connections still open. (3.12's ``Server.close_clients`` does the last part.)"""
+    the connections still open. (3.13's ``Server.close_clients`` does the last part.)"""
 
     def __init__(self) -> None:
         self.server: asyncio.Server | None = None
