@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -25,6 +26,7 @@ class TrackedServer:
         self.open: set[asyncio.BaseTransport] = set()
         self.closing = False
         self.setting_up = 0  # protocols made whose connection_made has not run yet
+        self._set_up = asyncio.Event()  # closing, and none is being set up any more
 
     async def start(
         self,
@@ -44,6 +46,8 @@ class TrackedServer:
                 self.tracked = transport
                 if tracker.closing:
                     transport.abort()  # type: ignore[attr-defined]
+                    if not tracker.setting_up:
+                        tracker._set_up.set()
                     return
                 tracker.open.add(transport)
                 super().connection_made(transport)
@@ -66,13 +70,13 @@ class TrackedServer:
         self.closing = True
         for sock in self.server.sockets:
             loop.remove_reader(sock.fileno())
-        # the connections accepted last make their protocol on the next turn of the loop, and
-        # connection_made (which aborts them now) runs a turn after that
+        # the connections accepted last make their protocol on the next turn of the loop (the
+        # tasks asyncio made for them run before this one resumes), and connection_made (which
+        # aborts them now) runs a turn or two after that
         await asyncio.sleep(0)
-        for _ in range(100):
-            if not self.setting_up:
-                break
-            await asyncio.sleep(0)
+        if self.setting_up:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._set_up.wait(), 5)
         self.server.close()
         for t in list(handlers):
             t.cancel()
