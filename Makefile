@@ -20,8 +20,13 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev]"
 	@touch $(STAMP)
 
+# Two passes: the suite in $(TEST_WORKERS) processes, a test file per process at a time (its
+# tests mostly wait on real servers: one process kept the 2 cores ~40% busy), then, alone, the
+# tests marked `serial` (they compare a rate or a latency with another measured beside them).
+TEST_WORKERS ?= 2
 test: venv lint
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not chaos and not serial"
+	$(PY) -m pytest -m serial
 
 # the long fault-injection variants (power loss under every fsync policy, ...): a few minutes
 chaos: venv

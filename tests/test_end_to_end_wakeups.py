@@ -26,7 +26,7 @@ from sdk import Producer
 from tests.cluster import Cluster
 from tests.harness import ProcessGroup, ZooKeeperChroot
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 ROOT = Path(__file__).resolve().parent.parent
 TOPIC = "e2e"

@@ -169,6 +169,7 @@ class _Attack:
         self.conns, self.socks, self.trickler = [], [], None
 
 
+@pytest.mark.serial
 def test_slowloris_idle_and_non_reading_peers_leave_others_p99_within_2x(cluster: Cluster) -> None:
     """A well-behaved producer's p99, in rounds alternated with and without the attack (so the
     machine's own noise falls on both alike), stays within 2x of its p99 without it."""

@@ -200,6 +200,7 @@ def _p99(xs: list[float]) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
     cluster: Cluster, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
@@ -262,6 +263,7 @@ def test_a_greedy_producer_is_held_to_its_quota_and_others_go_on(
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_greedy_consumer_is_held_to_its_quota(
     cluster: Cluster, zk_chroot: ZooKeeperChroot
 ) -> None:
@@ -301,6 +303,7 @@ def test_a_greedy_consumer_is_held_to_its_quota(
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_the_kafka_listener_throttles_and_says_so(
     cluster: Cluster, zk_chroot: ZooKeeperChroot
 ) -> None:

@@ -186,6 +186,7 @@ def test_a_connection_that_never_logs_in_is_closed(
     assert "did not authenticate in time" in agent.process.log_text()
 
 
+@pytest.mark.serial
 def test_failed_login_flood_does_not_stall_others(
     processes: ProcessGroup, zk_chroot: ZooKeeperChroot, tmp_path: Path
 ) -> None:
