@@ -362,20 +362,21 @@ def test_consumer_and_router_killed_at_random_moments_lose_nothing_and_dead_lett
             read_all(cluster.bootstrap, DLQ, PARTITIONS, expected, deadline_s, settle_s)
         )
 
-    def charged() -> set[int]:
-        """Records the test lets succeed that are not processed yet. A kill that lands while
+    def unprocessed() -> set[int]:
+        """Records the test lets succeed that have no success logged yet. Once everything
+        has settled, these are the records the kills dead-lettered: a kill that lands while
         a record is in flight counts as a failed attempt of it (docs/retries.md, "Poison
-        messages and crashes"): a record that fails twice and is then in flight at two
-        kills has used its three attempts and is dead-lettered, as the policy says. The
-        more loaded the machine, the longer records are in flight, the likelier that is."""
+        messages and crashes"), so a record that failed twice and was then in flight at two
+        kills has used its three attempts. The more loaded the machine, the longer records
+        are in flight, the likelier that is."""
         return set(range(n)) - always - oks()
 
     def settled() -> bool:
-        left = charged()
+        left = unprocessed()
         return not left or left <= {int(r.value or b"-1") for r in dead_letters(n, 0.5, 0)}
 
     wait_until(settled, 120, "every record processed or dead-lettered")
-    crashed = charged()
+    crashed = unprocessed()
     dlq = dead_letters(len(always | crashed), 60, 3)
     values = [int(r.value or b"-1") for r in dlq]
     assert len(values) == len(set(values)), "a record dead-lettered twice"
