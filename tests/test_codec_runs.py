@@ -1,6 +1,6 @@
-"""decode_run: many small plain batches as one Arrow record batch, equal to decoding them one by
-one; it stops before whatever it does not take (a non-plain, torn, corrupt or forged batch) and
-leaves that batch to ``decode_batch``."""
+"""decode_run: many small plain batches (headers and tags included) as one Arrow record batch,
+equal to decoding them one by one; it stops before whatever it does not take (a non-plain,
+torn, corrupt or forged batch) and leaves that batch to ``decode_batch``."""
 
 from __future__ import annotations
 
@@ -50,7 +50,31 @@ def plain_batches(draw: st.DrawFn) -> list[bytes]:
         keys = draw(st.one_of(st.none(), st.lists(maybe, min_size=n, max_size=n)))
         values = draw(st.lists(maybe, min_size=n, max_size=n))
         stamps = draw(st.lists(st.integers(0, 2**50), min_size=n, max_size=n))
-        out.append(encode_batch(values, keys=keys, timestamps=stamps, base_offset=base))
+        pair = st.tuples(st.text(max_size=6), st.binary(max_size=6))
+        headers = draw(
+            st.one_of(st.none(), st.lists(st.lists(pair, max_size=3), min_size=n, max_size=n))
+        )
+        tags = draw(
+            st.one_of(
+                st.none(),
+                st.lists(
+                    st.one_of(st.none(), st.lists(st.text(min_size=1, max_size=5), max_size=3)),
+                    min_size=n,
+                    max_size=n,
+                ),
+            )
+        )
+        out.append(
+            encode_batch(
+                values,
+                keys=keys,
+                timestamps=stamps,
+                base_offset=base,
+                headers=headers,
+                tags=tags,
+                summary=draw(st.booleans()),
+            )
+        )
         base += n + draw(st.sampled_from([0, 0, 1, 7]))  # gaps, as after a compaction
     return out
 
@@ -85,8 +109,6 @@ def test_a_run_starts_at_a_position_and_stops_at_an_end() -> None:
     "other",
     [
         pytest.param(lambda base: small(base, 3, compression=Compression.ZSTD), id="compressed"),
-        pytest.param(lambda base: small(base, 3, headers=[[("h", b"v")]] * 3), id="headers"),
-        pytest.param(lambda base: small(base, 3, tags=[["a"], [], ["b"]]), id="tags"),
         pytest.param(lambda base: small(base, RUN_BATCH_RECORDS + 1), id="large"),
         pytest.param(lambda base: marker(base), id="control"),
     ],
@@ -149,3 +171,54 @@ def test_offsets_that_do_not_start_at_zero_end_the_run() -> None:
     assert got is not None and got[1] == len(plain)
     alone = decode_batch(forged_batch)
     assert alone.column("value")[0].as_py() == b"alue-2"
+
+
+def test_headers_and_tags_join_the_run() -> None:
+    """Records with headers and tags (what the delay scheduler and the retry router write, one
+    per batch) decode in one run, beside batches without."""
+    batches = [
+        small(0, 2),
+        small(2, 1, headers=[[("strata.retry.group", b"g"), ("trace", b"\x00\xff")]]),
+        small(3, 3, tags=[["a"], None, ["b", "c"]], headers=[[], [("h", b"")], []]),
+        small(6, 1, summary=True, tags=[["tag"]]),
+    ]
+    buf = b"".join(batches)
+    got = decode_run(buf)
+    assert got is not None
+    rb, end, next_offset = got
+    assert (end, next_offset) == (len(buf), 7)
+    assert table(rb).equals(decode_batches(buf))
+    assert rb.column("headers")[2].as_py() == [
+        {"key": "strata.retry.group", "value": b"g"},
+        {"key": "trace", "value": b"\x00\xff"},
+    ]
+    assert rb.column("tags").to_pylist()[3:7] == [["a"], [], ["b", "c"], ["tag"]]
+
+
+def test_a_forged_header_key_that_is_not_utf8_is_refused_alone() -> None:
+    """A header key whose bytes are not UTF-8 (its CRC made to match) is not taken into a run:
+    the run is not used, and the batch decoded alone raises the typed error."""
+    plain = small(0, 2)
+    forged = bytearray(small(2, 1, headers=[[("ab", b"v")]]))
+    key_data_at, key_data_len = body_buffers(bytes(forged))[9]
+    assert key_data_len == 2
+    forged[key_data_at] = 0xFF
+    bad = with_crc(forged)
+    buf = plain + bad
+    assert decode_run(buf) is None
+    assert decode_batch(buf).num_rows == 2  # what the consumer does then: the first alone
+    assert decode_run(buf, len(plain)) is None
+    with pytest.raises(CorruptBatchError):
+        decode_batch(buf, len(plain))
+
+
+def test_header_list_offsets_that_do_not_match_their_pairs_end_the_run() -> None:
+    plain = small(0, 2)
+    forged = bytearray(small(2, 2, headers=[[("a", b"1")], [("b", b"2")]]))
+    lists_at, lists_len = body_buffers(bytes(forged))[7]
+    assert lists_len == 12
+    struct.pack_into("<i", forged, lists_at + 8, 1)  # claims 1 pair where there are 2
+    buf = plain + with_crc(forged)
+    got = decode_run(buf)
+    assert got is not None and got[1] == len(plain)
+    assert decode_run(buf, len(plain)) is None
