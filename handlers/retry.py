@@ -20,7 +20,11 @@ and sends the record on:
 **Exactly once.** Every output is its own batch, with a producer id derived from the record's
 identity and attempt, sequence 0, to a destination partition derived from the same things
 (``Producer.send_exact``), and every choice — due time (the jitter is a hash), level, entry
-timestamp — is a function of the failure record alone. A router that crashes and routes the
+timestamp — is a function of the failure record alone. An invocation's batches bound for one
+partition go back to back in one request (:func:`send_runs`: one request per leader, not one
+per record); the agent checks each batch of such a run as it would alone, but refuses the
+whole run if one of them is already stored (``DuplicateSequenceError``), and the router then
+sends them one by one, each answered as stored or stored now. A router that crashes and routes the
 same failure record again writes the same batch (one header may differ: the retry topic's id,
 if that topic was created again in between), and the destination's leader answers it as a
 duplicate (by its producer id and sequence). So nothing is lost (the runner commits only what was routed) and nothing is
@@ -29,7 +33,6 @@ dead-lettered or retried twice (``docs/retries.md`` gives the bounds).
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import logging
 import os
@@ -39,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
+from handlers.stats import ThrottledWrites
 from sdk import Producer
 from sdk import delays as d
 from sdk import retry as r
@@ -54,6 +58,10 @@ log = logging.getLogger(__name__)
 
 SEND_TIMEOUT = 10.0
 POLICY_TTL_S = 5.0
+#: at most one write of the router's counts to ZooKeeper this often (``handlers.stats``)
+STATS_EVERY = 1.0
+#: bytes of one-record batches sent back to back to one partition in one request
+MAX_RUN_BYTES = 1 << 20
 Headers = list[tuple[str, bytes]]
 
 
@@ -137,19 +145,23 @@ class PartitionCounts:
 class Router:
     """Routes failure records (see the module docstring)."""
 
-    def __init__(self, *, clock_ms: Callable[[], int] = _wall_ms, name: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        clock_ms: Callable[[], int] = _wall_ms,
+        name: str | None = None,
+        stats_every: float = STATS_EVERY,
+    ) -> None:
         self.clock_ms = clock_ms
         self.name = name or f"router-{os.getpid()}"
         self.stats = Stats()
         self._producers: dict[str, Producer] = {}
         self._policies: dict[tuple[str, str], tuple[float, RetryPolicy]] = {}
         self._written: dict[str, Any] | None = None
-        #: invocations run concurrently: without it, two first writes could both find no
-        #: stats node, and the one that loses the create would overwrite the winner's newer
-        #: counts with its older ones, left stale until the next failure
-        self._stats_lock = asyncio.Lock()
+        self._stats = ThrottledWrites(stats_every, "retry router's stats")
 
     async def close(self) -> None:
+        self._stats.cancel()
         producers, self._producers = self._producers, {}
         for p in producers.values():
             await p.close(flush_timeout=1.0)
@@ -196,14 +208,17 @@ class Router:
         return {"batchItemFailures": failures}
 
     async def write_stats(self, rs: RetryStore) -> None:
-        """Publish the counts if they changed since the last write (failures are rare: one
-        write per invocation that had some). Writes go one at a time, each with the counts as
-        of its turn, so the last one written is the newest."""
-        async with self._stats_lock:
+        """Publish the counts if they changed since the last write, at most every
+        ``stats_every`` seconds (``handlers.stats``: the last change is written when the
+        interval ends, the newest counts last)."""
+
+        async def write() -> None:
             stats = self.stats.to_json()
             if stats != self._written:
                 await rs.write_stats(self.name, stats)
                 self._written = stats
+
+        await self._stats.maybe(write)
 
     async def _route_partition(
         self,
@@ -215,10 +230,18 @@ class Router:
         outputs: list[Output] = []
         for rec in recs:
             outputs += await self.route(rs, counts, rec)
-        sender = r.ExactSender(producer, send_timeout=SEND_TIMEOUT)
-        for out in outputs:  # a key's records keep their order
-            sender.submit(out.tp, out.record.key, out.encode())
-        await sender.flush()
+        encoded = [(out, out.encode()) for out in outputs]
+        try:
+            await send_runs(producer, encoded)
+        except StrataError as exc:
+            # a run holding a batch already stored (a redo, a copy of a failure record) is
+            # refused whole (DuplicateSequenceError): each batch alone is answered as stored
+            # or stored now; any other failure is retried the same way, batch by batch
+            log.info("routing %d record(s) batch by batch after %r", len(encoded), exc)
+            sender = r.ExactSender(producer, send_timeout=SEND_TIMEOUT)
+            for out, batch in encoded:  # a key's records keep their order
+                sender.submit(out.tp, out.record.key, batch)
+            await sender.flush()
         for out in outputs:
             self._count(out)
 
@@ -285,6 +308,27 @@ class Router:
         level = d.level_topic(d.level_for(wait))
         lane = TopicPartition(level, sid.lane_in(await counts(level)))
         return [Output(lane, pid, rec, headers, failed_ms, kind, summary=False)]
+
+
+async def send_runs(producer: Producer, encoded: list[tuple[Output, bytes]]) -> None:
+    """Store the one-record batches of ``encoded`` as runs: the batches bound for one
+    partition, in order, back to back in one request per leader (at most
+    :data:`MAX_RUN_BYTES` a run). Each batch keeps its own producer id, so the agent checks
+    them one by one as it would alone; a run is stored whole or not at all."""
+    runs: list[dict[TopicPartition, list[bytes]]] = [{}]
+    sizes: dict[TopicPartition, int] = {}
+    for out, batch in encoded:
+        size = sizes.get(out.tp, 0) + len(batch)
+        if size > MAX_RUN_BYTES and sizes.get(out.tp):
+            runs.append({})
+            sizes.clear()
+            size = len(batch)
+        runs[-1].setdefault(out.tp, []).append(batch)
+        sizes[out.tp] = size
+    for run in runs:
+        await producer.send_exact(
+            {tp: b"".join(batches) for tp, batches in run.items()}, SEND_TIMEOUT, channel="retry"
+        )
 
 
 def close(router: Router, timeout: float = 5.0) -> None:

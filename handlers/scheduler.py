@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
+from handlers.stats import ThrottledWrites
 from sdk import Consumer, Producer
 from sdk import delays as d
 from sdk.config import client_config
@@ -219,18 +220,11 @@ class Scheduler:
         self.produce_timeout = produce_timeout
         self.stats = Stats()
         self._producers: dict[str, Producer] = {}
-        self._stats_at = 0.0
         self._swept_at = 0.0
-        self._flush: asyncio.TimerHandle | None = None
-        self._flushing: asyncio.Task[None] | None = None
-        #: concurrent invocations write one after another, each its counts as of its turn (two
-        #: first writes racing to create the node could leave the older counts last)
-        self._stats_lock = asyncio.Lock()
+        self._stats = ThrottledWrites(STATS_EVERY, "scheduler's stats")
 
     async def close(self) -> None:
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
+        self._stats.cancel()
         producers, self._producers = self._producers, {}
         for p in producers.values():
             await p.close(flush_timeout=1.0)
@@ -276,31 +270,10 @@ class Scheduler:
 
     async def _housekeeping(self, ds: DelayStore) -> None:
         now = time.monotonic()
-        if now - self._stats_at >= STATS_EVERY:
-            await self._write_stats(ds)
-        elif self._flush is None:
-            # no invocation may come for a long time after this one (nothing else due): its
-            # counts are written when the interval is up rather than left stale until then
-            self._flush = asyncio.get_running_loop().call_later(
-                self._stats_at + STATS_EVERY - now, self._flush_later, ds
-            )
+        await self._stats.maybe(lambda: ds.write_stats(self.name, self.stats.to_json()))
         if now - self._swept_at >= SWEEP_EVERY:
             self._swept_at = now
             await ds.sweep_cancels(self.clock_ms())
-
-    async def _write_stats(self, ds: DelayStore) -> None:
-        self._stats_at = time.monotonic()
-        if self._flush is not None:
-            self._flush.cancel()
-            self._flush = None
-        async with self._stats_lock:
-            await ds.write_stats(self.name, self.stats.to_json())
-
-    def _flush_later(self, ds: DelayStore) -> None:
-        self._flush = None
-        if self._flushing is None or self._flushing.done():
-            self._flushing = asyncio.ensure_future(self._write_stats(ds))
-            self._flushing.add_done_callback(_log_failure)
 
     async def _lane(
         self,
@@ -511,11 +484,6 @@ class Scheduler:
                         self.stats.late(max(0, timestamp - r.sid.due_ms))
         else:
             self.stats.hops += sum(map(len, outputs.values()))
-
-
-def _log_failure(task: asyncio.Task[None]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("writing the scheduler's stats failed: %r", task.exception())
 
 
 async def _live_topic_id(store: MetadataStore, topic: str) -> str | None:

@@ -588,14 +588,17 @@ ROUTER_FUNCTION = "handlers.retry:handler"
 
 def router_mapping(bootstrap: str, **options: Any) -> MappingConfig:
     """The mapping that feeds the retry router: the failures topic, one group, one
-    partition per invocation (a slow destination holds up no other partition)."""
+    partition per invocation (a slow destination holds up no other partition), a batching
+    window of 50 ms: an invocation costs the router a few hundred µs whatever it holds, and
+    routing a record in one of 100 about 65 µs (``docs/benchmarks.md``, "Retries"), while a
+    retry is due at its failure time plus the backoff whenever the router routes it."""
     return MappingConfig(
         **{
             "function": ROUTER_FUNCTION,
             "topics": (FAILURES_TOPIC,),
             "group_id": ROUTER_GROUP,
             "bootstrap_servers": bootstrap,
-            "window_ms": 5,
+            "window_ms": 50,
             "concurrency": 8,
             "partition_per_invocation": True,
             "isolation_level": "read_committed",

@@ -24,13 +24,24 @@ import pytest
 
 from handlers.admin import handler as admin_handler
 from handlers.retry import Router
+from handlers.runtime import NATIVE_RECORDS
 from infra import demo_retries
 from infra.local_runtime import start_local_runtime
 from sdk import Consumer, ConsumerRecord, Producer, TopicPartition
 from sdk.admin import SyncAdmin
-from sdk.failures import FAILURES_TOPIC, retry_topic
+from sdk.delays import level_topics
+from sdk.failures import (
+    FAILURES_TOPIC,
+    H_ATTEMPT,
+    H_OFFSET,
+    H_PARTITION,
+    H_TOPIC,
+    build_failure,
+    retry_topic,
+)
 from sdk.retry import H_DUE_MS, H_FAILED_MS, header, identity_seed, retry_info
 from storage.errors import InvalidRetryPolicyError, StrataError
+from storage.metadata import MetadataStore
 from storage.metadata.retry import RetryStore
 from storage.metadata.zk import AsyncZooKeeper
 from storage.retry_policy import RetryPolicy
@@ -41,6 +52,7 @@ from tests.delay_support import (
     delete_topic,
     start_scheduler,
     wait_until,
+    with_store,
 )
 from tests.harness import ManagedProcess, ProcessGroup, ZooKeeperChroot
 from tests.retry_support import read_all, retry_status, set_policy, start_router
@@ -649,11 +661,12 @@ async def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
 def test_concurrent_invocations_leave_the_routers_newest_counts(
     zk_chroot: ZooKeeperChroot,
 ) -> None:
-    """Router invocations run concurrently and each publishes the counts when it ends: the
-    stats node must end with the newest, whatever order the writes would finish in. Here the
-    first write is held up (as a first write is when it creates the node and its parents,
-    several requests between which a later write's shorter path can get ahead) while a later
-    invocation with newer counts publishes."""
+    """Router invocations run concurrently and each publishes the counts when it ends (at most
+    every ``stats_every`` seconds, the last change when the interval ends): the stats node
+    must end with the newest, whatever order the writes would finish in. Here the first write
+    is held up (as a first write is when it creates the node and its parents, several requests
+    between which a later write's shorter path can get ahead) while a later invocation with
+    newer counts publishes."""
 
     class SlowFirstWrite(RetryStore):
         def __init__(self, zk: AsyncZooKeeper) -> None:
@@ -671,19 +684,83 @@ def test_concurrent_invocations_leave_the_routers_newest_counts(
         zk = AsyncZooKeeper(zk_chroot.connect_string)
         await zk.start()
         try:
-            router = Router(name="router-test")
+            router = Router(name="router-test", stats_every=0.1)
             rs = SlowFirstWrite(zk)
             router.stats.retries_by_attempt["1"] = 1
             first = asyncio.ensure_future(router.write_stats(rs))
             await asyncio.sleep(0)  # the first invocation took its counts and is writing
             router.stats.retries_by_attempt["1"] = 2
             second = asyncio.ensure_future(router.write_stats(rs))
-            await asyncio.sleep(0.2)  # (without the router's ordering, the second lands now)
+            await asyncio.sleep(0.3)  # (without the router's ordering, the second lands now)
             rs.gate.set()
             await asyncio.gather(first, second)
-            stats: dict[str, Any] = (await RetryStore(zk).read_stats())["router-test"]
+            async with asyncio.timeout(10):  # the interval's last change, written at its end
+                while True:
+                    stats: dict[str, Any] = (await RetryStore(zk).read_stats())["router-test"]
+                    if stats["retries_by_attempt"] != {"1": 1}:
+                        break
+                    await asyncio.sleep(0.05)
+            assert rs.writes == 2
+            await router.close()
             return stats
         finally:
             await zk.stop()
 
     assert asyncio.run(main())["retries_by_attempt"] == {"1": 2}
+
+
+def test_a_router_routing_failure_records_again_stores_each_output_once(cluster: Cluster) -> None:
+    """The router sends its one-record batches to a partition back to back in one request. A
+    redo (the same failure records routed again after a crash) or a copy of a failure record
+    puts batches already stored into such a run, which the agent refuses whole; the router
+    then sends each batch alone, and each is stored once: retries and dead letters alike."""
+    policy = {"backoff": "fixed", "initial_ms": 600_000, "jitter": False, "max_attempts": 2}
+    set_policy(cluster, GROUP, TOPIC, policy)
+    now = int(time.time() * 1000)
+
+    def failure(offset: int, attempt: int) -> ConsumerRecord:
+        source = ConsumerRecord(
+            TOPIC, offset % PARTITIONS, offset, now, b"k%d" % offset, b"v", [], ()
+        )
+        if attempt > 1:  # as it comes back from the retry topic
+            source = source._replace(
+                topic=retry_topic(GROUP),
+                headers=[
+                    (H_TOPIC, TOPIC.encode()),
+                    (H_PARTITION, str(offset % PARTITIONS).encode()),
+                    (H_OFFSET, str(offset).encode()),
+                    (H_ATTEMPT, str(attempt - 1).encode()),
+                ],
+            )
+        f = build_failure(GROUP, source, "boom", now, 8)
+        return ConsumerRecord(
+            FAILURES_TOPIC, 0, offset, now, f.key, f.value, list(f.headers), tuple(f.tags or ())
+        )
+
+    first = [failure(i, 1) for i in range(40)] + [failure(i, 2) for i in range(40, 50)]
+    again = first + [failure(i, 1) for i in range(50, 60)]  # a redo, then new records
+
+    async def route(router: Router, recs: list[ConsumerRecord]) -> dict[str, Any]:
+        event = {"bootstrapServers": cluster.bootstrap, NATIVE_RECORDS: {"failures-0": recs}}
+
+        async def run(store: MetadataStore) -> dict[str, Any]:
+            return await router.process(event, store)
+
+        answer: dict[str, Any] = await with_store(cluster.zk.connect_string, run)
+        return answer
+
+    async def main() -> None:
+        router = Router(name="router-redo")
+        try:
+            assert (await route(router, first))["batchItemFailures"] == []
+            assert (await route(router, again))["batchItemFailures"] == []
+            assert (await route(Router(name="router-copy"), first[::3]))["batchItemFailures"] == []
+        finally:
+            await router.close()
+
+    asyncio.run(main())
+    in_levels = 0
+    for level in level_topics():
+        in_levels += sum(asyncio.run(end_offsets(cluster.bootstrap, level)).values())
+    assert in_levels == 50  # records 0-39 and 50-59, each once
+    assert sum(asyncio.run(end_offsets(cluster.bootstrap, DLQ)).values()) == 10
