@@ -314,10 +314,16 @@ async def send_runs(producer: Producer, encoded: list[tuple[Output, bytes]]) -> 
     """Store the one-record batches of ``encoded`` as runs: the batches bound for one
     partition, in order, back to back in one request per leader (at most
     :data:`MAX_RUN_BYTES` a run). Each batch keeps its own producer id, so the agent checks
-    them one by one as it would alone; a run is stored whole or not at all."""
+    them one by one as it would alone; a run is stored whole or not at all. Two copies of a
+    failure record in one invocation make the same batch (same producer id): it goes once
+    (twice in a run, the agent would refuse the second as out of sequence)."""
     runs: list[dict[TopicPartition, list[bytes]]] = [{}]
     sizes: dict[TopicPartition, int] = {}
+    seen: set[tuple[TopicPartition, int]] = set()
     for out, batch in encoded:
+        if (out.tp, out.producer_id) in seen:
+            continue
+        seen.add((out.tp, out.producer_id))
         size = sizes.get(out.tp, 0) + len(batch)
         if size > MAX_RUN_BYTES and sizes.get(out.tp):
             runs.append({})
