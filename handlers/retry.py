@@ -60,7 +60,8 @@ SEND_TIMEOUT = 10.0
 POLICY_TTL_S = 5.0
 #: at most one write of the router's counts to ZooKeeper this often (``handlers.stats``)
 STATS_EVERY = 1.0
-#: bytes of one-record batches sent back to back to one partition in one request
+#: bytes of one-record batches sent in one round of requests (the router's memory for them
+#: is the invocation's records, bounded by the runner's batch size)
 MAX_RUN_BYTES = 1 << 20
 Headers = list[tuple[str, bytes]]
 
@@ -312,28 +313,27 @@ class Router:
 
 async def send_runs(producer: Producer, encoded: list[tuple[Output, bytes]]) -> None:
     """Store the one-record batches of ``encoded`` as runs: the batches bound for one
-    partition, in order, back to back in one request per leader (at most
-    :data:`MAX_RUN_BYTES` a run). Each batch keeps its own producer id, so the agent checks
-    them one by one as it would alone; a run is stored whole or not at all. Two copies of a
-    failure record in one invocation make the same batch (same producer id): it goes once
-    (twice in a run, the agent would refuse the second as out of sequence)."""
-    runs: list[dict[TopicPartition, list[bytes]]] = [{}]
-    sizes: dict[TopicPartition, int] = {}
+    partition, in order, back to back, in rounds of at most :data:`MAX_RUN_BYTES` (all
+    partitions together; a larger batch goes alone), each round one request per leader. Each
+    batch keeps its own producer id, so the agent checks them one by one as it would alone; a
+    run is stored whole or not at all. Two copies of a failure record in one invocation make
+    the same batch (same producer id): it goes once (twice in a run, the agent would refuse
+    the second as out of sequence)."""
+    rounds: list[dict[TopicPartition, list[bytes]]] = [{}]
+    size = 0
     seen: set[tuple[TopicPartition, int]] = set()
     for out, batch in encoded:
         if (out.tp, out.producer_id) in seen:
             continue
         seen.add((out.tp, out.producer_id))
-        size = sizes.get(out.tp, 0) + len(batch)
-        if size > MAX_RUN_BYTES and sizes.get(out.tp):
-            runs.append({})
-            sizes.clear()
-            size = len(batch)
-        runs[-1].setdefault(out.tp, []).append(batch)
-        sizes[out.tp] = size
-    for run in runs:
+        if size and size + len(batch) > MAX_RUN_BYTES:
+            rounds.append({})
+            size = 0
+        rounds[-1].setdefault(out.tp, []).append(batch)
+        size += len(batch)
+    for batches in rounds:
         await producer.send_exact(
-            {tp: b"".join(batches) for tp, batches in run.items()}, SEND_TIMEOUT, channel="retry"
+            {tp: b"".join(run) for tp, run in batches.items()}, SEND_TIMEOUT, channel="retry"
         )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from handlers import retry as retry_handler
 from handlers.admin import handler as admin_handler
 from handlers.retry import Router
 from handlers.runtime import NATIVE_RECORDS
@@ -709,12 +710,17 @@ def test_concurrent_invocations_leave_the_routers_newest_counts(
     assert asyncio.run(main())["retries_by_attempt"] == {"1": 2}
 
 
-def test_a_router_routing_failure_records_again_stores_each_output_once(cluster: Cluster) -> None:
+@pytest.mark.parametrize("round_bytes", [1 << 20, 3_000], ids=["one-round", "rounds-of-3kb"])
+def test_a_router_routing_failure_records_again_stores_each_output_once(
+    cluster: Cluster, round_bytes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The router sends its one-record batches to a partition back to back in one request. A
     redo (the same failure records routed again after a crash) or a copy of a failure record
     puts batches already stored into such a run, which the agent refuses whole; the router
     then sends each batch alone, and each is stored once: retries and dead letters alike.
-    Two copies of a failure record in one invocation are one batch, sent once."""
+    Two copies of a failure record in one invocation are one batch, sent once. With a small
+    round size the batches go in several rounds of requests, with the same outcome."""
+    monkeypatch.setattr(retry_handler, "MAX_RUN_BYTES", round_bytes)
     policy = {"backoff": "fixed", "initial_ms": 600_000, "jitter": False, "max_attempts": 2}
     set_policy(cluster, GROUP, TOPIC, policy)
     now = int(time.time() * 1000)
