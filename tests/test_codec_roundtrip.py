@@ -22,6 +22,7 @@ from storage.codec import (
     read_header,
     summary,
 )
+from storage.codec.body import SMALL_BATCH
 from storage.codec.header import ENCODINGS
 from tests.codec_support import HEADER_SIZE, columns, reference_summary, summary_as_dict
 
@@ -33,7 +34,7 @@ timestamps_ms = st.integers(0, 2**53)
 
 @st.composite
 def batch_inputs(draw: st.DrawFn) -> dict[str, Any]:
-    n = draw(st.integers(1, 12))
+    n = draw(st.integers(1, SMALL_BATCH + 6))
 
     def column(elements: st.SearchStrategy[Any]) -> Any:
         return draw(st.lists(elements, min_size=n, max_size=n))

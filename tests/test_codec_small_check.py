@@ -13,15 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from storage.codec import batch as batch_module
-from storage.codec import encode_batch
+from storage.codec import encode_batch, summary
 from storage.codec.batch import check_batch
 from storage.codec.body import check_small_body
 from storage.codec.header import read_header
 from storage.errors import CorruptBatchError
 from tests.codec_support import HEADER_SIZE, body_buffers, maybe_headers, maybe_tags, with_crc
 
-_tags = maybe_tags(6)
-_headers = maybe_headers(6)
+_tags = maybe_tags(40)
+_headers = maybe_headers(40)
 
 
 def _verdict(data: bytes, *, arrow: bool) -> str:
@@ -88,7 +88,8 @@ def test_a_forged_body_gets_the_same_verdict_from_both_checks(
 def test_the_plain_check_is_the_one_used_for_small_batches_with_headers(used: list[bool]) -> None:
     one = encode_batch([b"v"], headers=[[("strata.retry.attempt", b"1"), ("k", b"v")]])
     check_batch(one, deep=True)
-    many = encode_batch([b"v"] * 40, headers=[[("k", b"v"), ("j", b"w")]] * 40)  # 80 pairs
+    n = summary.SMALL // 2 + 1  # one pair more than the plain check takes
+    many = encode_batch([b"v"] * n, headers=[[("k", b"v"), ("j", b"w")]] * n)
     check_batch(many, deep=True)
     assert used == [True, False]
 

@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 
 from storage.codec import Compression, check_batch, encode_batch, read_header
 from storage.codec import summary as sm
-from storage.codec.body import HEADERS_TYPE, TAGS_TYPE
+from storage.codec.body import (
+    DIRECTORY,
+    HEADERS_TYPE,
+    SMALL_BATCH,
+    TAGS_TYPE,
+    check_small_body,
+)
+from storage.codec.header import HEADER_SIZE, padded
 from storage.errors import CorruptBatchError
 from tests.codec_support import (
     maybe_headers,
@@ -246,8 +253,8 @@ def test_few_tags_and_headers_counted_one_by_one_give_the_columnar_summary(
     assert summary_as_dict(small) == reference_summary(n, tags, headers)
 
 
-_maybe_tags = maybe_tags(16)
-_maybe_headers = maybe_headers(16)
+_maybe_tags = maybe_tags(SMALL_BATCH + 6)
+_maybe_headers = maybe_headers(SMALL_BATCH + 6)
 
 
 @settings(max_examples=300, deadline=None)
@@ -279,3 +286,38 @@ def test_plain_lists_laid_out_without_pyarrow_give_the_same_batch(
     arrow_tags = None if t is None else pa.array(t, TAGS_TYPE)
     arrow_headers = None if h is None else pa.array(h, HEADERS_TYPE)
     assert batch(t, h) == batch(arrow_tags, arrow_headers)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_maybe_tags, _maybe_headers)
+def test_the_encoder_writes_the_summary_the_deep_check_expects(
+    tags: list[list[str] | None], headers: list[list[tuple[str, bytes]] | None]
+) -> None:
+    """The leader takes a summary without parsing it when it is byte for byte the one the
+    encoder writes for the records (``summary.canonical``), so whatever the encoder writes
+    must be that, for every mix of tags and headers, whichever way it counted them."""
+    n = min(len(tags), len(headers))
+    batch = encode_batch([b"v"] * n, tags=tags[:n], headers=headers[:n])
+    h = read_header(batch)
+    lists = check_small_body(batch, HEADER_SIZE, DIRECTORY.unpack_from(batch, HEADER_SIZE), n)
+    if lists is None:  # more than ``SMALL`` tags and headers: the columnar check
+        return
+    expected = sm.canonical(n, *sm.count_small(n, *lists))
+    assert sm.is_canonical(batch, 0, h, expected)
+
+
+def test_tags_and_headers_before_the_first_record_are_not_counted(counting: str) -> None:
+    """Arrow lets a list column's first list start past element 0; the elements before it
+    belong to no record, so a summary may not count them (a forged batch could else claim
+    a header for every record that no record has)."""
+    n = 2
+    batch = bytearray(encode_batch([b"a", b"b"], headers=[[("k", b"1")], [("k", b"1")]]))
+    lengths = DIRECTORY.unpack_from(batch, HEADER_SIZE)
+    at = HEADER_SIZE + DIRECTORY.size + sum(padded(x) for x in lengths[:7])
+    # the first record's list becomes empty: its pair now precedes the first list
+    struct.pack_into("<3i", batch, at, 1, 1, 2)
+    honest = sm.Summary(n, n, {}, {b"k": sm.KeySummary(1, {b"1": 1})})
+    check_batch(_replace_summary(bytes(batch), sm.encode(honest)), deep=True)
+    lie = sm.Summary(n, n, {}, {b"k": sm.KeySummary(2, {b"1": 2})})
+    with pytest.raises(CorruptBatchError, match="summary"):
+        check_batch(_replace_summary(bytes(batch), sm.encode(lie)), deep=True)

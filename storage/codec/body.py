@@ -32,6 +32,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from itertools import accumulate
+from operator import le
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -120,10 +121,10 @@ def _list_child(arr: pa.Array | None, n: int) -> tuple[Any, pa.Array | None]:
 
 #: up to this many records, plain lists of bytes are laid out without pyarrow (whose
 #: per-call overhead is most of the cost of encoding one record: a producer with linger 0)
-SMALL_BATCH = 16
+SMALL_BATCH = 64
 _BYTES_OR_NONE = frozenset({bytes, type(None)})
 #: ``_OFFSETS[n]`` packs or unpacks the n + 1 int32 offsets of n entries, for small n
-_OFFSETS = [struct.Struct(f"<{i + 1}i") for i in range(64)]
+_OFFSETS = [struct.Struct(f"<{i + 1}i") for i in range(SMALL_BATCH + 1)]
 
 
 def _small_binary_parts(col: list[bytes | None], n: int) -> tuple[Any, Any, Any]:
@@ -470,21 +471,31 @@ class SmallLists(NamedTuple):
     values: list[bytes]
 
 
+def _read_int32s(buf: Any, at: int, count: int) -> list[int]:
+    """``count`` little-endian int32 at ``buf[at:]`` as a list (a cached struct for a few,
+    numpy for more: either beats building an Arrow array)."""
+    if count <= len(_OFFSETS):
+        return list(_OFFSETS[count - 1].unpack_from(buf, at))
+    return np.frombuffer(buf, dtype=_I32, count=count, offset=at).tolist()
+
+
+def _non_decreasing(offsets: list[int]) -> bool:
+    return all(map(le, offsets[:-1], offsets[1:]))
+
+
 def check_small_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> SmallLists | None:
     """``check_flat_body`` for an uncompressed body with tags or headers, when it has at most
-    63 of them in all (``summary.SMALL`` at most) and at most 63 records: what ``decode_body(...,
-    validate=True)`` proves (list and string offsets within bounds and never decreasing,
-    header keys and tags UTF-8), in plain Python, and the lists the summary is checked
-    against. Arrow's arrays cost ~40 us a batch before any record is looked at: what a
-    one-record batch of the retry router or the delay scheduler paid on its leader. None
-    for a larger body (decode it)."""
-    if n >= len(_OFFSETS):
-        return None
+    ``summary.SMALL`` of them in all: what ``decode_body(..., validate=True)`` proves (list
+    and string offsets within bounds and never decreasing, header keys and tags UTF-8), in
+    plain Python, and the lists the summary is checked against. Arrow's arrays and the
+    columnar count cost ~150 us a batch before any record is looked at: what a one-record
+    batch of the retry router or the delay scheduler, or a consumer's batch of failure
+    records, paid on its leader. None for a larger body (decode it)."""
     at = list(accumulate((padded(x) for x in lengths[: N_BUFFERS - 1]), initial=0))
     at = [start + DIRECTORY_SIZE + a for a in at]
     hl = _small_lists(buf, at[7], lengths[7], n, "header")
     tl = _small_lists(buf, at[12], lengths[12], n, "tag")
-    if hl[n] + tl[n] > min(summary.SMALL, len(_OFFSETS) - 1):
+    if hl[n] + tl[n] > summary.SMALL:
         return None
     check_flat_body(buf, start, lengths, n)
     keys = _small_strings(buf, at[8], lengths[8], at[9], lengths[9], hl[n], "header key")
@@ -501,8 +512,8 @@ def _small_lists(buf: Any, at: int, length: int, n: int, what: str) -> list[int]
         return [0] * (n + 1)
     if length != 4 * (n + 1):
         raise CorruptBatchError(f"{what} list offsets have {length} bytes for {n} records")
-    offsets = list(_OFFSETS[n].unpack_from(buf, at))
-    if offsets[0] < 0 or offsets != sorted(offsets):
+    offsets = _read_int32s(buf, at, n + 1)
+    if offsets[0] < 0 or not _non_decreasing(offsets):
         raise CorruptBatchError(
             f"malformed record batch body: {what} list offsets are not non-decreasing from 0"
         )
@@ -530,16 +541,16 @@ def _small_strings(
         return []
     if length != 4 * (count + 1):
         raise CorruptBatchError(f"{what} offsets have {length} bytes for {count} entries")
-    offsets = _OFFSETS[count].unpack_from(buf, at)
-    if offsets[0] < 0 or offsets[count] > data or list(offsets) != sorted(offsets):
+    offsets = _read_int32s(buf, at, count + 1)
+    if offsets[0] < 0 or offsets[count] > data or not _non_decreasing(offsets):
         raise CorruptBatchError(
             f"malformed record batch body: {what} offsets are not non-decreasing within [0, {data}]"
         )
-    view = memoryview(buf)
-    out = [bytes(view[data_at + offsets[i] : data_at + offsets[i + 1]]) for i in range(count)]
+    whole = bytes(memoryview(buf)[data_at : data_at + offsets[count]])
+    out = list(map(whole.__getitem__, map(slice, offsets[:count], offsets[1:])))
     if utf8:
         try:
-            for value in out:
+            for value in set(out):  # keys and tags repeat: each distinct one once
                 value.decode()
         except UnicodeDecodeError:
             raise CorruptBatchError(f"malformed record batch body: a {what} is not UTF-8") from None

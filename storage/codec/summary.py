@@ -34,8 +34,11 @@ Pure functions, no I/O; a summary that does not parse raises ``CorruptBatchError
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
+from itertools import chain, repeat
+from operator import eq, itemgetter, sub
 from typing import Any
 
 import numpy as np
@@ -145,7 +148,7 @@ def _header_stats(
 
 
 #: at most this many tags and headers (all records together) are counted in plain Python
-SMALL = 64
+SMALL = 256
 
 
 def _small_stats(
@@ -171,6 +174,25 @@ def _small_stats(
     return count_small(n, tag_offs, names, header_offs, keys, values)
 
 
+def _record_ids(offsets: list[int], n: int) -> list[int]:
+    """The record index of each list element, from ``n + 1`` list offsets (C-level
+    iterators: no Python code runs per element)."""
+    return list(chain.from_iterable(map(repeat, range(n), map(sub, offsets[1:], offsets[:n]))))
+
+
+def _distinct_per_record(offsets: list[int], items: list[bytes], n: int) -> bool:
+    """Whether no record's list repeats an element (what counting by occurrences needs)."""
+    if n == 1:
+        return len(set(items)) == len(items)
+    return len(set(zip(_record_ids(offsets, n), items, strict=True))) == len(items)
+
+
+def _rebased(items: list[bytes], offsets: list[int], n: int) -> tuple[list[bytes], list[int]]:
+    """The elements the ``n`` lists hold, and their offsets from 0."""
+    lo = offsets[0]
+    return items[lo : offsets[n]], [o - lo for o in offsets]
+
+
 def count_small(
     n: int,
     tag_offsets: list[int],
@@ -181,37 +203,54 @@ def count_small(
 ) -> tuple[int, dict[bytes, int] | None, dict[bytes, KeySummary] | None]:
     """The counts of ``_small_stats`` from plain lists: the records' tags (``tags``, record
     ``i``'s are ``tags[tag_offsets[i]:tag_offsets[i + 1]]``; ``tag_offsets`` empty when no
-    record has one) and header pairs (``keys``/``values`` indexed by ``header_offsets``)."""
+    record has one) and header pairs (``keys``/``values`` indexed by ``header_offsets``).
+
+    When no record repeats a tag, a header key or a pair (the usual case), the counts are
+    occurrences, counted by ``Counter`` in C; else records are deduplicated one by one."""
+    if tags and tag_offsets[0]:  # elements before the first list belong to no record
+        tags, tag_offsets = _rebased(tags, tag_offsets, n)
+    if keys and header_offsets[0]:
+        values = values[header_offsets[0] : header_offsets[n]]
+        keys, header_offsets = _rebased(keys, header_offsets, n)
     untagged = n
     tag_counts: dict[bytes, int] | None = {}
     if tags:
-        counts: dict[bytes, int] = {}
-        for i in range(n):
-            mine = set(tags[tag_offsets[i] : tag_offsets[i + 1]])
-            untagged -= bool(mine)
-            for t in mine:
-                counts[t] = counts.get(t, 0) + 1
+        untagged = sum(map(eq, tag_offsets[:n], tag_offsets[1:]))
+        if _distinct_per_record(tag_offsets, tags, n):
+            counts = dict(Counter(tags))
+        else:
+            counts = dict(
+                Counter(
+                    chain.from_iterable(
+                        set(tags[tag_offsets[i] : tag_offsets[i + 1]]) for i in range(n)
+                    )
+                )
+            )
         tag_counts = counts if len(counts) <= MAX_TAGS else None
     headers: dict[bytes, KeySummary] | None = {}
     if keys:
-        carriers: dict[bytes, int] = {}
-        pairs: dict[bytes, dict[bytes, int]] = {}
-        for i in range(n):
-            lo, hi = header_offsets[i], header_offsets[i + 1]
-            for key in set(keys[lo:hi]):
-                carriers[key] = carriers.get(key, 0) + 1
-            for key, value in set(zip(keys[lo:hi], values[lo:hi], strict=True)):
-                per = pairs.setdefault(key, {})
-                per[value] = per.get(value, 0) + 1
+        if _distinct_per_record(header_offsets, keys, n):
+            carriers = Counter(keys)
+            pair_counts = Counter(zip(keys, values, strict=True))
+        else:
+            carriers, pair_counts = Counter(), Counter()
+            for i in range(n):
+                lo, hi = header_offsets[i], header_offsets[i + 1]
+                carriers.update(set(keys[lo:hi]))
+                pair_counts.update(set(zip(keys[lo:hi], values[lo:hi], strict=True)))
         if len(carriers) > MAX_HEADER_KEYS:
             headers = None
         else:
-            headers = {
-                key: KeySummary(
-                    count, pairs[key] if len(pairs[key]) <= MAX_VALUES_PER_KEY else None
-                )
-                for key, count in carriers.items()
+            distinct = Counter(map(itemgetter(0), pair_counts))
+            pairs: dict[bytes, dict[bytes, int]] = {
+                key: {} for key, count in distinct.items() if count <= MAX_VALUES_PER_KEY
             }
+            if pairs:
+                for (key, value), count in pair_counts.items():
+                    per = pairs.get(key)
+                    if per is not None:
+                        per[value] = count
+            headers = {key: KeySummary(count, pairs.get(key)) for key, count in carriers.items()}
     return untagged, tag_counts, headers
 
 
@@ -282,6 +321,25 @@ def _bounded(
         if _header_section(headers) > MAX_SECTION_BYTES:
             headers = None
     return Summary(n, untagged, tags, headers)
+
+
+def canonical(
+    n: int,
+    untagged: int,
+    tags: dict[bytes, int] | None,
+    headers: dict[bytes, KeySummary] | None,
+) -> bytes:
+    """The summary bytes the encoder writes for records with these counts (``count_small``'s,
+    with nothing left out that the limits allow)."""
+    return encode(_bounded(n, untagged, tags, headers))
+
+
+def is_canonical(buf: Any, pos: int, h: BatchHeader, expected: bytes) -> bool:
+    """Whether the summary of the batch at ``buf[pos:]`` is ``expected``, byte for byte."""
+    at = pos + h.summary_position
+    return (
+        h.summary_length == len(expected) and memoryview(buf)[at : at + len(expected)] == expected
+    )
 
 
 def empty(n: int) -> bytes:
