@@ -476,7 +476,8 @@ def _read_int32s(buf: Any, at: int, count: int) -> list[int]:
     numpy for more: either beats building an Arrow array)."""
     if count <= len(_OFFSETS):
         return list(_OFFSETS[count - 1].unpack_from(buf, at))
-    return np.frombuffer(buf, dtype=_I32, count=count, offset=at).tolist()
+    out: list[int] = np.frombuffer(buf, dtype=_I32, count=count, offset=at).tolist()
+    return out
 
 
 def _non_decreasing(offsets: list[int]) -> bool:
