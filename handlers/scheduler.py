@@ -45,7 +45,13 @@ from sdk import delays as d
 from sdk.config import client_config
 from sdk.records import ConsumerRecord, TopicPartition
 from storage.codec import encode_batch
-from storage.errors import InvalidTopicError, StrataError, UnknownTopicOrPartitionError
+from storage.errors import (
+    InvalidTopicError,
+    NodeNotFoundError,
+    StrataError,
+    UnknownTopicOrPartitionError,
+    VersionConflictError,
+)
 from storage.metadata import MetadataStore
 from storage.metadata.delays import DelayStore, Intent, cancel_bucket
 
@@ -222,6 +228,10 @@ class Scheduler:
         self._producers: dict[str, Producer] = {}
         self._swept_at = 0.0
         self._stats = ThrottledWrites(STATS_EVERY, "scheduler's stats")
+        self._intents: dict[tuple[str, int], tuple[Intent | None, int]] = {}
+        """Each lane's intent as this process last wrote it (or read it), with the node's
+        version: what the node holds unless another process wrote it since, which the next
+        compare-and-set finds out. One entry per level partition."""
 
     async def close(self) -> None:
         self._stats.cancel()
@@ -293,6 +303,7 @@ class Scheduler:
         def leaves(r: Rec) -> int:
             return r.sid.due_ms if last_mile and r.sid is not None else r.timestamp + exit_after
 
+        original = recs
         head = leaves(recs[0]) - self.clock_ms()
         if head > 0:
             # nothing ready, so nothing to forward, and no forward to redo either: a record
@@ -300,7 +311,17 @@ class Scheduler:
             # clock, soon: the redo waits that long). No ZooKeeper read for records that
             # have just entered their level.
             return Outcome(recs[0].offset, head)
-        intent, version = await ds.read_lane(tp.topic, tp.partition)
+        key = (tp.topic, tp.partition)
+        known = self._intents.get(key)
+        if known is not None and (known[0] is None or recs[0].offset > known[0].a):
+            # no forward to redo, if this process's last write is still the lane's: the
+            # compare-and-set below fails if another process wrote since, and then the
+            # lane is read afresh before anything is sent
+            intent, version = known
+        else:
+            intent, version = await ds.read_lane(tp.topic, tp.partition)
+            self._intents[key] = (intent, version)
+            known = None
         if intent is not None and recs[0].offset <= intent.a:
             # the runner did not commit past the last forward: it may be incomplete, redo it
             chunk = [r for r in recs if intent.a <= r.offset < intent.b]
@@ -326,9 +347,17 @@ class Scheduler:
             ready.append(r)
             size += r.size
         if ready:
-            intent = await ds.write_intent(
-                tp.topic, tp.partition, ready[0].offset, ready[-1].offset + 1, now, version
-            )
+            try:
+                intent = await ds.write_intent(
+                    tp.topic, tp.partition, ready[0].offset, ready[-1].offset + 1, now, version
+                )
+            except (VersionConflictError, NodeNotFoundError):
+                self._intents.pop(key, None)
+                if known is None:
+                    raise
+                # another process wrote the lane since this one did: read it, and start over
+                return await self._lane(ds, store, producer, bootstrap, tp, original)
+            self._intents[key] = (intent, intent.version)
             await self._forward(ds, store, producer, tp, intent, ready)
         if len(ready) == len(recs):
             return Outcome()
