@@ -482,6 +482,7 @@ class Scheduler:
                 producer_id=producer_id(intent, lane, dest),
                 producer_epoch=0,
                 base_sequence=0,
+                summary=deliver,  # filters read targets, not levels
             )
             for dest, recs in outputs.items()
         }

@@ -187,6 +187,10 @@ class ProducerConfig(ClientConfig):
     retries: int = Field(2_147_483_647, alias="retries", ge=0)
     delivery_timeout_ms: int = Field(120_000, alias="delivery.timeout.ms", ge=1)
     queue_buffering_max_messages: int = Field(100_000, alias="queue.buffering.max.messages", ge=1)
+    #: write each batch's tag and header summary (``storage.codec.summary``), which broker-side
+    #: filters read to skip batches undecoded; off for a topic no one filters (the retry
+    #: machinery's internal topics): the producer does not build it nor the leader check it
+    batch_summary: bool = Field(True, alias="batch.summary")
     #: None: on unless acks=0 (Kafka 3's default); see ``sdk.idempotence``
     enable_idempotence: bool | None = Field(None, alias="enable.idempotence")
     #: makes the producer transactional (``sdk.transactions``); needs acks=all (the default

@@ -411,9 +411,9 @@ class Producer:
             clock=self._clock,
             on_batch_closed=self._batch_closed,
             sequencer=Sequencer() if cfg.idempotent else None,
-            encoder=encode_batch
-            if txn is None
-            else functools.partial(encode_batch, transactional=True),
+            encoder=functools.partial(
+                encode_batch, transactional=txn is not None, summary=cfg.batch_summary
+            ),
             admit=None if txn is None else txn.admit,
             on_failure=None if txn is None else txn.batch_failed,
         )

@@ -301,7 +301,9 @@ def new_retrier_producer(
     bootstrap: Sequence[str] | str, extra: dict[str, Any] | None = None
 ) -> Producer:
     servers = bootstrap if isinstance(bootstrap, str) else ",".join(bootstrap)
-    return Producer(client_config(servers, {"acks": "all", **(extra or {})}))
+    # no one filters the failures topic: its batches go without a summary
+    settings = {"acks": "all", "batch.summary": False, **(extra or {})}
+    return Producer(client_config(servers, settings))
 
 
 H_DEAD = "strata.retry.dead"

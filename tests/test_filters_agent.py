@@ -15,6 +15,7 @@ import pytest
 
 from sdk import Consumer, Producer, SyncConsumer, SyncProducer, TopicPartition
 from storage.codec import encode_batch, iter_batches
+from storage.codec.header import MAGIC_V1
 from storage.errors import InconsistentFilterError, InvalidFilterError
 from storage.filters import parse, parse_tags
 from storage.filters.expr import And, Expr, HasHeader, Header, Not, Or, Tag
@@ -80,8 +81,9 @@ def _filtered_fetch_metrics(url: str) -> dict[str, float]:
 
 
 def test_filtered_consumers_get_exactly_what_a_client_side_filter_keeps(agent: Cluster) -> None:
-    """100,000 records with tags drawn from 50 values: mixed batches from the SDK producer,
-    batches of one tag each, and old-format batches (no summary) sent raw."""
+    """110,000 records with tags drawn from 50 values: mixed batches from the SDK producer,
+    batches of one tag each, old-format batches (no summary) sent raw, and batches from a
+    producer with ``batch.summary=false`` (the same format)."""
     agent.create_topic("f", 1)
     agent.wait_for_leaders("f")
     tp = TopicPartition("f", 0)
@@ -127,11 +129,26 @@ def test_filtered_consumers_get_exactly_what_a_client_side_filter_keeps(agent: C
                 resp = await client.call(m.ApiKey.PRODUCE, produce_request("f", 0, batch))
                 assert resp.topics[0].partitions[0].error_code == 0
                 i += 400
+            cfg["batch.summary"] = False
+            async with Producer(cfg) as producer:
+                chunk = [record(i + k) for k in range(10_000)]
+                await producer.send_batch(
+                    "f",
+                    [c[0] for c in chunk],
+                    tags=[c[1] for c in chunk],
+                    headers=[c[2] for c in chunk],
+                    partition=0,
+                )
+                await producer.flush()
+            resp = await client.call(m.ApiKey.FETCH, fetch_request("f", 0, i))
+            stored = resp.topics[0].partitions[0].records
+            magics = [h.magic for h, _ in iter_batches(stored)]
+            assert magics and set(magics) == {MAGIC_V1}  # no summary
         finally:
             await client.close()
 
     asyncio.run(produce())
-    end = 100_000
+    end = 110_000
 
     async def consume(**how: Any) -> list[Any]:
         cfg = {"bootstrap.servers": agent.bootstrap, "auto.offset.reset": "earliest"}
