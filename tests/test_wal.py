@@ -1158,3 +1158,30 @@ def test_a_header_checked_by_the_caller_is_trusted_only_for_its_own_bytes(
     with pytest.raises(CorruptBatchError):
         log.append(bad, leader_epoch=1, checked=header)  # header of other bytes: checked anyway
     assert snapshot(tmp_path) == before
+
+
+def test_reads_among_batches_appended_after_the_file_was_mapped(
+    open_log: Opener, tmp_path: Path
+) -> None:
+    """A reader a few batches behind the log end (a consumer, a follower, the delay
+    scheduler) walks headers appended since the segment file was last mapped: they are read
+    with ``pread`` where the mapping does not reach, and every read returns the batches a
+    read of the whole file would; the file is not mapped again for them."""
+    rng = random.Random(5)
+    log = open_log(tmp_path, config(segment_bytes=1 << 30))  # one segment
+    records = fill(log, rng, 20)
+    assert log.read(0, 1).batch_count == 1  # maps the file as it is now
+    seg = log.active
+    mapped = seg._map
+    records += fill(log, rng, 60)
+    end = log.log_end_offset
+    for offset in range(0, end, 3):
+        one = log.read(offset, 1)
+        first = read_header(one.data)
+        assert first.base_offset <= offset < first.base_offset + first.record_count
+        rest = log.read(offset, 1 << 30)
+        assert rest.next_offset == end
+        assert [r.value for r in decode(rest.data)] == [
+            r.value for r in records if r.offset >= first.base_offset
+        ]
+    assert seg._map is mapped
