@@ -35,6 +35,8 @@ _RECORD_COUNT = struct.Struct("<i")
 
 #: a read this short past the mapped part of the file is a ``pread``, not a new mapping
 TAIL_READ_BYTES = 256 << 10
+#: bytes of batch headers read at once past a segment file's mapping (``_HeaderReader``)
+HEADER_CHUNK = 16 << 10
 
 LOG_SUFFIX = ".log"
 INDEX_SUFFIX = ".index"
@@ -235,34 +237,12 @@ class Segment:
             return memoryview(data)
         return memoryview(self.buffer(end))[start:end]
 
-    def _mapped(self) -> Any:
-        """The file's mapping as it is, however much was appended since it was made (reads
-        past its end go through ``_bytes_at``); a mapping only if there is none yet."""
-        m = self._map
-        return m if m is not None else self.buffer()
-
-    def _bytes_at(self, buf: Any, position: int, size: int) -> tuple[Any, int]:
-        """(a buffer, where in it) holding the file's bytes ``[position, position + size)``:
-        the mapping where it reaches, else a ``pread`` of just those bytes. A reader near the
-        log end walks headers appended since the file was last mapped; mapping it again for
-        them cost about 13 us and its page faults after every append (a tenth of the agent's
-        busy time with the delay levels' one-record batches)."""
-        if position + size <= len(buf):
-            return buf, position
-        try:
-            data = os.pread(self.fd, size, position)
-        except OSError as exc:
-            raise storage_error(f"cannot read {self.path}", exc) from exc
-        if len(data) != size:
-            raise CorruptBatchError(f"{self.path} ends inside a batch", position=position)
-        return data, 0
-
     def walk(self, position: int, end: int | None = None) -> Iterator[tuple[BatchHeader, int]]:
         """Yield (header, position) of the batches from ``position`` (headers only, no CRC)."""
-        buf = self._mapped()
+        reader = _HeaderReader(self)
         end = self.size if end is None else end
         while position < end:
-            b, at = self._bytes_at(buf, position, HEADER_SIZE)
+            b, at = reader.at(position, HEADER_SIZE)
             try:
                 h = read_header(b, at)
             except CorruptBatchError as exc:
@@ -287,11 +267,18 @@ class Segment:
             if h.next_offset > upper:
                 return position, -1, 0
             return position + h.size, h.next_offset, 1
-        buf = self._mapped()
+        reader = _HeaderReader(self)
+        mapped = reader.buf
+        within = len(mapped) - 32  # headers starting at or below this are in the mapping
         end = self.size
         stop, next_offset, count = position, -1, 0
         while stop < end:
-            b, at = self._bytes_at(buf, stop, 32)
+            if stop <= within:
+                b, at = mapped, stop
+            else:
+                b, at = reader.at(stop, 32)
+                mapped = reader.buf
+                within = len(mapped) - 32
             base, length = _BASE_AND_LENGTH.unpack_from(b, at)
             size = length + 12
             if size < HEADER_SIZE or stop + size > end:
@@ -383,3 +370,41 @@ def _valid_batch_after(buf: Any, position: int, size: int) -> bool:
         if start + 8 * int(c) + h.size <= size:
             return True
     return False
+
+
+class _HeaderReader:
+    """A segment's bytes for a walk over its batch headers: the file's mapping as it is,
+    however much was appended since it was made; past its end, within ``TAIL_READ_BYTES`` of
+    the file's end, chunks of ``HEADER_CHUNK`` bytes read with ``pread``; further back, the
+    file mapped again. A reader a few batches behind the log end (a consumer, a follower, the
+    delay scheduler) used to map the file again after every append to read a few headers:
+    about 13 us and page faults each time, a tenth of an agent's busy time with the delay
+    levels' one-record batches."""
+
+    __slots__ = ("buf", "chunk", "chunk_at", "seg")
+
+    def __init__(self, seg: Segment) -> None:
+        self.seg = seg
+        self.buf: Any = seg._map if seg._map is not None else seg.buffer()
+        self.chunk = b""
+        self.chunk_at = 0
+
+    def at(self, position: int, size: int) -> tuple[Any, int]:
+        """(a buffer, where in it) holding the file's bytes ``[position, position + size)``."""
+        if position + size <= len(self.buf):
+            return self.buf, position
+        at = position - self.chunk_at
+        if at >= 0 and at + size <= len(self.chunk):
+            return self.chunk, at
+        seg = self.seg
+        if seg.size - position > TAIL_READ_BYTES:
+            self.buf = seg.buffer()
+            return self.buf, position
+        try:
+            data = os.pread(seg.fd, max(size, min(HEADER_CHUNK, seg.size - position)), position)
+        except OSError as exc:
+            raise storage_error(f"cannot read {seg.path}", exc) from exc
+        if len(data) < size:
+            raise CorruptBatchError(f"{seg.path} ends inside a batch", position=position)
+        self.chunk, self.chunk_at = data, position
+        return data, 0
