@@ -94,19 +94,22 @@ def test_filtered_consumers_get_exactly_what_a_client_side_filter_keeps(agent: C
         headers = [("region", rng.choice(REGIONS))] if i % 3 else []
         return b"value-%06d" % i, tags, headers
 
+    async def send(producer: Producer, first: int, count: int) -> None:
+        chunk = [record(first + k) for k in range(count)]
+        await producer.send_batch(
+            "f",
+            [c[0] for c in chunk],
+            tags=[c[1] for c in chunk],
+            headers=[c[2] for c in chunk],
+            partition=0,
+        )
+
     async def produce() -> None:
         cfg = {"bootstrap.servers": agent.bootstrap, "acks": 1, "batch.size": 64 << 10}
         async with Producer(cfg) as producer:
             i = 0
             while i < 60_000:  # mixed batches, with summaries
-                chunk = [record(i + k) for k in range(1000)]
-                await producer.send_batch(
-                    "f",
-                    [c[0] for c in chunk],
-                    tags=[c[1] for c in chunk],
-                    headers=[c[2] for c in chunk],
-                    partition=0,
-                )
+                await send(producer, i, 1000)
                 i += 1000
             while i < 80_000:  # one tag per batch (what filters skip by summary)
                 tag = TAGS[(i // 500) % len(TAGS)]
@@ -131,14 +134,7 @@ def test_filtered_consumers_get_exactly_what_a_client_side_filter_keeps(agent: C
                 i += 400
             cfg["batch.summary"] = False
             async with Producer(cfg) as producer:
-                chunk = [record(i + k) for k in range(10_000)]
-                await producer.send_batch(
-                    "f",
-                    [c[0] for c in chunk],
-                    tags=[c[1] for c in chunk],
-                    headers=[c[2] for c in chunk],
-                    partition=0,
-                )
+                await send(producer, i, 10_000)
                 await producer.flush()
             resp = await client.call(m.ApiKey.FETCH, fetch_request("f", 0, i))
             stored = resp.topics[0].partitions[0].records
