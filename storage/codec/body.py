@@ -486,12 +486,14 @@ def _non_decreasing(offsets: list[int]) -> bool:
 
 def check_small_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> SmallLists | None:
     """``check_flat_body`` for an uncompressed body with tags or headers, when it has at most
-    ``summary.SMALL`` of them in all: what ``decode_body(..., validate=True)`` proves (list
+    ``summary.SMALL`` records and ``summary.SMALL`` tags and header pairs in all: what ``decode_body(..., validate=True)`` proves (list
     and string offsets within bounds and never decreasing, header keys and tags UTF-8), in
     plain Python, and the lists the summary is checked against. Arrow's arrays and the
     columnar count cost ~150 us a batch before any record is looked at: what a one-record
     batch of the retry router or the delay scheduler, or a consumer's batch of failure
     records, paid on its leader. None for a larger body (decode it)."""
+    if n > summary.SMALL:  # its list offsets alone would be more Python work than Arrow's
+        return None
     at = list(accumulate((padded(x) for x in lengths[: N_BUFFERS - 1]), initial=0))
     at = [start + DIRECTORY_SIZE + a for a in at]
     hl = _small_lists(buf, at[7], lengths[7], n, "header")

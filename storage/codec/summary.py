@@ -147,7 +147,8 @@ def _header_stats(
     return {key_names[i]: KeySummary(int(key_records[i]), listed.get(i)) for i in range(k)}
 
 
-#: at most this many tags and headers (all records together) are counted in plain Python
+#: at most this many tags and headers (all records together), of at most this many records,
+#: are counted in plain Python
 SMALL = 256
 
 
@@ -289,13 +290,14 @@ def build(
     """The summary of ``n`` records from their tag and header lists as the body lays them out:
     int32[n+1] list offsets starting at 0 and the child values (None: every list empty).
 
-    Up to ``SMALL`` tags and headers in all are counted in plain Python (``_small_stats``):
+    Up to ``SMALL`` tags and headers in all, of up to ``SMALL`` records, are counted in plain
+    Python (``_small_stats``):
     the columnar counting's fixed cost (~1 ms of dictionary encodes and bincounts) is what a
     one-record batch of the retry router or the delay scheduler paid for its summary."""
     elements = (0 if tag_values is None else len(tag_values)) + (
         0 if header_pairs is None else len(header_pairs)
     )
-    if elements <= SMALL:
+    if elements <= SMALL and n <= SMALL:
         untagged, tags, headers = _small_stats(
             n, tag_offsets, tag_values, header_offsets, header_pairs
         )
@@ -466,7 +468,7 @@ def verify(s: Summary, rb: pa.RecordBatch) -> None:
     pairs = hdrs.values.slice(hdr_offsets[0], hdr_offsets[n] - hdr_offsets[0])
     tag_offsets = tag_offsets - tag_offsets[0]
     hdr_offsets = hdr_offsets - hdr_offsets[0]
-    if len(tag_values) + len(pairs) <= SMALL:  # counted as ``build`` counts them
+    if len(tag_values) + len(pairs) <= SMALL and n <= SMALL:  # counted as ``build`` counts them
         verify_counts(s, *_small_stats(n, tag_offsets, tag_values, hdr_offsets, pairs))
         return
     untagged, got_tags = _tag_stats(tag_offsets, tag_values, n, len(s.tags or ()))
