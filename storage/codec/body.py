@@ -492,13 +492,13 @@ def check_small_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> Sm
     columnar count cost ~150 us a batch before any record is looked at: what a one-record
     batch of the retry router or the delay scheduler, or a consumer's batch of failure
     records, paid on its leader. None for a larger body (decode it)."""
-    if n > summary.SMALL:  # its list offsets alone would be more Python work than Arrow's
+    if not summary.counted_one_by_one(n, 0):  # its list offsets alone: more than Arrow's work
         return None
     at = list(accumulate((padded(x) for x in lengths[: N_BUFFERS - 1]), initial=0))
     at = [start + DIRECTORY_SIZE + a for a in at]
     hl = _small_lists(buf, at[7], lengths[7], n, "header")
     tl = _small_lists(buf, at[12], lengths[12], n, "tag")
-    if hl[n] + tl[n] > summary.SMALL:
+    if not summary.counted_one_by_one(n, hl[n] + tl[n]):
         return None
     check_flat_body(buf, start, lengths, n)
     keys = _small_strings(buf, at[8], lengths[8], at[9], lengths[9], hl[n], "header key")

@@ -152,6 +152,13 @@ def _header_stats(
 SMALL = 256
 
 
+def counted_one_by_one(n: int, elements: int) -> bool:
+    """Whether ``n`` records with ``elements`` tags and header pairs in all are counted (and
+    checked) in plain Python rather than column by column: the one rule the encoder's
+    ``build``, the deep check (``verify``, ``body.check_small_body``) share."""
+    return n <= SMALL and elements <= SMALL
+
+
 def _small_stats(
     n: int,
     tag_offsets: Any,
@@ -297,7 +304,7 @@ def build(
     elements = (0 if tag_values is None else len(tag_values)) + (
         0 if header_pairs is None else len(header_pairs)
     )
-    if elements <= SMALL and n <= SMALL:
+    if counted_one_by_one(n, elements):
         untagged, tags, headers = _small_stats(
             n, tag_offsets, tag_values, header_offsets, header_pairs
         )
@@ -468,7 +475,7 @@ def verify(s: Summary, rb: pa.RecordBatch) -> None:
     pairs = hdrs.values.slice(hdr_offsets[0], hdr_offsets[n] - hdr_offsets[0])
     tag_offsets = tag_offsets - tag_offsets[0]
     hdr_offsets = hdr_offsets - hdr_offsets[0]
-    if len(tag_values) + len(pairs) <= SMALL and n <= SMALL:  # counted as ``build`` counts them
+    if counted_one_by_one(n, len(tag_values) + len(pairs)):  # as ``build`` counts them
         verify_counts(s, *_small_stats(n, tag_offsets, tag_values, hdr_offsets, pairs))
         return
     untagged, got_tags = _tag_stats(tag_offsets, tag_values, n, len(s.tags or ()))
