@@ -57,6 +57,15 @@ def _default_spawn(coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[N
     return asyncio.get_running_loop().create_task(coro, name=name)
 
 
+def _discard(fut: asyncio.Future[Any]) -> None:
+    """Settle a future nobody will await without leaving an error to be logged as "never
+    retrieved" when it is collected (the caller gets the error raised instead)."""
+    if not fut.done():
+        fut.cancel()
+    elif not fut.cancelled():
+        fut.exception()
+
+
 class Connection:
     """A connection to ``host:port``; ``await connect()`` then ``await request(body)``."""
 
@@ -237,6 +246,23 @@ class Connection:
             fut = asyncio.get_running_loop().create_future()
             self._pending[correlation_id] = fut
         try:
+            await self._write(stream, parts)
+        except BaseException:
+            if fut is not None:  # this request's own answer: nobody will await it now
+                self._pending.pop(correlation_id, None)
+                _discard(fut)
+            raise
+        if on_sent is not None:
+            on_sent()
+        if fut is None:
+            return None
+        try:
+            return await fut
+        finally:
+            self._pending.pop(correlation_id, None)
+
+    async def _write(self, stream: FrameStream, parts: list[Any]) -> None:
+        try:
             async with self._write_lock:  # one request's parts at a time on the socket
                 if self._closed is not None:
                     raise self._closed_error()
@@ -248,14 +274,6 @@ class Connection:
         except OSError as exc:
             self._fail(NetworkError(f"writing to {self.host}:{self.port} failed: {exc}"))
             raise self._closed_error() from None
-        if on_sent is not None:
-            on_sent()
-        if fut is None:
-            return None
-        try:
-            return await fut
-        finally:
-            self._pending.pop(correlation_id, None)
 
     async def _read_loop(self, frames: FrameStream) -> None:
         error: StrataError | None = None
