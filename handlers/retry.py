@@ -17,23 +17,31 @@ and sends the record on:
   of a key-ordered group is followed by a notice on the retry topic (``strata.retry.dead``) so
   the key's next record may go.
 
-**Exactly once.** Every output is its own batch, with a producer id derived from the record's
-identity and attempt, sequence 0, to a destination partition derived from the same things
-(``Producer.send_exact``), and every choice — due time (the jitter is a hash), level, entry
-timestamp — is a function of the failure record alone. An invocation's batches bound for one
-partition go back to back in one request (:func:`send_runs`: one request per leader, not one
-per record); the agent checks each batch of such a run as it would alone, but refuses the
-whole run if one of them is already stored (``DuplicateSequenceError``), and the router then
-sends them one by one, each answered as stored or stored now. A router that crashes and routes the
-same failure record again writes the same batch (one header may differ: the retry topic's id,
-if that topic was created again in between), and the destination's leader answers it as a
-duplicate (by its producer id and sequence). So nothing is lost (the runner commits only what was routed) and nothing is
-dead-lettered or retried twice (``docs/retries.md`` gives the bounds).
+**Exactly once.** The router forwards a failures partition in *ranges*, as the delay scheduler
+forwards a lane (``handlers.scheduler``): before it sends anything it writes its *intent*, the
+range ``[a, b)`` of failure records it is about to route, to ZooKeeper (compare-and-set:
+``storage.metadata.retry``), then writes one batch per destination partition with a producer
+id derived from (failures partition, the intent's version and start, destination), sequence
+0. A router that crashes mid-forward, or an invocation that fails, leaves the runner's
+commit at or before ``a``: the next invocation redoes exactly ``[a, b)`` (reading the records
+again if its batch lacks some), every choice — destination, due time (the jitter is a hash),
+level, entry timestamp — being a function of each failure record and its policy, so it writes
+the same batches, which the destinations' leaders answer as duplicates; records below ``b``
+are skipped. A *copy* of a failure record (a consumer that crashed after storing one and
+before committing its source offset fails the record again) sits at another offset of the same
+failures partition (``sdk.failures.failures_partition``): the router remembers the identities
+(group, original topic/partition/offset, attempt, parks) of the last :data:`WINDOW` failure
+records of each partition it forwards, reading them back from the log when it takes a
+partition over, and drops a copy whose original is among them. So nothing is lost (the runner
+commits only what was routed) and nothing is dead-lettered or retried twice, within those
+bounds (``docs/retries.md``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import hashlib
 import logging
 import os
 import time
@@ -43,14 +51,15 @@ from typing import Any
 
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from handlers.stats import ThrottledWrites
-from sdk import Producer
+from sdk import Consumer, Producer
 from sdk import delays as d
 from sdk import retry as r
 from sdk.config import client_config
 from sdk.records import ConsumerRecord, TopicPartition
 from storage.codec import encode_batch
-from storage.errors import StrataError
+from storage.errors import NodeNotFoundError, StrataError, VersionConflictError
 from storage.metadata import MetadataStore
+from storage.metadata.delays import Intent
 from storage.metadata.retry import RetryStore
 from storage.retry_policy import DEFAULT_POLICY, RetryPolicy
 
@@ -60,9 +69,14 @@ SEND_TIMEOUT = 10.0
 POLICY_TTL_S = 5.0
 #: at most one write of the router's counts to ZooKeeper this often (``handlers.stats``)
 STATS_EVERY = 1.0
-#: bytes of one-record batches sent in one round of requests (the router's memory for them
-#: is the invocation's records, bounded by the runner's batch size)
-MAX_RUN_BYTES = 1 << 20
+CHUNK_BYTES = 512 * 1024
+"""At most this many record bytes are forwarded under one intent (one output batch never
+exceeds it)."""
+WINDOW = 50_000
+"""Failure records whose identities the router remembers per failures partition: a copy of a
+failure record is recognised (and dropped) if its original is among the last this many
+records of its partition."""
+READ_TIMEOUT = 30.0
 Headers = list[tuple[str, bytes]]
 
 
@@ -98,31 +112,23 @@ class Output:
     summary: bool = True
     """Write the tag/header summary filters use (not needed in a delay level)."""
 
-    def encode(self) -> bytes:
-        return encode_batch(
-            [self.record.value],
-            keys=[self.record.key],
-            timestamps=self.timestamp,
-            headers=[self.headers],
-            tags=[list(self.record.tags) or None],
-            producer_id=self.producer_id,
-            producer_epoch=0,
-            base_sequence=0,
-            summary=self.summary,
-        )
-
 
 @dataclass
 class Stats:
     retries_by_attempt: dict[str, int] = field(default_factory=dict)
     dead_lettered: dict[str, int] = field(default_factory=dict)
     parked: int = 0
+    copies: int = 0
+    """Copies of failure records recognised and dropped."""
+    redone: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
             "retries_by_attempt": dict(self.retries_by_attempt),
             "dead_lettered": dict(self.dead_lettered),
             "parked": self.parked,
+            "copies": self.copies,
+            "redone": self.redone,
         }
 
 
@@ -152,8 +158,16 @@ class Router:
         clock_ms: Callable[[], int] = _wall_ms,
         name: str | None = None,
         stats_every: float = STATS_EVERY,
+        window: int = WINDOW,
+        chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
         self.clock_ms = clock_ms
+        self.window = window
+        self.chunk_bytes = chunk_bytes
+        self._intents: dict[int, tuple[Intent | None, int]] = {}
+        """Each failures partition's intent as this process last wrote (or read) it, with the
+        node's version (as the scheduler's lanes)."""
+        self._seen: dict[int, Seen] = {}
         self.name = name or f"router-{os.getpid()}"
         self.stats = Stats()
         self._producers: dict[str, Producer] = {}
@@ -186,7 +200,8 @@ class Router:
 
     async def process(self, event: Mapping[str, Any], store: MetadataStore) -> dict[str, Any]:
         """One invocation: routes every record, answers Lambda's ``batchItemFailures``."""
-        producer = await self._producer(str(event.get("bootstrapServers") or ""))
+        bootstrap = str(event.get("bootstrapServers") or "")
+        producer = await self._producer(bootstrap)
         rs = RetryStore(store.zk)
         counts = PartitionCounts(producer)
         failures = []
@@ -199,7 +214,7 @@ class Router:
         for recs in batches:
             recs.sort(key=lambda x: x.offset)
             try:
-                await self._route_partition(rs, producer, counts, recs)
+                await self._route_partition(rs, producer, counts, bootstrap, recs)
             except StrataError as exc:
                 log.warning("routing %s[%d] failed: %r", recs[0].topic, recs[0].partition, exc)
                 failures.append(
@@ -226,25 +241,104 @@ class Router:
         rs: RetryStore,
         producer: Producer,
         counts: PartitionCounts,
+        bootstrap: str,
         recs: list[ConsumerRecord],
     ) -> None:
+        """Route one failures partition's records, in ranges under intents (module
+        docstring)."""
+        tp = TopicPartition(recs[0].topic, recs[0].partition)
+        known = self._intents.get(tp.partition)
+        if known is not None and (known[0] is None or recs[0].offset > known[0].a):
+            intent, version = known  # no forward to redo (unless another process wrote since)
+        else:
+            intent, version = await rs.read_forward(tp.partition)
+            self._intents[tp.partition] = (intent, version)
+            self._seen.pop(tp.partition, None)  # another process may have routed meanwhile
+            known = None
+        if intent is not None and recs[0].offset <= intent.a:
+            # the runner did not commit past the last forward: it may be incomplete, redo it
+            chunk = [x for x in recs if intent.a <= x.offset < intent.b]
+            if not chunk or chunk[0].offset != intent.a or recs[-1].offset < intent.b - 1:
+                chunk = await read_range(bootstrap, tp, intent.a, intent.b)
+            log.info("redo %s[%d] [%d, %d)", tp.topic, tp.partition, intent.a, intent.b)
+            self.stats.redone += 1
+            await self._forward(rs, producer, counts, bootstrap, tp, intent, chunk)
+        if intent is not None:
+            recs = [x for x in recs if x.offset >= intent.b]  # forwarded already
+        while recs:
+            size = 0
+            n = 0
+            for x in recs:
+                size += len(x.value or b"") + len(x.key or b"")
+                if n and size > self.chunk_bytes:
+                    break
+                n += 1
+            chunk, recs = recs[:n], recs[n:]
+            try:
+                intent = await rs.write_forward(
+                    tp.partition, chunk[0].offset, chunk[-1].offset + 1, self.clock_ms(), version
+                )
+            except (VersionConflictError, NodeNotFoundError):
+                self._intents.pop(tp.partition, None)
+                raise  # another process forwards this partition: the runner tries again
+            version = intent.version
+            self._intents[tp.partition] = (intent, version)
+            await self._forward(rs, producer, counts, bootstrap, tp, intent, chunk)
+
+    async def _forward(
+        self,
+        rs: RetryStore,
+        producer: Producer,
+        counts: PartitionCounts,
+        bootstrap: str,
+        tp: TopicPartition,
+        intent: Intent,
+        chunk: list[ConsumerRecord],
+    ) -> None:
+        """Route ``chunk``, the records of ``intent``: copies of failures already routed are
+        dropped, the rest written as one batch per destination partition."""
+        seen = await self._seen_before(bootstrap, tp, intent.a)
+        fresh: dict[Identity, None] = {}
         outputs: list[Output] = []
-        for rec in recs:
+        copies = 0
+        for rec in chunk:
+            ident = identity(rec)
+            if ident is not None and (ident in seen.ids or ident in fresh):
+                copies += 1
+                continue
+            if ident is not None:
+                fresh[ident] = None
             outputs += await self.route(rs, counts, rec)
-        encoded = [(out, out.encode()) for out in outputs]
-        try:
-            await send_runs(producer, encoded)
-        except StrataError as exc:
-            # a run holding a batch already stored (a redo, a copy of a failure record) is
-            # refused whole (DuplicateSequenceError): each batch alone is answered as stored
-            # or stored now; any other failure is retried the same way, batch by batch
-            log.info("routing %d record(s) batch by batch after %r", len(encoded), exc)
-            sender = r.ExactSender(producer, send_timeout=SEND_TIMEOUT)
-            for out, batch in encoded:  # a key's records keep their order
-                sender.submit(out.tp, out.record.key, batch)
-            await sender.flush()
+        by_dest: dict[TopicPartition, list[Output]] = {}
+        for out in outputs:
+            by_dest.setdefault(out.tp, []).append(out)
+        batches = {
+            dest: encode_outputs(outs, forward_producer_id(tp, intent, dest))
+            for dest, outs in by_dest.items()
+        }
+        if batches:
+            await producer.send_exact(batches, SEND_TIMEOUT, channel="retry")
+        seen.extend(fresh, intent.b)
+        self.stats.copies += copies
         for out in outputs:
             self._count(out)
+
+    async def _seen_before(self, bootstrap: str, tp: TopicPartition, at: int) -> Seen:
+        """The identities of the failure records of ``tp`` below ``at`` (at most the last
+        ``window``): this process's own memory if it routed up to ``at``, else read back from
+        the log (a partition taken over, a restart)."""
+        seen = self._seen.get(tp.partition)
+        if seen is not None and seen.end <= at:
+            return seen  # (between end and at: records the runner does not see, e.g. markers)
+        seen = Seen(self.window)
+        if at > 0:
+            start = max(0, at - self.window)
+            for rec in await read_range(bootstrap, tp, start, at, from_earliest=True):
+                if (ident := identity(rec)) is not None:
+                    seen.ids[ident] = None
+        seen.end = at
+        self._seen[tp.partition] = seen
+        return seen
 
     def _count(self, out: Output) -> None:
         if out.kind == "retry":
@@ -311,30 +405,88 @@ class Router:
         return [Output(lane, pid, rec, headers, failed_ms, kind, summary=False)]
 
 
-async def send_runs(producer: Producer, encoded: list[tuple[Output, bytes]]) -> None:
-    """Store the one-record batches of ``encoded`` as runs: the batches bound for one
-    partition, in order, back to back, in rounds of at most :data:`MAX_RUN_BYTES` (all
-    partitions together; a larger batch goes alone), each round one request per leader. Each
-    batch keeps its own producer id, so the agent checks them one by one as it would alone; a
-    run is stored whole or not at all. Two copies of a failure record in one invocation make
-    the same batch (same producer id): it goes once (twice in a run, the agent would refuse
-    the second as out of sequence)."""
-    rounds: list[dict[TopicPartition, list[bytes]]] = [{}]
-    size = 0
-    seen: set[tuple[TopicPartition, int]] = set()
-    for out, batch in encoded:
-        if (out.tp, out.producer_id) in seen:
-            continue
-        seen.add((out.tp, out.producer_id))
-        if size and size + len(batch) > MAX_RUN_BYTES:
-            rounds.append({})
-            size = 0
-        rounds[-1].setdefault(out.tp, []).append(batch)
-        size += len(batch)
-    for batches in rounds:
-        await producer.send_exact(
-            {tp: b"".join(run) for tp, run in batches.items()}, SEND_TIMEOUT, channel="retry"
-        )
+Identity = tuple[str, int, int, bool]
+
+
+def identity(rec: ConsumerRecord) -> Identity | None:
+    """What makes two failure records the same failure: the source record (group, original
+    topic, partition, offset), the attempt that failed, how often it was parked and whether
+    this is a park."""
+    group = r.header(rec.headers, r.H_GROUP)
+    if not group:
+        return None
+    info = r.retry_info(rec)
+    seed = r.identity_seed(group.decode(), info.topic, info.partition, info.offset)
+    return seed, info.attempt, info.parked, r.header(rec.headers, r.H_PARK) is not None
+
+
+class Seen:
+    """The identities of one failures partition's records below ``end`` (the last ``size``
+    of them, oldest forgotten first)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.end = 0
+        self.ids: dict[Identity, None] = {}
+
+    def extend(self, ids: Mapping[Identity, None], end: int) -> None:
+        self.ids.update(ids)
+        while len(self.ids) > self.size:
+            del self.ids[next(iter(self.ids))]
+        self.end = end
+
+
+def forward_producer_id(source: TopicPartition, intent: Intent, dest: TopicPartition) -> int:
+    """The producer id of one output batch of a forward (63 bits, never negative)."""
+    text = (
+        f"router/{source.topic}/{source.partition}/{intent.version}/{intent.a}"
+        f"/{dest.topic}/{dest.partition}"
+    )
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
+def encode_outputs(outputs: list[Output], producer_id: int) -> bytes:
+    """One destination's outputs as one batch, in the order routed (a key's order kept)."""
+    return encode_batch(
+        [o.record.value for o in outputs],
+        keys=[o.record.key for o in outputs],
+        timestamps=[o.timestamp for o in outputs],
+        headers=[o.headers for o in outputs],
+        tags=[list(o.record.tags) or None for o in outputs],
+        producer_id=producer_id,
+        producer_epoch=0,
+        base_sequence=0,
+        summary=outputs[0].summary,  # (the destination decides: filters read no level)
+    )
+
+
+async def read_range(
+    bootstrap: str,
+    tp: TopicPartition,
+    start: int,
+    end: int,
+    *,
+    from_earliest: bool = False,
+    limit_s: float = READ_TIMEOUT,
+) -> list[ConsumerRecord]:
+    """The committed records of ``tp`` in ``[start, end)`` (a redo's, or those a partition
+    taken over is remembered by); ``from_earliest``: from the log's start if ``start`` is
+    below it (retention)."""
+    config = {
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest" if from_earliest else "none",
+        "max.poll.records": 10_000,
+    }
+    out: list[ConsumerRecord] = []
+    async with Consumer(client_config(bootstrap, config)) as c:
+        c.assign([tp])
+        c.seek(tp, start)
+        async with asyncio.timeout(limit_s):
+            while await c.position(tp) < end:
+                got = await c.getmany(tp, timeout_ms=200, max_records=10_000)
+                out += [x for x in got.get(tp, []) if x.offset < end]
+    return out
 
 
 def close(router: Router, timeout: float = 5.0) -> None:

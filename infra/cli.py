@@ -1334,7 +1334,7 @@ def retry_status() -> None:
         dead = ", ".join(f"{t}: {c}" for t, c in sorted(stats["dead_lettered"].items()))
         out.print(
             f"{name}: retries by attempt {by_attempt or '-'}; dead-lettered {dead or '-'}; "
-            f"parked {stats['parked']}"
+            f"parked {stats['parked']}; copies dropped {stats.get('copies', 0)}"
         )
 
 

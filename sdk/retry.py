@@ -15,12 +15,12 @@ either to the dead-letter topic or, through the delay levels, to the group's ret
 **Exactly once, where it matters.** Failure records are written by an ordinary idempotent
 producer (batched: a failure costs the consumer little), so a consumer that crashes after
 writing one and before committing may write a second copy when it fails the record again.
-Copies are harmless: the router's outputs are one-record batches whose producer id is derived
-from (group, original topic, partition, offset, attempt) — never from the failure record's
-own offset or time — written with ``Producer.send_exact`` to a destination derived from the
-same things, so the destination's leader stores the first and answers every other copy as a
-duplicate (``docs/delays.md``, "exactly once on the target"). A record is retried, and
-dead-lettered, once per failed attempt. :class:`ExactSender` sends those outputs.
+Copies are harmless: both land in the same failures partition
+(:func:`~sdk.failures.failures_partition`), and the router remembers the identities of the
+failure records it routed (group, original topic, partition, offset, attempt) and drops a copy;
+its outputs are written under intents, so a router that crashes mid-way redoes exactly what it
+had planned (``handlers.retry``). A record is retried, and dead-lettered, once per failed
+attempt.
 
 **Attempts.** A record from a source topic is on its attempt 1; a record redelivered from the
 retry topic carries the attempt that failed last (``strata.retry.attempt``), so it is on that
@@ -41,11 +41,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,86 +119,6 @@ __all__ = [
     "retry_info",
     "retry_topic",
 ]
-
-
-class ExactSender:
-    """Sends one-record exactly-once batches (``Producer.send_exact``) with many in flight:
-    those of one (partition, key) one after the other, in the order given — a key's order
-    is kept — and everything else at once, at most ``max_in_flight`` requests. A send that
-    fails is tried again (its producer id makes a second copy harmless) until it succeeds or
-    the sender is closed."""
-
-    def __init__(
-        self,
-        producer: Producer,
-        *,
-        max_in_flight: int = 64,
-        send_timeout: float = SEND_TIMEOUT,
-        retry_s: float = 0.5,
-    ) -> None:
-        self.producer = producer
-        self.send_timeout = send_timeout
-        self.retry_s = retry_s
-        self._slots = asyncio.Semaphore(max_in_flight)
-        self._tails: dict[tuple[TopicPartition, bytes], asyncio.Task[None]] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.closed = False
-
-    def submit(
-        self,
-        tp: TopicPartition,
-        key: bytes | None,
-        batch: bytes,
-        done: Callable[[], None] | None = None,
-    ) -> asyncio.Task[None]:
-        """Start sending; ``done()`` runs once it is stored."""
-        chain = None if key is None else (tp, key)
-        before = None if chain is None else self._tails.get(chain)
-        task = asyncio.ensure_future(self._send(tp, batch, before, done))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        if chain is not None:
-            self._tails[chain] = task
-            task.add_done_callback(functools.partial(self._drop_tail, chain))
-        return task
-
-    def _drop_tail(self, chain: tuple[TopicPartition, bytes], task: asyncio.Task[None]) -> None:
-        if self._tails.get(chain) is task:
-            del self._tails[chain]
-
-    async def _send(
-        self,
-        tp: TopicPartition,
-        batch: bytes,
-        before: asyncio.Task[None] | None,
-        done: Callable[[], None] | None,
-    ) -> None:
-        if before is not None:
-            await asyncio.wait([before])
-        while True:
-            try:
-                async with self._slots:
-                    await self.producer.send_exact({tp: batch}, self.send_timeout, channel="retry")
-                break
-            except StrataError as exc:
-                if self.closed or not exc.retriable:
-                    raise
-                log.warning("storing a retry record on %s failed (trying again): %r", tp, exc)
-                await asyncio.sleep(self.retry_s)
-        if done is not None:
-            done()
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._tasks)
-
-    async def flush(self, wait_s: float | None = None) -> None:
-        """Wait until everything submitted is stored (the first error if something fails
-        for good)."""
-        tasks = list(self._tasks)
-        if tasks:
-            async with asyncio.timeout(wait_s):
-                await asyncio.gather(*tasks)
 
 
 class Retrier:

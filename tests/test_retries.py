@@ -710,46 +710,48 @@ def test_concurrent_invocations_leave_the_routers_newest_counts(
     assert asyncio.run(main())["retries_by_attempt"] == {"1": 2}
 
 
-@pytest.mark.parametrize("round_bytes", [1 << 20, 3_000], ids=["one-round", "rounds-of-3kb"])
 def test_a_router_routing_failure_records_again_stores_each_output_once(
-    cluster: Cluster, round_bytes: int, monkeypatch: pytest.MonkeyPatch
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The router sends its one-record batches to a partition back to back in one request. A
-    redo (the same failure records routed again after a crash) or a copy of a failure record
-    puts batches already stored into such a run, which the agent refuses whole; the router
-    then sends each batch alone, and each is stored once: retries and dead letters alike.
-    Two copies of a failure record in one invocation are one batch, sent once. With a small
-    round size the batches go in several rounds of requests, with the same outcome."""
-    monkeypatch.setattr(retry_handler, "MAX_RUN_BYTES", round_bytes)
+    """The router forwards a failures partition in ranges under intents, one batch per
+    destination. Each output is stored once, retries and dead letters alike, when: the runner
+    hands it records it forwarded already (a redo, with the same process and with a new one,
+    which reads what it lacks from the log); a forward fails after its intent was written
+    and before anything was sent; a consumer wrote copies of a failure record, read in one
+    invocation, in later ones, and by a router process started after the original was
+    routed (which reads the identities back from the log)."""
     policy = {"backoff": "fixed", "initial_ms": 600_000, "jitter": False, "max_attempts": 2}
     set_policy(cluster, GROUP, TOPIC, policy)
     now = int(time.time() * 1000)
 
-    def failure(offset: int, attempt: int) -> ConsumerRecord:
-        source = ConsumerRecord(
-            TOPIC, offset % PARTITIONS, offset, now, b"k%d" % offset, b"v", [], ()
-        )
+    def failure(offset: int, attempt: int) -> Any:
+        source = ConsumerRecord(TOPIC, 0, offset, now, b"k%d" % offset, b"v", [], ())
         if attempt > 1:  # as it comes back from the retry topic
             source = source._replace(
                 topic=retry_topic(GROUP),
                 headers=[
                     (H_TOPIC, TOPIC.encode()),
-                    (H_PARTITION, str(offset % PARTITIONS).encode()),
+                    (H_PARTITION, b"0"),
                     (H_OFFSET, str(offset).encode()),
                     (H_ATTEMPT, str(attempt - 1).encode()),
                 ],
             )
-        f = build_failure(GROUP, source, "boom", now, 8)
-        return ConsumerRecord(
-            FAILURES_TOPIC, 0, offset, now, f.key, f.value, list(f.headers), tuple(f.tags or ())
-        )
+        return build_failure(GROUP, source, "boom", now, 8)
 
-    first = [failure(i, 1) for i in range(40)] + [failure(i, 2) for i in range(40, 50)]
-    again = first + [failure(i, 1) for i in range(50, 60)]  # a redo, then new records
-    copies = [failure(i, 1) for i in range(60, 70)] * 2  # new records, twice in one call
+    async def store(failures: list[Any]) -> list[ConsumerRecord]:
+        """Write failure records as a consumer does; returns them as the runner reads them."""
+        tp = TopicPartition(FAILURES_TOPIC, failures[0].tp.partition)
+        async with Consumer({"bootstrap.servers": cluster.bootstrap}) as c:
+            start = (await c.end_offsets([tp]))[tp]
+        async with Producer({"bootstrap.servers": cluster.bootstrap, "acks": "all"}) as p:
+            for f in failures:
+                await p.send(f.tp.topic, f.value, f.key, f.headers, f.tags, f.tp.partition)
+        got = await retry_handler.read_range(cluster.bootstrap, tp, start, start + len(failures))
+        assert len(got) == len(failures)
+        return got
 
     async def route(router: Router, recs: list[ConsumerRecord]) -> dict[str, Any]:
-        event = {"bootstrapServers": cluster.bootstrap, NATIVE_RECORDS: {"failures-0": recs}}
+        event = {"bootstrapServers": cluster.bootstrap, NATIVE_RECORDS: {"failures": recs}}
 
         async def run(store: MetadataStore) -> dict[str, Any]:
             return await router.process(event, store)
@@ -758,13 +760,35 @@ def test_a_router_routing_failure_records_again_stores_each_output_once(
         return answer
 
     async def main() -> None:
+        first = await store(
+            [failure(i, 1) for i in range(40)] + [failure(i, 2) for i in range(40, 50)]
+        )
         router = Router(name="router-redo")
         try:
             assert (await route(router, first))["batchItemFailures"] == []
+            more = await store([failure(i, 1) for i in range(50, 60)])
+            assert (await route(router, first + more))["batchItemFailures"] == []
+            # a new process given old records: it redoes the last forward, from the log
+            assert (await route(Router(name="router-new"), first[::3]))["batchItemFailures"] == []
+            copies = await store([failure(i, 1) for i in range(60, 70)] * 2)
+            assert (await route(router, copies))["batchItemFailures"] == []
+            assert router.stats.copies == 10
+            again = await store([failure(i, 1) for i in range(60, 70)])
             assert (await route(router, again))["batchItemFailures"] == []
-            assert (await route(Router(name="router-copy"), first[::3]))["batchItemFailures"] == []
-            async with asyncio.timeout(5):  # not held up retrying a copy as out of sequence
-                assert (await route(router, copies))["batchItemFailures"] == []
+            later = Router(name="router-later")  # knows nothing: reads the identities back
+            again = await store([failure(i, 1) for i in range(60, 65)])
+            assert (await route(later, again))["batchItemFailures"] == []
+            assert router.stats.copies == 20 and later.stats.copies == 5
+            # a forward that fails after its intent, before sending: the retry redoes it
+            cut = await store([failure(i, 1) for i in range(70, 80)])
+            real = retry_handler.encode_outputs
+            with monkeypatch.context() as m:
+                m.setattr(retry_handler, "encode_outputs", lambda *_: 1 / 0)
+                with pytest.raises(ZeroDivisionError):
+                    await route(later, cut)
+            monkeypatch.setattr(retry_handler, "encode_outputs", real)
+            assert (await route(later, cut))["batchItemFailures"] == []
+            assert later.stats.redone == 1
         finally:
             await router.close()
 
@@ -772,5 +796,5 @@ def test_a_router_routing_failure_records_again_stores_each_output_once(
     in_levels = 0
     for level in level_topics():
         in_levels += sum(asyncio.run(end_offsets(cluster.bootstrap, level)).values())
-    assert in_levels == 60  # records 0-39 and 50-69, each once
+    assert in_levels == 70  # records 0-39 and 50-79, each once
     assert sum(asyncio.run(end_offsets(cluster.bootstrap, DLQ)).values()) == 10

@@ -78,6 +78,30 @@ class Intent:
         return cls(int(doc["a"]), int(doc["b"]), int(doc["now"]), stat.version, stat.mzxid)
 
 
+async def read_intent(zk: AsyncZooKeeper, path: str) -> tuple[Intent | None, int]:
+    """The intent at ``path`` and the node version to compare-and-set against (-1: the node
+    does not exist yet). Also the retry router's (``storage.metadata.retry``)."""
+    try:
+        data, stat = await zk.get(path)
+    except NodeNotFoundError:
+        return None, -1
+    return Intent.from_node(data, stat), stat.version
+
+
+async def write_intent(
+    zk: AsyncZooKeeper, path: str, a: int, b: int, now: int, version: int
+) -> Intent:
+    """Compare-and-set the intent at ``path`` (``VersionConflictError`` if another process
+    wrote since ``version`` was read)."""
+    data = json.dumps({"a": a, "b": b, "now": now}).encode()
+    if version < 0:
+        with contextlib.suppress(NodeExistsError):
+            await zk.create(path, b"", makepath=True)
+        version = 0
+    stat = await zk.set(path, data, version)
+    return Intent(a, b, now, stat.version, stat.mzxid)
+
+
 class DelayStore:
     """Intents, cancels and statistics of the delay scheduler (see the module docstring)."""
 
@@ -88,25 +112,14 @@ class DelayStore:
     async def read_lane(self, topic: str, partition: int) -> tuple[Intent | None, int]:
         """The lane's last intent and the node version to compare-and-set against (-1: the
         node does not exist yet)."""
-        try:
-            data, stat = await self.zk.get(lane_path(topic, partition))
-        except NodeNotFoundError:
-            return None, -1
-        return Intent.from_node(data, stat), stat.version
+        return await read_intent(self.zk, lane_path(topic, partition))
 
     async def write_intent(
         self, topic: str, partition: int, a: int, b: int, now: int, version: int
     ) -> Intent:
         """Compare-and-set the lane's intent (``VersionConflictError`` if another process
         wrote since ``version`` was read)."""
-        data = json.dumps({"a": a, "b": b, "now": now}).encode()
-        path = lane_path(topic, partition)
-        if version < 0:
-            with contextlib.suppress(NodeExistsError):
-                await self.zk.create(path, b"", makepath=True)
-            version = 0
-        stat = await self.zk.set(path, data, version)
-        return Intent(a, b, now, stat.version, stat.mzxid)
+        return await write_intent(self.zk, lane_path(topic, partition), a, b, now, version)
 
     # ---- cancels -------------------------------------------------------------------------
     async def create_cancel(self, schedule_id: str, due_ms: int) -> int:

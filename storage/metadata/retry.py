@@ -4,6 +4,8 @@ Layout (under the cluster's chroot)::
 
     /groups/<group>/retry/<topic>    RetryPolicy (JSON)       the group's policy for a topic
     /retry/stats/<router name>        {...}                    counters for `strata retry status`
+    /retry/router/<partition>         {"a", "b", "now"}        the router's last forward of a
+                                                               failures partition (an intent)
     /retry/redrives/<task id>         RedriveTask (JSON)       one redrive's plan and progress
 
 A policy lives with the group's other metadata (``storage.metadata.groups``), so deleting the
@@ -22,12 +24,14 @@ import json
 from typing import Any
 
 from storage.errors import NodeExistsError, NodeNotFoundError
+from storage.metadata.delays import Intent, read_intent, write_intent
 from storage.metadata.groups import group_path, validate_group_id
 from storage.metadata.zk import AsyncZooKeeper
 from storage.names import validate_topic_name
 from storage.retry_policy import RetryPolicy
 
 STATS = "/retry/stats"
+FORWARDS = "/retry/router"
 REDRIVES = "/retry/redrives"
 
 
@@ -74,6 +78,17 @@ class RetryStore:
         return out
 
     # ---- statistics ----------------------------------------------------------------------
+    # ---- the router's intents -------------------------------------------------------------
+    async def read_forward(self, partition: int) -> tuple[Intent | None, int]:
+        """The router's last forward of a failures partition, with the node's version (-1:
+        none yet); ``handlers.retry`` has the argument."""
+        return await read_intent(self.zk, f"{FORWARDS}/{partition}")
+
+    async def write_forward(self, partition: int, a: int, b: int, now: int, version: int) -> Intent:
+        """Compare-and-set the router's intent to forward ``[a, b)`` of a failures partition
+        (``VersionConflictError``: another process wrote since ``version``)."""
+        return await write_intent(self.zk, f"{FORWARDS}/{partition}", a, b, now, version)
+
     async def write_stats(self, name: str, stats: dict[str, Any]) -> None:
         await self._put(f"{STATS}/{name}", json.dumps(stats).encode())
 
