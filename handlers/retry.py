@@ -100,10 +100,9 @@ def record_of(doc: Mapping[str, Any]) -> ConsumerRecord:
 
 @dataclass(frozen=True, slots=True)
 class Output:
-    """One routed record: its destination, its exactly-once producer id, what is written."""
+    """One routed record: its destination and what is written there."""
 
     tp: TopicPartition
-    producer_id: int
     record: ConsumerRecord
     headers: Headers
     timestamp: int
@@ -355,8 +354,7 @@ class Router:
         self, rs: RetryStore, counts: PartitionCounts, rec: ConsumerRecord
     ) -> list[Output]:
         """Where one failure record goes: a function of its headers and its policy only (a
-        second copy of a failure record, written at another time, routes the same way and
-        under the same producer id)."""
+        redo routes it the same way)."""
         h = rec.headers
         group = (r.header(h, r.H_GROUP) or b"").decode()
         info = r.retry_info(rec)
@@ -373,13 +371,11 @@ class Router:
         if not parked and policy.gives_up(attempt):
             dlq = policy.dlq_for(info.topic)
             dest = TopicPartition(dlq, info.partition % await counts(dlq))
-            pid = r.derived_producer_id("dlq", seed)
-            outs = [Output(dest, pid, rec, list(h), failed_ms, "dlq")]
+            outs = [Output(dest, rec, list(h), failed_ms, "dlq")]
             if ordered:
                 notice = [*h, (r.H_DEAD, b"1")]
                 tp = TopicPartition(retry_topic, info.partition % await counts(retry_topic))
-                notice_pid = r.derived_producer_id("notice", seed)
-                outs.append(Output(tp, notice_pid, rec, notice, failed_ms, "notice"))
+                outs.append(Output(tp, rec, notice, failed_ms, "notice"))
             return outs
         wait = policy.park_ms(info.parked) if parked else policy.backoff_ms(attempt, seed)
         due = failed_ms + wait
@@ -387,12 +383,12 @@ class Router:
         headers = [(k, v) for k, v in h if k not in d.DELAY_HEADERS and k != r.H_DUE_MS]
         headers.append((r.H_DUE_MS, str(due).encode()))
         kind = "park" if parked else "retry"
-        pid = r.derived_producer_id(kind, seed, attempt, info.parked)
         if wait <= 0:
-            return [Output(dest, pid, rec, headers, failed_ms, kind)]
+            return [Output(dest, rec, headers, failed_ms, kind)]
         # the level follows from the wait alone; entered at the failure time, the record
         # leaves it at failed_ms + 2**level <= due (at once if the router is late)
-        nonce = f"r{pid:x}"
+        # a nonce of the identity: a keyless record's lane follows from it, the same in a redo
+        nonce = f"r{r.derived_producer_id(kind, seed, attempt, info.parked):x}"
         sid = d.ScheduleId.new(due, dest.topic, dest.partition, rec.key, nonce)
         headers.append((d.HEADER_ID, sid.encode().encode()))
         if (topic_id := counts.topic_id(dest.topic)) is not None:
@@ -402,7 +398,7 @@ class Router:
         headers.append((d.HEADER_TIMESTAMP, str(failed_ms).encode()))
         level = d.level_topic(d.level_for(wait))
         lane = TopicPartition(level, sid.lane_in(await counts(level)))
-        return [Output(lane, pid, rec, headers, failed_ms, kind, summary=False)]
+        return [Output(lane, rec, headers, failed_ms, kind, summary=False)]
 
 
 Identity = tuple[str, int, int, bool]
