@@ -47,7 +47,7 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from handlers.stats import ThrottledWrites
@@ -301,13 +301,15 @@ class Router:
         outputs: list[Output] = []
         copies = 0
         for rec in chunk:
-            ident = identity(rec)
-            if ident is not None and (ident in seen.ids or ident in fresh):
+            failure = Failure.of(rec)
+            if failure is None:
+                log.warning("dropping a record without %s at offset %d", r.H_GROUP, rec.offset)
+                continue
+            if failure.identity in seen.ids or failure.identity in fresh:
                 copies += 1
                 continue
-            if ident is not None:
-                fresh[ident] = None
-            outputs += await self.route(rs, counts, rec)
+            fresh[failure.identity] = None
+            outputs += await self.route(rs, counts, failure)
         by_dest: dict[TopicPartition, list[Output]] = {}
         for out in outputs:
             by_dest.setdefault(out.tp, []).append(out)
@@ -333,8 +335,8 @@ class Router:
         if at > 0:
             start = max(0, at - self.window)
             for rec in await read_range(bootstrap, tp, start, at, from_earliest=True):
-                if (ident := identity(rec)) is not None:
-                    seen.ids[ident] = None
+                if (failure := Failure.of(rec)) is not None:
+                    seen.ids[failure.identity] = None
         seen.end = at
         self._seen[tp.partition] = seen
         return seen
@@ -351,19 +353,14 @@ class Router:
             self.stats.parked += 1
 
     async def route(
-        self, rs: RetryStore, counts: PartitionCounts, rec: ConsumerRecord
+        self, rs: RetryStore, counts: PartitionCounts, failure: Failure
     ) -> list[Output]:
         """Where one failure record goes: a function of its headers and its policy only (a
         redo routes it the same way)."""
+        rec, group, info, parked = failure.record, failure.group, failure.info, failure.parked
         h = rec.headers
-        group = (r.header(h, r.H_GROUP) or b"").decode()
-        info = r.retry_info(rec)
-        if not group:
-            log.warning("dropping a record without %s at offset %d", r.H_GROUP, rec.offset)
-            return []
         attempt = info.attempt - 1  # the attempt that failed
         failed_ms = int(r.header(h, r.H_FAILED_MS) or rec.timestamp)
-        parked = r.header(h, r.H_PARK) is not None
         policy = await self.policy(rs, group, info.topic)
         seed = r.identity_seed(group, info.topic, info.partition, info.offset)
         ordered = r.header(h, r.H_ORDERING) is not None
@@ -404,16 +401,31 @@ class Router:
 Identity = tuple[str, int, int, bool]
 
 
-def identity(rec: ConsumerRecord) -> Identity | None:
-    """What makes two failure records the same failure: the source record (group, original
-    topic, partition, offset), the attempt that failed, how often it was parked and whether
-    this is a park."""
-    group = r.header(rec.headers, r.H_GROUP)
-    if not group:
-        return None
-    info = r.retry_info(rec)
-    seed = r.identity_seed(group.decode(), info.topic, info.partition, info.offset)
-    return seed, info.attempt, info.parked, r.header(rec.headers, r.H_PARK) is not None
+class Failure(NamedTuple):
+    """A failure record with its ``strata.retry.*`` headers read once."""
+
+    record: ConsumerRecord
+    group: str
+    info: r.RetryInfo
+    parked: bool
+
+    @classmethod
+    def of(cls, rec: ConsumerRecord) -> Failure | None:
+        """None for a record without a group (not a failure record)."""
+        group = r.header(rec.headers, r.H_GROUP)
+        if not group:
+            return None
+        parked = r.header(rec.headers, r.H_PARK) is not None
+        return cls(rec, group.decode(), r.retry_info(rec), parked)
+
+    @property
+    def identity(self) -> Identity:
+        """What makes two failure records the same failure: the source record (group,
+        original topic, partition, offset), the attempt that failed, how often it was
+        parked and whether this is a park."""
+        info = self.info
+        seed = r.identity_seed(self.group, info.topic, info.partition, info.offset)
+        return seed, info.attempt, info.parked, self.parked
 
 
 class Seen:
