@@ -43,6 +43,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from handlers.ranges import read_range
 from handlers.runtime import Invocation, shared_runtime
 from sdk import Consumer, Producer, TopicPartition
 from sdk import retry as r
@@ -280,16 +281,7 @@ class Worker:
     async def _read(
         self, consumer: Consumer, tp: TopicPartition, a: int, b: int
     ) -> list[ConsumerRecord]:
-        consumer.assign([tp])
-        consumer.seek(tp, a)
-        out: list[ConsumerRecord] = []
-        async with asyncio.timeout(READ_TIMEOUT):
-            while not out or out[-1].offset < b - 1:
-                got = await consumer.getmany(tp, timeout_ms=500, max_records=b - a)
-                out += [x for x in got.get(tp, []) if a <= x.offset < b]
-                if out and out[-1].offset >= b - 1:
-                    break
-        return out
+        return await read_range(consumer, tp, a, b, limit_s=READ_TIMEOUT)
 
 
 def _dest(record: ConsumerRecord, partitions: int) -> int:

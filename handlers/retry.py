@@ -39,16 +39,16 @@ bounds (``docs/retries.md``).
 
 from __future__ import annotations
 
-import asyncio
 import base64
-import hashlib
 import logging
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from handlers import ranges
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from handlers.stats import ThrottledWrites
 from sdk import Consumer, Producer
@@ -430,27 +430,33 @@ class Failure(NamedTuple):
 
 class Seen:
     """The identities of one failures partition's records below ``end`` (the last ``size``
-    of them, oldest forgotten first)."""
+    of them, oldest forgotten first: an ``OrderedDict``, since taking the first key of a
+    plain dict again and again walks the slots already emptied, 15 us against 0.2 us per
+    record once the window is full)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
         self.end = 0
-        self.ids: dict[Identity, None] = {}
+        self.ids: OrderedDict[Identity, None] = OrderedDict()
 
     def extend(self, ids: Mapping[Identity, None], end: int) -> None:
         self.ids.update(ids)
         while len(self.ids) > self.size:
-            del self.ids[next(iter(self.ids))]
+            self.ids.popitem(last=False)
         self.end = end
 
 
 def forward_producer_id(source: TopicPartition, intent: Intent, dest: TopicPartition) -> int:
-    """The producer id of one output batch of a forward (63 bits, never negative)."""
-    text = (
-        f"router/{source.topic}/{source.partition}/{intent.version}/{intent.a}"
-        f"/{dest.topic}/{dest.partition}"
+    """The producer id of one output batch of a forward."""
+    return r.derived_producer_id(
+        "router",
+        source.topic,
+        source.partition,
+        intent.version,
+        intent.a,
+        dest.topic,
+        dest.partition,
     )
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
 
 
 def encode_outputs(outputs: list[Output], producer_id: int) -> bytes:
@@ -475,26 +481,18 @@ async def read_range(
     end: int,
     *,
     from_earliest: bool = False,
-    limit_s: float = READ_TIMEOUT,
 ) -> list[ConsumerRecord]:
     """The committed records of ``tp`` in ``[start, end)`` (a redo's, or those a partition
-    taken over is remembered by); ``from_earliest``: from the log's start if ``start`` is
-    below it (retention)."""
+    taken over is remembered by), as the runner reads them; ``from_earliest``: from the log's
+    start if ``start`` is below it (retention)."""
     config = {
         "enable.auto.commit": False,
         "isolation.level": "read_committed",
         "auto.offset.reset": "earliest" if from_earliest else "none",
-        "max.poll.records": 10_000,
+        "max.poll.records": ranges.MAX_RECORDS,
     }
-    out: list[ConsumerRecord] = []
     async with Consumer(client_config(bootstrap, config)) as c:
-        c.assign([tp])
-        c.seek(tp, start)
-        async with asyncio.timeout(limit_s):
-            while await c.position(tp) < end:
-                got = await c.getmany(tp, timeout_ms=200, max_records=10_000)
-                out += [x for x in got.get(tp, []) if x.offset < end]
-    return out
+        return await ranges.read_range(c, tp, start, end, limit_s=READ_TIMEOUT)
 
 
 def close(router: Router, timeout: float = 5.0) -> None:

@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from handlers.ranges import read_range
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from handlers.stats import ThrottledWrites
 from sdk import Consumer, Producer
@@ -364,16 +365,13 @@ class Scheduler:
         return Outcome(recs[len(ready)].offset, come_back)
 
     async def _read(self, bootstrap: str, tp: TopicPartition, start: int, end: int) -> list[Rec]:
-        """Records ``[start, end)`` of a lane that a redo needs and the batch lacks."""
-        out: list[Rec] = []
-        async with Consumer(client_config(bootstrap, {"enable.auto.commit": False})) as c:
-            c.assign([tp])
-            c.seek(tp, start)
-            async with asyncio.timeout(self.produce_timeout):
-                while not out or out[-1].offset < end - 1:
-                    got = await c.getmany(tp, timeout_ms=500, max_records=end - start)
-                    out += [Rec.from_consumer(r) for r in got.get(tp, []) if r.offset < end]
-        return out
+        """Records ``[start, end)`` of a lane that a redo needs and the batch lacks, read as
+        the runner reads them (``read_committed``: a delay an aborted transaction stored is
+        never forwarded, a redo's included)."""
+        config = {"enable.auto.commit": False, "isolation.level": "read_committed"}
+        async with Consumer(client_config(bootstrap, config)) as c:
+            got = await read_range(c, tp, start, end, limit_s=self.produce_timeout)
+        return [Rec.from_consumer(r) for r in got]
 
     async def _forward(
         self,

@@ -38,7 +38,6 @@ H_PARK = "strata.retry.park"
 """Only on a failure record of a parked record: not a failed attempt."""
 MAX_ERROR_BYTES = 1000
 H_ORDERING = "strata.retry.ordering"
-SEND_TIMEOUT = 15.0
 
 
 def retry_topic(group: str) -> str:

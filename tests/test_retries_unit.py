@@ -11,6 +11,7 @@ import pytest
 
 from broker_agents.groups.coordinator import add_crash
 from handlers import redrive
+from handlers.retry import Seen
 from sdk.crashes import NOTE_SPAN, CrashWatch
 from sdk.records import ConsumerRecord, TopicPartition
 from sdk.retry import DROP, H_DEAD, HAND_OUT, HOLD, PARK, KeyOrder, retry_topic
@@ -198,3 +199,11 @@ def test_crash_watch_takes_a_partitions_suspects_in_offset_order() -> None:
         assert watch.cap(tp, 37) is None
 
     asyncio.run(run())
+
+
+def test_the_routers_memory_of_failures_keeps_the_newest_up_to_its_size() -> None:
+    seen = Seen(3)
+    seen.extend({("a", 1, 0, False): None, ("b", 1, 0, False): None}, 2)
+    seen.extend({("c", 1, 0, False): None, ("d", 1, 0, False): None}, 4)
+    assert list(seen.ids) == [("b", 1, 0, False), ("c", 1, 0, False), ("d", 1, 0, False)]
+    assert seen.end == 4

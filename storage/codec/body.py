@@ -486,7 +486,8 @@ def _non_decreasing(offsets: list[int]) -> bool:
 
 def check_small_body(buf: Any, start: int, lengths: Sequence[int], n: int) -> SmallLists | None:
     """``check_flat_body`` for an uncompressed body with tags or headers, when it has at most
-    ``summary.SMALL`` records and ``summary.SMALL`` tags and header pairs in all: what ``decode_body(..., validate=True)`` proves (list
+    ``summary.SMALL`` records and ``summary.SMALL`` tags and header pairs in all
+    (``summary.counted_one_by_one``): what ``decode_body(..., validate=True)`` proves (list
     and string offsets within bounds and never decreasing, header keys and tags UTF-8), in
     plain Python, and the lists the summary is checked against. Arrow's arrays and the
     columnar count cost ~150 us a batch before any record is looked at: what a one-record
