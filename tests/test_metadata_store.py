@@ -132,3 +132,47 @@ def test_topic_specs_reads_every_topic_and_leaves_out_one_that_does_not_parse(
             await zk.stop()
 
     asyncio.run(run())
+
+
+def test_an_offsets_commit_to_a_topic_node_that_exists_is_one_zookeeper_request(
+    zk_chroot: ZooKeeperChroot,
+) -> None:
+    """A group's first commit for a topic creates the offsets node (and its parent); every
+    later commit is the compare-and-set transaction alone, with no look at the parent first
+    (it was a second round trip per commit flush). A write that expects a node which is gone
+    (the group was deleted meanwhile) still fails instead of creating it."""
+    from storage.errors import MetadataError
+    from storage.metadata.groups import CommittedOffset, GroupStore, TopicCommits
+
+    async def run() -> None:
+        zk = AsyncZooKeeper(zk_chroot.connect_string)
+        await zk.start()
+        calls: list[str] = []
+        for name in ("exists", "ensure_path", "transaction", "get", "create", "set"):
+            real = getattr(zk, name)
+
+            def counted(*args: object, _real=real, _name=name, **kwargs: object) -> object:
+                calls.append(_name)
+                return _real(*args, **kwargs)
+
+            setattr(zk, name, counted)
+        try:
+            store = GroupStore(zk)
+            first = TopicCommits("id-1", {0: CommittedOffset(5, None, 1)})
+            versions = await store.write_offsets("g", {"t": (first, -1)})
+            assert versions == {"t": 0}
+            assert "ensure_path" in calls  # the parent made on the first create
+            calls.clear()
+            later = TopicCommits("id-1", {0: CommittedOffset(9, "m", 2)})
+            assert await store.write_offsets("g", {"t": (later, 0)}) == {"t": 1}
+            assert calls == ["transaction"]
+            calls.clear()
+            assert await store.get_offsets("g", "t") == (later, 1)
+            await zk.delete("/groups/g", recursive=True)
+            with pytest.raises(MetadataError):
+                await store.write_offsets("g", {"t": (later, 1)})
+            assert await store.get_offsets("g", "t") == (TopicCommits("", {}), -1)
+        finally:
+            await zk.stop()
+
+    asyncio.run(run())

@@ -403,7 +403,13 @@ class GroupStore:
         znode's under the key ``""``)."""
         if state_version is not None and state_version < 0:
             state_version = None
-        if await self.zk.exists(offsets_root(group_id)) is None:
+        # the parents of a new node (a topic's, once per group and topic, or the group's
+        # transactional offsets): a write to nodes that exist is the transaction alone (one
+        # round trip per commit flush, not two)
+        creates = any(version < 0 for _, version in writes.values()) or (
+            txn is not None and txn[1] < 0
+        )
+        if creates and await self.zk.exists(offsets_root(group_id)) is None:
             await self.zk.ensure_path(offsets_root(group_id))
 
         def build(tx: Any) -> None:
