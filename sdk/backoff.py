@@ -25,10 +25,13 @@ class ExponentialBackoff:
         self.base = base_ms / 1000
         self.maximum = max(base_ms, maximum_ms) / 1000
         self.jitter = jitter
-        self._rng = rng or random.Random()
+        # the random module's own generator unless one is given: seeding a new ``Random``
+        # reads the OS's entropy, and backoffs are made often (one per exactly-once send);
+        # the module's is reseeded in a forked child, so children do not jitter alike
+        self._random = rng.random if rng is not None else random.random
 
     def __call__(self, attempt: int) -> float:
         term = min(self.maximum, self.base * (2 ** min(attempt, 62)))
         if self.jitter:
-            term *= 1 - self.jitter + self._rng.random() * 2 * self.jitter
+            term *= 1 - self.jitter + self._random() * 2 * self.jitter
         return float(term)
