@@ -3,11 +3,14 @@
 Per connection, a reader task takes frames off the socket (``storage.protocol.sockio``: the
 body of a large frame is received straight into its own buffer; a size over
 ``max_frame_bytes`` or a negative size closes the connection, since the stream can no longer
-be trusted) and starts one handler task per request, in order. A writer task
-awaits those tasks in the same order and writes each response, so responses match request
-order whatever finishes first (pipelining), while slow requests (a long poll, an fsync wait)
-do not hold up the reading of the next ones. At most ``max_in_flight`` requests per connection
-are in progress; beyond it the reader stops reading (TCP backpressure).
+be trusted) and starts one handler task per request, in order. Whole small frames that
+arrive while the reader waits for the next one are taken on the protocol side, as the reader
+would take them, without waking it (a loop turn less per request). Answers go out in request
+order whatever finishes first (pipelining, ``_Answers``): the handler whose answer is the
+oldest writes it, and those behind it that are ready, in its own step; slow requests (a long
+poll, an fsync wait) do not hold up the reading of the next ones. At most ``max_in_flight``
+requests per connection are in progress; beyond it the reader stops reading (TCP
+backpressure).
 
 Request memory is bounded without letting a few slow or hostile peers starve the rest
 (``ByteBudget``):
@@ -37,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import logging
 import socket
 import ssl
@@ -229,18 +231,11 @@ class ByteBudget:
     async def acquire(self, n: int, *, small: bool = False) -> int:
         """Take ``n`` bytes (at most the capacity, so one huge frame cannot wait forever),
         waiting while they are spent; returns what was taken, for ``release``."""
+        taken = self.try_take(n, small=small)
+        if taken is not None:
+            return taken
         n = min(n, self.capacity)
-        limit, queue = (
-            (self.capacity + self.reserve, self._small)
-            if small
-            else (
-                self.capacity,
-                self._waiters,
-            )
-        )
-        if not queue and self.used + n <= limit:
-            self._take(n)
-            return n
+        queue = self._small if small else self._waiters
         fut = asyncio.get_running_loop().create_future()
         queue.append((n, fut))
         try:
@@ -249,6 +244,18 @@ class ByteBudget:
             if fut.done() and not fut.cancelled():
                 self.release(n)  # granted as we were cancelled: give it back
             raise
+        return n
+
+    def try_take(self, n: int, *, small: bool = False) -> int | None:
+        """``acquire`` if it would not wait: the bytes taken, or None (nothing taken)."""
+        n = min(n, self.capacity)
+        if small:
+            limit, queue = self.capacity + self.reserve, self._small
+        else:
+            limit, queue = self.capacity, self._waiters
+        if queue or self.used + n > limit:
+            return None
+        self._take(n)
         return n
 
     def release(self, n: int) -> None:
@@ -310,6 +317,16 @@ class _Charge:
         self.held += own
         return own
 
+    def try_small(self, n: int) -> int | None:
+        """``small`` without waiting: the bytes held for the frame, or None (nothing held)."""
+        own = self.own.try_take(n, small=True)
+        if own is None:
+            return None
+        if self.shared.try_take(own, small=True) is None:
+            self.own.release(own)
+            return None
+        return own
+
     def take_frame(self) -> int:
         """What the frame just read holds (handed to its handler, released when it ends)."""
         held, self.held = self.held, 0
@@ -318,6 +335,138 @@ class _Charge:
     def release(self, n: int) -> None:
         self.shared.release(n)
         self.own.release(n)
+
+
+_PENDING = object()
+
+
+class _Slot:
+    """One request in flight: its answer once its handler is done, what its frame holds of
+    the budgets until then, and its handler task (kept referenced here while it runs)."""
+
+    __slots__ = ("answer", "held", "task")
+
+    def __init__(self, held: int) -> None:
+        self.answer: Any = _PENDING
+        self.held = held
+        self.task: asyncio.Future[None] | None = None
+
+
+class _Answers:
+    """A connection's requests in flight, answered in request order (pipelining).
+
+    A handler that finishes puts its answer in its slot and, when that slot is the oldest,
+    writes it, and the ready answers behind it, in its own step: no writer task to wake, so
+    an answer leaves in the loop turn its handler ended in. A send the socket does not take
+    at once goes on in a task of its own, and the answers behind it wait for it."""
+
+    def __init__(
+        self,
+        stream: FrameStream,
+        activity: _Activity,
+        charge: _Charge,
+        capacity: int,
+        observer: ServerObserver | None,
+    ) -> None:
+        self.stream = stream
+        self.activity = activity
+        self.charge = charge
+        self.capacity = capacity
+        self.observer = observer
+        self.slots: collections.deque[_Slot] = collections.deque()
+        self._sending: asyncio.Task[None] | None = None
+        self._room: asyncio.Future[None] | None = None  # the reader, waiting for room
+        self._idle: asyncio.Future[None] | None = None  # the close, waiting for the last
+
+    def full(self) -> bool:
+        return len(self.slots) >= self.capacity
+
+    async def room(self) -> None:
+        """Wait until fewer than ``capacity`` requests are in flight (TCP backpressure)."""
+        while self.full():
+            self._room = asyncio.get_running_loop().create_future()
+            try:
+                await self._room
+            finally:
+                self._room = None
+
+    def add(self, held: int) -> _Slot:
+        slot = _Slot(held)
+        self.slots.append(slot)
+        return slot
+
+    def done(self, slot: _Slot, answer: Any) -> None:
+        slot.answer = answer
+        if slot.held:
+            self.charge.release(slot.held)
+            slot.held = 0
+        self.pump()
+
+    def pump(self) -> None:
+        while self._sending is None and self.slots and self.slots[0].answer is not _PENDING:
+            answer = self.slots.popleft().answer
+            if self._room is not None and not self._room.done():
+                self._room.set_result(None)
+            self._write(answer)
+        if self._idle is not None and not self._idle.done() and not self.busy:
+            self._idle.set_result(None)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.slots) or self._sending is not None
+
+    async def idle(self) -> None:
+        """Wait until every request read so far is answered and its answer written."""
+        if self.busy:
+            self._idle = asyncio.get_running_loop().create_future()
+            await self._idle
+
+    def _write(self, parts: Any) -> None:
+        activity = self.activity
+        if isinstance(parts, Throttled):  # answered now; the reader waits it out
+            until = asyncio.get_running_loop().time() + parts.wait
+            activity.muted_until = max(activity.muted_until, until)
+            parts = _NO_RESPONSE if parts.parts is None else parts.parts
+        close = isinstance(parts, _CloseAfter)
+        if close:
+            parts = parts.parts
+        if parts is None or parts is _NO_RESPONSE or not activity.writable:
+            return
+        try:
+            total, rest = self.stream.send_now(parts)
+        except OSError:  # ConnectionError included: the client is gone
+            activity.writable = False
+            return
+        if rest is None:
+            self._sent(total, close)
+        else:
+            self._sending = asyncio.ensure_future(self._send_rest(rest, total, close))
+
+    async def _send_rest(self, rest: list[Any], total: int, close: bool) -> None:
+        """The rest of an answer the socket did not take at once. A client that takes none
+        of it for ``idle_timeout`` is disconnected (``AgentServer._watch_idle``)."""
+        activity = self.activity
+        activity.writing = asyncio.get_running_loop().time()
+        try:
+            await self.stream.send(rest)
+        except OSError:
+            activity.writable = False
+        else:
+            self._sent(total, close)
+        finally:
+            activity.writing = None
+            self._sending = None
+            self.pump()
+
+    def _sent(self, total: int, close: bool) -> None:
+        if not self.activity.writable:
+            return  # cut off while this answer waited
+        if self.observer is not None:
+            self.observer.bytes_out(total)
+        if close:
+            self.activity.writable = False
+            assert self.stream.transport is not None
+            self.stream.transport.close()  # the reader sees the end of the stream
 
 
 class AgentServer:
@@ -459,7 +608,10 @@ class AgentServer:
             self.give_back_memory()
 
     async def _on_connection(self, stream: FrameStream, peer: Any) -> None:
-        queue: asyncio.Queue[asyncio.Future[Any] | None] = asyncio.Queue(self.max_in_flight)
+        charge = _Charge(
+            self.budget,
+            ByteBudget(self.per_connection_bytes, reserve=self.budget.reserve),
+        )
         activity = _Activity()
         assert stream.transport is not None
         session = (
@@ -470,26 +622,22 @@ class AgentServer:
             )
         )
         activity.session = session
-        writer_task = asyncio.create_task(
-            self._write_responses(queue, stream, activity), name=f"conn-writer:{peer}"
-        )
+        answers = _Answers(stream, activity, charge, self.max_in_flight, self.observer)
         watchdog = asyncio.create_task(
             self._watch_idle(stream, peer, activity), name=f"conn-idle:{peer}"
         )
         try:
-            await self._read_requests(stream, queue, activity)
+            await self._read_requests(stream, answers, activity, charge)
         except (MalformedFrameError, UnsupportedVersionError) as exc:
             log.warning("closing connection from %s: %s", peer, exc)
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError):
             pass
         finally:
+            stream.on_frames = None
             watchdog.cancel()
-            with contextlib.suppress(asyncio.QueueFull):
-                queue.put_nowait(None)
-            if queue.full():
-                writer_task.cancel()
-            with contextlib.suppress(Exception, asyncio.CancelledError):
-                await writer_task
+            if not answers.full():  # the answers to what was read are still written
+                with contextlib.suppress(Exception, asyncio.CancelledError):
+                    await answers.idle()
             assert stream.transport is not None
             stream.transport.close()
 
@@ -512,7 +660,7 @@ class AgentServer:
                     peer,
                     self.idle_timeout,
                 )
-                activity.writable = False  # the writer drains its queue without writing
+                activity.writable = False  # the answers still due are dropped, not written
                 stream.transport.abort()
                 return
             session = activity.session
@@ -535,13 +683,40 @@ class AgentServer:
                 return
 
     async def _read_requests(
-        self, frames: FrameStream, queue: asyncio.Queue[Any], activity: _Activity
+        self,
+        frames: FrameStream,
+        answers: _Answers,
+        activity: _Activity,
+        charge: _Charge,
     ) -> None:
         loop = asyncio.get_running_loop()
-        charge = _Charge(
-            self.budget,
-            ByteBudget(self.per_connection_bytes, reserve=self.budget.reserve),
-        )
+
+        def take(size: int, frame: bytes) -> bool:
+            """A whole small frame that arrived while this task waits for the next size,
+            taken on the protocol side (``FrameStream.on_frames``) as below, without waking
+            this task first: a loop turn less per request. Anything that would wait or fail
+            (a full queue, a quota, the budget, a frame that does not parse) is left to the
+            loop below, which finds the frame where it was."""
+            if answers.full() or activity.muted_until > loop.time():
+                return False
+            try:
+                request = self.codec.parse(frame)
+            except Exception:
+                return False
+            held = charge.try_small(size)
+            if held is None:
+                return False
+            if self.observer is not None:
+                self.observer.bytes_in(4 + size)
+            self._start(request, activity.session, answers, held)
+            activity.reading = loop.time()  # waiting for the next frame from now
+            return True
+
+        def take_frames() -> None:
+            while frames.take_frame(take):
+                pass
+
+        frames.on_frames = take_frames
 
         async def grant(n: int) -> int:
             """Room for ``n`` more bytes; time spent waiting for it is not the peer's."""
@@ -560,9 +735,8 @@ class AgentServer:
                 answer = await self._too_large(frames, exc.size, activity)
                 if answer is None:
                     raise
-                done: asyncio.Future[Any] = loop.create_future()
-                done.set_result(answer)
-                await queue.put(done)
+                await answers.room()
+                answers.done(answers.add(0), answer)
                 continue
             activity.reading = None
             if activity.muted_until > loop.time():
@@ -581,10 +755,13 @@ class AgentServer:
                 charge.release(charge.take_frame())
                 raise
             del frame
-            handler = asyncio.ensure_future(self._handle(request, activity.session))
-            # released when the handler is done, even if cancelled before it ever ran
-            handler.add_done_callback(functools.partial(self._release, charge, charge.take_frame()))
-            await queue.put(handler)
+            held = charge.take_frame()
+            try:
+                await answers.room()
+            except BaseException:
+                charge.release(held)
+                raise
+            self._start(request, activity.session, answers, held)
 
     async def _too_large(
         self, frames: FrameStream, size: int, activity: _Activity
@@ -600,9 +777,22 @@ class AgentServer:
         log.warning("skipped a frame of %d bytes (over %d)", size, self.max_frame_bytes)
         return self.codec.too_large(head, size)
 
-    @staticmethod
-    def _release(charge: _Charge, held: int, _handler: asyncio.Future[Any]) -> None:
-        charge.release(held)
+    def _start(self, request: Any, session: Session | None, answers: _Answers, held: int) -> None:
+        slot = answers.add(held)
+        slot.task = asyncio.ensure_future(self._answer(request, session, answers, slot))
+
+    async def _answer(
+        self, request: Any, session: Session | None, answers: _Answers, slot: _Slot
+    ) -> None:
+        """Handle one request and answer it in order (``_Answers``)."""
+        answer: Any = _NO_RESPONSE
+        try:
+            answer = await self._handle(request, session)
+        except Exception:  # a bug outside the handlers (they answer their own errors)
+            log.exception("request %s failed", getattr(request, "api_key", "?"))
+        finally:
+            slot.task = None
+            answers.done(slot, answer)
 
     async def _handle(self, request: Any, session: Session | None) -> Any:
         if self.observer is None:
@@ -631,38 +821,3 @@ class AgentServer:
             answer = await self.codec.handle(request, session)
             return _CloseAfter(answer) if session.failed else answer
         return await self.codec.handle(request, session)
-
-    async def _write_responses(
-        self, queue: asyncio.Queue[Any], stream: FrameStream, activity: _Activity
-    ) -> None:
-        """Write each answer in request order. A client that takes none of an answer for
-        ``idle_timeout`` is disconnected (by ``_watch_idle``); the queue is still drained, so
-        the reader, which then sees the connection closed, is never left waiting for room in
-        it."""
-        loop = asyncio.get_running_loop()
-        while (fut := await queue.get()) is not None:
-            parts = await fut
-            if isinstance(parts, Throttled):  # answered now; the reader waits it out
-                activity.muted_until = max(activity.muted_until, loop.time() + parts.wait)
-                parts = _NO_RESPONSE if parts.parts is None else parts.parts
-            close = isinstance(parts, _CloseAfter)
-            if close:
-                parts = parts.parts
-            if parts is None or parts is _NO_RESPONSE or not activity.writable:
-                continue
-            activity.writing = loop.time()
-            try:
-                sent = await stream.send(parts)
-            except OSError:  # ConnectionError included: the client is gone
-                activity.writable = False
-                continue
-            finally:
-                activity.writing = None
-            if not activity.writable:
-                continue  # cut off while this answer waited
-            if self.observer is not None:
-                self.observer.bytes_out(sent)
-            if close:
-                activity.writable = False
-                assert stream.transport is not None
-                stream.transport.close()  # the reader sees the end of the stream

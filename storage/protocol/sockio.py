@@ -91,6 +91,11 @@ class FrameStream(asyncio.BufferedProtocol):
         self._error: BaseException | None = None
         self._writable = asyncio.Event()
         self._writable.set()
+        self._awaiting_size = False  # the reader waits in ``read_size`` for a frame's size
+        #: called on the protocol side when bytes arrive while the reader waits for a frame's
+        #: size: it may take whole small frames itself (``take_frame``), and the reader is
+        #: woken only for what is left (see ``take_frame``)
+        self.on_frames: Callable[[], None] | None = None
 
     # ---- protocol side ---------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -126,6 +131,11 @@ class FrameStream(asyncio.BufferedProtocol):
                 self.transport.pause_reading()
         else:
             self._end += nbytes
+            if self.on_frames is not None and self._reader_waits_for_size():
+                self.on_frames()
+                if self._start == self._end:
+                    self._start = self._end = 0
+                    return  # every frame taken: the reader waits on, not woken for nothing
             if self._end == len(self._stage) and not self._start and not self._paused:
                 self._paused = True  # full and unread: stop taking bytes off the socket
                 assert self.transport is not None
@@ -150,6 +160,31 @@ class FrameStream(asyncio.BufferedProtocol):
             # full collection. The transport is done; drop the cycle so refcounting frees it.
             for name in ("_read_ready_cb", "_write_ready"):
                 vars(self.transport).pop(name, None)
+
+    def _reader_waits_for_size(self) -> bool:
+        waiter = self._waiter
+        return self._awaiting_size and waiter is not None and not waiter.done()
+
+    def take_frame(self, take: Callable[[int, bytes], bool]) -> bool:
+        """Protocol side, from ``on_frames`` (the reader is suspended in ``read_size``): hand
+        the next frame to ``take(size, frame)`` if it is small and wholly staged, and consume
+        it if ``take`` returns True. Otherwise (part of a frame, a large frame, a size the
+        reader refuses, or ``take`` declines) nothing is consumed: the reader finds the bytes
+        as if this had not been called, and deals with them (waits, errors, budgets)."""
+        have = self._end - self._start
+        if have < 4:
+            return False
+        try:
+            size = self.size_reader(self._view[self._start : self._start + 4], self.max_frame)
+        except Exception:  # the reader raises it in its own time
+            return False
+        if not self.is_small(size) or have < 4 + size:
+            return False
+        first = self._start + 4
+        if not take(size, bytes(self._view[first : first + size])):
+            return False
+        self._start = first + size
+        return True
 
     def _wake(self) -> None:
         if self._waiter is not None and not self._waiter.done():
@@ -208,6 +243,28 @@ class FrameStream(asyncio.BufferedProtocol):
         await self._writable.wait()
         return total
 
+    def send_now(self, parts: list[Any]) -> tuple[int, list[memoryview] | None]:
+        """``send`` as far as it goes without waiting: ``(bytes, None)`` when the transport
+        took everything and takes more; otherwise ``(bytes, rest)``, and ``send(rest)``
+        finishes it (``rest`` may be empty: only the wait for the transport to drain is
+        left). On a closing transport nothing is sent (``(bytes, None)``)."""
+        assert self.transport is not None
+        views = [v for v in (memoryview(p).cast("B") for p in parts) if len(v)]
+        total = sum(len(v) for v in views)
+        if self.transport.is_closing():
+            return total, None
+        if not self._writable.is_set():
+            return total, views
+        if self.tls:
+            if total > TRANSPORT_CHUNK:
+                return total, views
+            self.transport.writelines(views)
+            return total, None if self._writable.is_set() else []
+        if self.transport.get_write_buffer_size():
+            return total, views
+        i = self._send_direct(views, 0)
+        return total, None if i >= len(views) else views[i:]
+
     def _send_direct(self, views: list[memoryview], i: int) -> int:
         """``sendmsg`` from ``views[i]`` on while the kernel takes everything offered; returns
         the index of the first buffer not (wholly) sent (``views[i]`` trimmed to its rest)."""
@@ -253,7 +310,11 @@ class FrameStream(asyncio.BufferedProtocol):
 
     async def read_size(self) -> int:
         """The next frame's size (its 4-byte prefix read and checked against ``max_frame``)."""
-        await self._staged(4)
+        self._awaiting_size = True
+        try:
+            await self._staged(4)
+        finally:
+            self._awaiting_size = False
         size = self.size_reader(self._view[self._start : self._start + 4], self.max_frame)
         self._start += 4
         return size
