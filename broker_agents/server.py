@@ -432,6 +432,9 @@ class _Answers:
             parts = parts.parts
         if parts is None or parts is _NO_RESPONSE or not activity.writable:
             return
+        assert self.stream.transport is not None
+        if self.stream.transport.is_closing():  # a handler that ended after the connection
+            return
         try:
             total, rest = self.stream.send_now(parts)
         except OSError:  # ConnectionError included: the client is gone

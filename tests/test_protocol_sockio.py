@@ -305,3 +305,77 @@ def test_agent_server_closes_idle_connections_and_keeps_busy_ones() -> None:
             await server.stop()
 
     asyncio.run(run())
+
+
+def test_agent_server_answers_pipelined_requests_in_order_and_gives_their_bytes_back() -> None:
+    """Requests sent back to back in one write (each whole frame taken as it arrives, without
+    the reader) and one by one: answers come in request order whichever handler finishes
+    first, a held request holds the ones behind it without losing them, at most
+    ``max_in_flight`` are in progress at once, and every request's bytes return to the
+    shared budget once it is answered."""
+    release = asyncio.Event()
+    holding = asyncio.Event()
+    running: list[int] = []
+    peak = 0
+
+    async def answer_after(req: m.MetadataRequest) -> Any:
+        nonlocal peak
+        running.append(1)
+        peak = max(peak, len(running))
+        try:
+            if req.topics == ["hold"]:
+                holding.set()
+                await release.wait()
+            return m.MetadataResponse([], 0, [])
+        finally:
+            running.pop()
+
+    async def versions(_: object) -> Any:
+        return m.ApiVersionsResponse(0, [])
+
+    async def run() -> None:
+        server = AgentServer(
+            SimpleNamespace(
+                handlers={m.ApiKey.API_VERSIONS: versions, m.ApiKey.METADATA: answer_after}
+            ),
+            max_frame_bytes=1 << 20,
+            max_in_flight=8,
+        )
+        host, port = await server.start("127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(host, port)
+
+        def request(cid: int) -> bytes:
+            if cid == 3:
+                body: Any = m.MetadataRequest(["hold"])
+                api = m.ApiKey.METADATA
+            elif cid % 2:
+                body, api = m.MetadataRequest([f"t{cid}"]), m.ApiKey.METADATA
+            else:
+                body, api = m.ApiVersionsRequest(), m.ApiKey.API_VERSIONS
+            return b"".join(encode_request(api, cid, "c", body))
+
+        async def answers(n: int) -> list[int]:
+            got = []
+            for _ in range(n):
+                size = struct.unpack("<i", await reader.readexactly(4))[0]
+                got.append(struct.unpack("<i", (await reader.readexactly(size))[:4])[0])
+            return got
+
+        try:
+            writer.write(b"".join(request(cid) for cid in range(1, 31)))  # one write, 30 frames
+            async with asyncio.timeout(10):
+                assert await answers(2) == [1, 2]
+                await holding.wait()  # request 3 held, those behind it waiting
+                assert server.budget.used > 0  # its frame's bytes, until it is answered
+                release.set()
+                assert await answers(28) == list(range(3, 31))
+                for cid in range(31, 41):  # one at a time
+                    writer.write(request(cid))
+                    assert await answers(1) == [cid]
+            assert peak <= 8
+            assert server.budget.used == 0
+        finally:
+            writer.close()
+            await server.stop()
+
+    asyncio.run(run())
