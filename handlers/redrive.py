@@ -188,7 +188,9 @@ class Worker:
         clients = self._clients.get(bootstrap)
         if clients is None:
             producer = Producer(client_config(bootstrap, {"acks": "all"}))
-            consumer = Consumer(client_config(bootstrap, {"enable.auto.commit": False}))
+            # chunks are read by offset; what retention took of one is gone (read_range)
+            config = {"enable.auto.commit": False, "auto.offset.reset": "earliest"}
+            consumer = Consumer(client_config(bootstrap, config))
             await producer.start()
             await consumer.start()
             clients = self._clients[bootstrap] = (producer, consumer)

@@ -334,7 +334,7 @@ class Router:
         seen = Seen(self.window)
         if at > 0:
             start = max(0, at - self.window)
-            for rec in await read_range(bootstrap, tp, start, at, from_earliest=True):
+            for rec in await read_range(bootstrap, tp, start, at, warn_lost=False):
                 if (failure := Failure.of(rec)) is not None:
                     seen.ids[failure.identity] = None
         seen.end = at
@@ -480,19 +480,19 @@ async def read_range(
     start: int,
     end: int,
     *,
-    from_earliest: bool = False,
+    warn_lost: bool = True,
 ) -> list[ConsumerRecord]:
     """The committed records of ``tp`` in ``[start, end)`` (a redo's, or those a partition
-    taken over is remembered by), as the runner reads them; ``from_earliest``: from the log's
-    start if ``start`` is below it (retention)."""
+    taken over is remembered by), as the runner reads them; what retention deleted of the
+    range is gone (``handlers.ranges.read_range``)."""
     config = {
         "enable.auto.commit": False,
         "isolation.level": "read_committed",
-        "auto.offset.reset": "earliest" if from_earliest else "none",
+        "auto.offset.reset": "earliest",
         "max.poll.records": ranges.MAX_RECORDS,
     }
     async with Consumer(client_config(bootstrap, config)) as c:
-        return await ranges.read_range(c, tp, start, end, limit_s=READ_TIMEOUT)
+        return await ranges.read_range(c, tp, start, end, limit_s=READ_TIMEOUT, warn_lost=warn_lost)
 
 
 def close(router: Router, timeout: float = 5.0) -> None:

@@ -368,7 +368,11 @@ class Scheduler:
         """Records ``[start, end)`` of a lane that a redo needs and the batch lacks, read as
         the runner reads them (``read_committed``: a delay an aborted transaction stored is
         never forwarded, a redo's included)."""
-        config = {"enable.auto.commit": False, "isolation.level": "read_committed"}
+        config = {
+            "enable.auto.commit": False,
+            "isolation.level": "read_committed",
+            "auto.offset.reset": "earliest",  # what retention took is gone (read_range)
+        }
         async with Consumer(client_config(bootstrap, config)) as c:
             got = await read_range(c, tp, start, end, limit_s=self.produce_timeout)
         return [Rec.from_consumer(r) for r in got]
