@@ -698,8 +698,8 @@ class AgentServer:
             """A whole small frame that arrived while this task waits for the next size,
             taken on the protocol side (``FrameStream.on_frames``) as below, without waking
             this task first: a loop turn less per request. Anything that would wait or fail
-            (a full queue, a quota, the budget, a frame that does not parse) is left to the
-            loop below, which finds the frame where it was."""
+            (``max_in_flight`` reached, a quota, the budget, a frame that does not parse) is
+            left to the loop below, which finds the frame where it was."""
             if answers.full() or activity.muted_until > loop.time():
                 return False
             try:
