@@ -449,3 +449,48 @@ def test_many_pipelining_producers_cannot_grow_the_agent_past_its_request_budget
     # and it still serves: a fresh produce to a partition it leads is answered
     result = _produce(leader, encode_batch([b"after the flood"]), led[0])
     assert result.error_code == 0
+
+
+def test_markers_for_one_partition_in_one_request_are_each_applied_and_answered(
+    agent: AgentHandle,
+) -> None:
+    """A WriteTxnMarkers request with several transactions' markers for one partition (a
+    coordinator sends what it has queued for an agent at once): they are applied in request
+    order, one wait for all, and each is answered on its own (a commit, an abort, and a late
+    marker of an older coordinator epoch refused as fenced); read_committed then hands out
+    the committed transaction's record and not the aborted one's."""
+    from handlers.ranges import read_range
+    from sdk import Consumer, TopicPartition
+    from storage.errors import TransactionCoordinatorFencedError
+
+    for pid, value in ((9001, b"kept"), (9002, b"dropped")):
+        batch = encode_batch(
+            [value], producer_id=pid, producer_epoch=0, base_sequence=0, transactional=True
+        )
+        assert _produce(agent, batch).error_code == 0
+    on_p0 = [m.TxnTopic(TOPIC, [0])]
+    request = m.WriteTxnMarkersRequest(
+        [
+            m.TxnMarker(9001, 0, 1, 5, on_p0, []),
+            m.TxnMarker(9002, 0, 0, 5, on_p0, []),
+            m.TxnMarker(9001, 0, 1, 4, on_p0, []),  # an older decision, come late
+        ]
+    )
+    resp = asyncio.run(
+        WireClient.call_once(agent.host, agent.port, m.ApiKey.WRITE_TXN_MARKERS, request)
+    )
+    assert [x.producer_id for x in resp.markers] == [9001, 9002, 9001]
+    codes = [x.topics[0].partitions[0].error_code for x in resp.markers]
+    assert codes == [0, 0, TransactionCoordinatorFencedError.code]
+
+    async def committed() -> list[bytes | None]:
+        config = {
+            "bootstrap.servers": f"{agent.host}:{agent.port}",
+            "isolation.level": "read_committed",
+        }
+        async with Consumer(config) as c:
+            tp = TopicPartition(TOPIC, 0)
+            end = (await c.end_offsets([tp]))[tp]
+            return [r.value for r in await read_range(c, tp, 0, end, limit_s=30)]
+
+    assert asyncio.run(committed()) == [b"kept"]

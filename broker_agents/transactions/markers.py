@@ -270,72 +270,106 @@ class MarkerWriter:
         self.markers_written = 0
 
     async def write_txn_markers(self, req: m.WriteTxnMarkersRequest) -> m.WriteTxnMarkersResponse:
-        results = await asyncio.gather(*(self._one(x) for x in req.markers))
-        return m.WriteTxnMarkersResponse(list(results))
-
-    async def _one(self, marker: m.TxnMarker) -> m.TxnMarkerResult:
-        topic_jobs = [
-            (
-                t.name,
-                [asyncio.ensure_future(self._partition(marker, t.name, p)) for p in t.partitions],
-            )
-            for t in marker.topics
+        # one job per partition: its markers appended in request order (transactions that
+        # ended together: a request holds every marker queued for this agent), then one wait
+        # for all of them to be replicated; group markers go to the group coordinator
+        wanted: dict[tuple[str, int], list[int]] = {}
+        for i, marker in enumerate(req.markers):
+            for t in marker.topics:
+                for p in t.partitions:
+                    wanted.setdefault((t.name, p), []).append(i)
+        jobs = {
+            key: asyncio.ensure_future(self._partition(key, [req.markers[i] for i in which]))
+            for key, which in wanted.items()
+        }
+        group_jobs = [
+            [(g, asyncio.ensure_future(self.groups(g, marker))) for g in marker.groups]
+            for marker in req.markers
         ]
-        group_jobs = [(g, asyncio.ensure_future(self.groups(g, marker))) for g in marker.groups]
-        topics = []
-        for name, jobs in topic_jobs:
-            codes = [await j for j in jobs]
-            parts = next(t.partitions for t in marker.topics if t.name == name)
-            topics.append(
+        code: dict[tuple[int, str, int], int] = {}
+        for key, job in jobs.items():
+            for i, c in zip(wanted[key], await job, strict=True):
+                code[(i, *key)] = c
+        results = []
+        for i, marker in enumerate(req.markers):
+            topics = [
                 m.TxnTopicResult(
-                    name, [m.TxnPartitionResult(p, c) for p, c in zip(parts, codes, strict=True)]
+                    t.name, [m.TxnPartitionResult(p, code[(i, t.name, p)]) for p in t.partitions]
                 )
-            )
-        groups = [m.TxnGroupResult(g, await j) for g, j in group_jobs]
-        return m.TxnMarkerResult(marker.producer_id, topics, groups)
+                for t in marker.topics
+            ]
+            groups = [m.TxnGroupResult(g, await j) for g, j in group_jobs[i]]
+            results.append(m.TxnMarkerResult(marker.producer_id, topics, groups))
+        return m.WriteTxnMarkersResponse(results)
 
-    async def _partition(self, marker: m.TxnMarker, topic: str, index: int) -> int:
+    async def _partition(self, key: tuple[str, int], markers: list[m.TxnMarker]) -> list[int]:
+        """Append ``markers`` to the partition ``key`` (which this agent must lead) and wait
+        until they are replicated: each marker's error code."""
+        topic, index = key
         try:
             p = self.pm.leader_for_write(topic, index)
-            pid = marker.producer_id
-            token = p.log.transactions.tokens.get(pid, -1)
-            if token > marker.coordinator_epoch:
-                raise TransactionCoordinatorFencedError(
-                    f"{topic}-{index} applied producer {pid}'s decision {token} already,"
-                    f" newer than {marker.coordinator_epoch}"
-                )
-            if token == marker.coordinator_epoch:  # a retry: answer once it is replicated
-                await self._replicated(p, p.log.log_end_offset)
-                return 0
-            known = p.log.producers.epoch_of(pid)
-            if known is not None and marker.producer_epoch < known:
-                raise InvalidProducerEpochError(
-                    f"{topic}-{index} has seen epoch {known} of producer {pid}, the marker is"
-                    f" for epoch {marker.producer_epoch}"
-                )
-            commit = bool(marker.committed)
-            batch = encode_marker(
-                pid,
-                marker.producer_epoch,
-                commit=commit,
-                coordinator_epoch=marker.coordinator_epoch,
-                timestamp_ms=self.clock_ms(),
-            )
-            info = p.log.append(
-                batch,
-                leader_epoch=p.state.leader_epoch,
-                deep_check=False,
-                marker=ControlMarker(commit, marker.coordinator_epoch),
-            )
-            self.markers_written += 1
+        except StrataError as exc:
+            return [exc.code] * len(markers)
+        codes: list[int] = []
+        end = -1
+        appended = False
+        for marker in markers:
+            try:
+                written, upto = self._append(p, marker, topic, index)
+            except StrataError as exc:
+                codes.append(exc.code)
+                continue
+            appended = appended or written
+            end = max(end, upto)
+            codes.append(0)
+        if appended:
             p.appended()
             p.advance_hw()
-            await self._replicated(p, info.last_offset + 1)
-            return 0
-        except StrataError as exc:
-            return exc.code
-        except TimeoutError:
-            return RequestTimedOutError.code
+        if end >= 0:
+            try:
+                await self._replicated(p, end)
+            except StrataError as exc:
+                codes = [c or exc.code for c in codes]
+            except TimeoutError:
+                codes = [c or RequestTimedOutError.code for c in codes]
+        return codes
+
+    def _append(
+        self, p: Partition, marker: m.TxnMarker, topic: str, index: int
+    ) -> tuple[bool, int]:
+        """Append one marker (unless the partition applied its decision already: a retry);
+        whether it was appended, and the offset to wait for."""
+        pid = marker.producer_id
+        token = p.log.transactions.tokens.get(pid, -1)
+        if token > marker.coordinator_epoch:
+            raise TransactionCoordinatorFencedError(
+                f"{topic}-{index} applied producer {pid}'s decision {token} already,"
+                f" newer than {marker.coordinator_epoch}"
+            )
+        if token == marker.coordinator_epoch:  # a retry: answer once it is replicated
+            return False, p.log.log_end_offset
+        known = p.log.producers.epoch_of(pid)
+        if known is not None and marker.producer_epoch < known:
+            raise InvalidProducerEpochError(
+                f"{topic}-{index} has seen epoch {known} of producer {pid}, the marker is"
+                f" for epoch {marker.producer_epoch}"
+            )
+        commit = bool(marker.committed)
+        batch = encode_marker(
+            pid,
+            marker.producer_epoch,
+            commit=commit,
+            coordinator_epoch=marker.coordinator_epoch,
+            timestamp_ms=self.clock_ms(),
+        )
+        info = p.log.append(
+            batch,
+            leader_epoch=p.state.leader_epoch,
+            deep_check=False,
+            marker=ControlMarker(commit, marker.coordinator_epoch),
+        )
+        self.markers_written += 1
+        return True, info.last_offset + 1
 
     def abort_orphan(self, p: Partition, producer_id: int, epoch: int, token: int) -> None:
         """Append an abort marker for a hanging transaction on ``p``, which this agent leads
