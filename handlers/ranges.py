@@ -9,6 +9,7 @@ import asyncio
 import logging
 
 from sdk import Consumer
+from sdk.config import client_config
 from sdk.records import ConsumerRecord, TopicPartition
 
 log = logging.getLogger(__name__)
@@ -60,3 +61,25 @@ async def read_range(
             got = await consumer.getmany(tp, timeout_ms=200, max_records=want)
             out += [x for x in got.get(tp, []) if start <= x.offset < end]
     return out
+
+
+async def read_committed_range(
+    bootstrap: str,
+    tp: TopicPartition,
+    start: int,
+    end: int,
+    *,
+    limit_s: float,
+    warn_lost: bool = True,
+) -> list[ConsumerRecord]:
+    """:func:`read_range` with a consumer of its own that reads as the event-source runner
+    feeding the scheduler and the router does (``read_committed``: what an aborted
+    transaction stored is never forwarded, a redo's included)."""
+    config = {
+        "enable.auto.commit": False,
+        "isolation.level": "read_committed",
+        "auto.offset.reset": "earliest",  # retention moving on while the range is read
+        "max.poll.records": MAX_RECORDS,
+    }
+    async with Consumer(client_config(bootstrap, config)) as c:
+        return await read_range(c, tp, start, end, limit_s=limit_s, warn_lost=warn_lost)

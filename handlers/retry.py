@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from handlers import ranges
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from handlers.stats import ThrottledWrites
-from sdk import Consumer, Producer
+from sdk import Producer
 from sdk import delays as d
 from sdk import retry as r
 from sdk.config import client_config
@@ -258,7 +258,9 @@ class Router:
             # the runner did not commit past the last forward: it may be incomplete, redo it
             chunk = [x for x in recs if intent.a <= x.offset < intent.b]
             if not chunk or chunk[0].offset != intent.a or recs[-1].offset < intent.b - 1:
-                chunk = await read_range(bootstrap, tp, intent.a, intent.b)
+                chunk = await ranges.read_committed_range(
+                    bootstrap, tp, intent.a, intent.b, limit_s=READ_TIMEOUT
+                )
             log.info("redo %s[%d] [%d, %d)", tp.topic, tp.partition, intent.a, intent.b)
             self.stats.redone += 1
             await self._forward(rs, producer, counts, bootstrap, tp, intent, chunk)
@@ -334,7 +336,10 @@ class Router:
         seen = Seen(self.window)
         if at > 0:
             start = max(0, at - self.window)
-            for rec in await read_range(bootstrap, tp, start, at, warn_lost=False):
+            got = await ranges.read_committed_range(
+                bootstrap, tp, start, at, limit_s=READ_TIMEOUT, warn_lost=False
+            )
+            for rec in got:
                 if (failure := Failure.of(rec)) is not None:
                     seen.ids[failure.identity] = None
         seen.end = at
@@ -472,27 +477,6 @@ def encode_outputs(outputs: list[Output], producer_id: int) -> bytes:
         base_sequence=0,
         summary=outputs[0].summary,  # (the destination decides: filters read no level)
     )
-
-
-async def read_range(
-    bootstrap: str,
-    tp: TopicPartition,
-    start: int,
-    end: int,
-    *,
-    warn_lost: bool = True,
-) -> list[ConsumerRecord]:
-    """The committed records of ``tp`` in ``[start, end)`` (a redo's, or those a partition
-    taken over is remembered by), as the runner reads them; what retention deleted of the
-    range is gone (``handlers.ranges.read_range``)."""
-    config = {
-        "enable.auto.commit": False,
-        "isolation.level": "read_committed",
-        "auto.offset.reset": "earliest",
-        "max.poll.records": ranges.MAX_RECORDS,
-    }
-    async with Consumer(client_config(bootstrap, config)) as c:
-        return await ranges.read_range(c, tp, start, end, limit_s=READ_TIMEOUT, warn_lost=warn_lost)
 
 
 def close(router: Router, timeout: float = 5.0) -> None:

@@ -38,10 +38,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from handlers.ranges import read_range
+from handlers.ranges import read_committed_range
 from handlers.runtime import NATIVE_RECORDS, Invocation, shared_runtime, takes_native_records
 from handlers.stats import ThrottledWrites
-from sdk import Consumer, Producer
+from sdk import Producer
 from sdk import delays as d
 from sdk.config import client_config
 from sdk.records import ConsumerRecord, TopicPartition
@@ -368,13 +368,7 @@ class Scheduler:
         """Records ``[start, end)`` of a lane that a redo needs and the batch lacks, read as
         the runner reads them (``read_committed``: a delay an aborted transaction stored is
         never forwarded, a redo's included)."""
-        config = {
-            "enable.auto.commit": False,
-            "isolation.level": "read_committed",
-            "auto.offset.reset": "earliest",  # what retention took is gone (read_range)
-        }
-        async with Consumer(client_config(bootstrap, config)) as c:
-            got = await read_range(c, tp, start, end, limit_s=self.produce_timeout)
+        got = await read_committed_range(bootstrap, tp, start, end, limit_s=self.produce_timeout)
         return [Rec.from_consumer(r) for r in got]
 
     async def _forward(

@@ -24,6 +24,7 @@ import pytest
 
 from handlers import retry as retry_handler
 from handlers.admin import handler as admin_handler
+from handlers.ranges import read_committed_range
 from handlers.retry import Router
 from handlers.runtime import NATIVE_RECORDS
 from infra import demo_retries
@@ -746,7 +747,9 @@ def test_a_router_routing_failure_records_again_stores_each_output_once(
         async with Producer({"bootstrap.servers": cluster.bootstrap, "acks": "all"}) as p:
             for f in failures:
                 await p.send(f.tp.topic, f.value, f.key, f.headers, f.tags, f.tp.partition)
-        got = await retry_handler.read_range(cluster.bootstrap, tp, start, start + len(failures))
+        got = await read_committed_range(
+            cluster.bootstrap, tp, start, start + len(failures), limit_s=30
+        )
         assert len(got) == len(failures)
         return got
 

@@ -354,37 +354,30 @@ class MarkerWriter:
                 f"{topic}-{index} has seen epoch {known} of producer {pid}, the marker is"
                 f" for epoch {marker.producer_epoch}"
             )
-        commit = bool(marker.committed)
+        end = self._write_marker(
+            p, pid, marker.producer_epoch, bool(marker.committed), marker.coordinator_epoch
+        )
+        return True, end
+
+    def _write_marker(self, p: Partition, pid: int, epoch: int, commit: bool, token: int) -> int:
+        """Append one marker to ``p``'s log; the offset after it."""
         batch = encode_marker(
-            pid,
-            marker.producer_epoch,
-            commit=commit,
-            coordinator_epoch=marker.coordinator_epoch,
-            timestamp_ms=self.clock_ms(),
+            pid, epoch, commit=commit, coordinator_epoch=token, timestamp_ms=self.clock_ms()
         )
         info = p.log.append(
             batch,
             leader_epoch=p.state.leader_epoch,
             deep_check=False,
-            marker=ControlMarker(commit, marker.coordinator_epoch),
+            marker=ControlMarker(commit, token),
         )
         self.markers_written += 1
-        return True, info.last_offset + 1
+        return info.last_offset + 1
 
     def abort_orphan(self, p: Partition, producer_id: int, epoch: int, token: int) -> None:
         """Append an abort marker for a hanging transaction on ``p``, which this agent leads
         (``orphans.OrphanSweeper`` decided no coordinator ends it). Replicated like any
         append; the high watermark moves once the ISR has it."""
-        batch = encode_marker(
-            producer_id, epoch, commit=False, coordinator_epoch=token, timestamp_ms=self.clock_ms()
-        )
-        p.log.append(
-            batch,
-            leader_epoch=p.state.leader_epoch,
-            deep_check=False,
-            marker=ControlMarker(False, token),
-        )
-        self.markers_written += 1
+        self._write_marker(p, producer_id, epoch, False, token)
         p.appended()
         p.advance_hw()
 

@@ -77,7 +77,6 @@ class RetryStore:
                 out[topic] = policy
         return out
 
-    # ---- statistics ----------------------------------------------------------------------
     # ---- the router's intents -------------------------------------------------------------
     async def read_forward(self, partition: int) -> tuple[Intent | None, int]:
         """The router's last forward of a failures partition, with the node's version (-1:
@@ -89,6 +88,7 @@ class RetryStore:
         (``VersionConflictError``: another process wrote since ``version``)."""
         return await write_intent(self.zk, f"{FORWARDS}/{partition}", a, b, now, version)
 
+    # ---- statistics ----------------------------------------------------------------------
     async def write_stats(self, name: str, stats: dict[str, Any]) -> None:
         await self._put(f"{STATS}/{name}", json.dumps(stats).encode())
 
